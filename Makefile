@@ -1,0 +1,36 @@
+# make test : install (into the active environment, or a fresh .venv) and run the test suite
+# make demo : install and run the main job (4-rank training comparison)
+#
+# Python: the active virtualenv if one is active, else .venv (created on first use).
+# torch: an already-installed torch is kept; otherwise torch==2.13.0 is installed first, which on
+# a machine without CUDA is the CPU build that lies on disk here (no multi-GB CUDA download).
+SHELL := /bin/bash
+ifdef VIRTUAL_ENV
+PY ?= $(VIRTUAL_ENV)/bin/python
+else
+PY ?= .venv/bin/python
+endif
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: install test demo bench clean
+
+$(PY):
+	python3 -m venv --system-site-packages .venv
+
+install: $(PY)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	@$(PY) -c "import torch, triton, oktopk_triton; print('oktopk-triton', oktopk_triton.__version__, '| torch', torch.__version__, '| triton', triton.__version__, '| cuda', torch.cuda.is_available())"
+
+test: install
+	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+
+demo: install
+	$(PY) -m oktopk_triton.cli demo
+
+bench: install
+	$(PY) -m oktopk_triton.cli kernels
+
+clean:
+	rm -rf .venv build *.egg-info .pytest_cache

@@ -1,0 +1,23 @@
+"""oktopk-triton: Ok-Topk sparse allreduce for distributed PyTorch training.
+
+    from oktopk_triton import SparseAllreduce
+    sar = SparseAllreduce(model.parameters(), density=0.01)   # algorithm="oktopk"
+    loss.backward(); sar.reduce_gradients(); opt.step()
+"""
+__version__ = "0.1.0"
+
+__all__ = ["SparseAllreduce", "LocalCluster", "TorchCommunicator", "NcclCommunicator",
+           "Communicator", "get_algorithm", "__version__"]
+
+
+def __getattr__(name):  # lazy: importing the package stays cheap and never needs cupy
+    if name == "SparseAllreduce":
+        from .module import SparseAllreduce
+        return SparseAllreduce
+    if name in ("LocalCluster", "TorchCommunicator", "NcclCommunicator", "Communicator"):
+        from . import comm
+        return getattr(comm, name)
+    if name == "get_algorithm":
+        from .algorithms import get_algorithm
+        return get_algorithm
+    raise AttributeError(f"module 'oktopk_triton' has no attribute {name!r}")

@@ -1,0 +1,226 @@
+"""The step contract every algorithm keeps (ALGORITHMS.md §1), written once.
+
+Error feedback, explained once: every rank keeps a ``residual``, the part of its past gradients
+that has not reached ``out`` yet. A step forms ``acc = residual + grad``, the algorithm decides
+what of ``acc`` each rank contributes, every rank receives the same dense ``out`` (the average
+of the contributions), and ``residual`` afterwards holds exactly what of ``acc`` is not in
+``out``. Hence the invariant the tests check on every step, for every algorithm and every P::
+
+    sum_p acc_p == P * out + sum_p residual_p'        (up to float rounding)
+
+:class:`Algorithm` does the parts common to all algorithms, so each subclass only implements
+:meth:`Algorithm.step`:
+
+* input checks with clear errors (length, dtype, device, contiguity); a numel that differs
+  across ranks is found at construction with one small allgather and raised on every rank;
+* the non-finite policy: with ``check_finite="skip"`` (default) each rank's "has NaN/Inf"
+  flag is summed over ranks with one 4-byte allreduce on the stream (no host read); the
+  subclass sees it as ``nonfinite`` and must then leave ``residual`` exactly as it was; ``out``
+  becomes NaN on every rank, so ``torch.amp.GradScaler`` skips the step. ``"raise"`` reads the
+  flag on the host (one sync) and raises on every rank. ``"off"`` skips the check;
+* low-precision outputs: ``out`` is computed in fp32 and returned in the gradient's dtype; the
+  rounding error times P is added to the residual, each rank taking its own 1/P slice of the
+  index space, so conservation holds exactly in the output's own precision too;
+* ``stats`` and ``state_dict``.
+"""
+from __future__ import annotations
+
+import abc
+from typing import Any, ClassVar, Dict, Optional
+
+import torch
+
+from ..comm.base import Communicator
+
+__all__ = ["Algorithm", "FLOAT_DTYPES"]
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_CHECK_FINITE = ("skip", "raise", "off")
+
+
+class Algorithm(abc.ABC):
+    """Base class: one sparse (or dense) allreduce with error feedback over a flat vector.
+
+    Subclasses set ``name``, list their options with defaults in ``OPTIONS`` and implement
+    :meth:`step`. Extra state that must survive ``state_dict`` (thresholds, regions, capacities)
+    is named in ``STATE`` (attribute names; tensors are cloned, other values copied).
+    """
+
+    name: ClassVar[str] = "base"
+    OPTIONS: ClassVar[Dict[str, Any]] = {}
+    STATE: ClassVar[tuple] = ()
+    sparse: ClassVar[bool] = True
+
+    def __init__(self, numel: int, comm: Communicator, density: float = 0.01, *,
+                 device: Optional[torch.device] = None, check_finite: str = "skip",
+                 **options: Any) -> None:
+        if not isinstance(numel, int) or numel < 1:
+            raise ValueError(f"numel must be a positive int, got {numel!r}")
+        if not isinstance(density, (int, float)) or not (0.0 < float(density) <= 1.0):
+            raise ValueError(f"density must be in (0, 1], got {density!r}")
+        if check_finite is True:
+            check_finite = "skip"
+        elif check_finite is False or check_finite is None:
+            check_finite = "off"
+        if check_finite not in _CHECK_FINITE:
+            raise ValueError(f"check_finite must be one of {_CHECK_FINITE}, got {check_finite!r}")
+        unknown = sorted(set(options) - set(self.OPTIONS))
+        if unknown:
+            raise TypeError(f"{self.name}: unknown option(s) {unknown}; "
+                            f"known options: {sorted(self.OPTIONS) or 'none'}")
+        self.opts = {**self.OPTIONS, **options}
+        self.numel = numel
+        self.comm = comm
+        self.P = comm.world_size
+        self.rank = comm.rank
+        self.device = torch.device(device) if device is not None else comm.device
+        self.density = float(density)
+        self.k = max(1, min(numel, int(round(self.density * numel))))
+        self.check_finite = check_finite
+        self.step_count = 0
+        self.stats: Dict[str, Any] = {}
+        self.residual = torch.zeros(numel, dtype=torch.float32, device=self.device)
+        self._check_numel_across_ranks()
+        # the rounding error of a low-precision `out` goes to this rank's slice of the residual
+        lo = numel * self.rank // self.P
+        hi = numel * (self.rank + 1) // self.P
+        self._own_slice = slice(lo, hi)
+
+    # -- construction-time agreement ---------------------------------------------------------
+    def _check_numel_across_ranks(self) -> None:
+        if self.P == 1:
+            return
+        mine = torch.tensor([self.numel], dtype=torch.int64, device=self.device)
+        everyone = torch.empty(self.P, dtype=torch.int64, device=self.device)
+        self.comm.allgather(everyone, mine)
+        sizes = everyone.tolist()  # construction time: a host read is fine here
+        if len(set(sizes)) != 1:
+            raise ValueError(f"{self.name}: gradient sizes differ across ranks: numel per rank = "
+                             f"{sizes} (this is rank {self.rank} with {self.numel}); every rank must "
+                             "reduce the same number of elements")
+
+    # -- the step ------------------------------------------------------------------------------
+    def check_input(self, grad: torch.Tensor) -> None:
+        if not isinstance(grad, torch.Tensor):
+            raise TypeError(f"{self.name}: expected a torch.Tensor gradient, got {type(grad).__name__}")
+        if grad.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{self.name}: gradient dtype must be one of float32, bfloat16, "
+                            f"float16; got {grad.dtype}")
+        if grad.numel() != self.numel:
+            raise ValueError(f"{self.name}: gradient has {grad.numel()} elements, expected "
+                             f"{self.numel} (the size this reducer was built for)")
+        if grad.device != self.device:
+            raise ValueError(f"{self.name}: gradient is on {grad.device}, expected {self.device}")
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        """Reduce ``grad`` (any shape with ``numel`` elements); returns ``out`` of the same shape,
+        dtype and device, bitwise identical on every rank."""
+        self.check_input(grad)
+        shape, dtype = grad.shape, grad.dtype
+        flat = grad.reshape(-1)
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        bytes_before = self.comm.bytes_sent
+
+        nonfinite = None
+        if self.check_finite != "off":
+            nonfinite = (~torch.isfinite(flat)).any().to(torch.int32).reshape(1)
+            if self.P > 1:
+                self.comm.allreduce(nonfinite)
+            nonfinite = nonfinite.reshape(())
+            if self.check_finite == "raise" and int(nonfinite.item()) > 0:
+                raise FloatingPointError(
+                    f"{self.name}: non-finite gradient (NaN or Inf) on {int(nonfinite.item())} of "
+                    f"{self.P} rank(s) at step {self.step_count}; residuals are unchanged")
+
+        out = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+        self.step(flat, out, nonfinite)
+        self.step_count += 1
+
+        if dtype != torch.float32:
+            out_lp = out.to(dtype)
+            s = self._own_slice
+            err = (out[s] - out_lp[s].float()) * self.P
+            if nonfinite is not None:
+                err = torch.where(nonfinite > 0, torch.zeros_like(err), err)
+            self.residual[s] += err
+            out = out_lp
+        if nonfinite is not None:
+            out = torch.where(nonfinite > 0, torch.full_like(out, float("nan")), out)
+        self.stats["bytes_sent"] = self.comm.bytes_sent - bytes_before
+        self.stats["nonfinite"] = nonfinite
+        return out.reshape(shape)
+
+    @abc.abstractmethod
+    def step(self, grad: torch.Tensor, out: torch.Tensor,
+             nonfinite: Optional[torch.Tensor]) -> None:
+        """One step of the algorithm.
+
+        Args:
+            grad: flat, contiguous, ``numel`` elements, fp32/bf16/fp16, on ``self.device``.
+                Read only.
+            out: fp32 zeros of ``numel``; fill it with the average over ranks of the
+                contributions. It must be bitwise identical on every rank.
+            nonfinite: ``None`` when the check is off, else a 0-dim int32 device tensor, the
+                number of ranks whose gradient holds a NaN/Inf (identical on every rank). When it
+                is > 0, ``self.residual`` must be left bit for bit as it was (decide on the
+                device with ``torch.where``; never read it on the host). Communication may still
+                happen: sizes are static.
+
+        Update ``self.residual`` in place (fp32) and set in ``self.stats`` at least
+        ``local_selected`` (entries this rank contributed), ``global_selected`` (nonzeros the step
+        put in ``out``) and ``overflow`` (entries that did not fit a fixed-capacity buffer and
+        stayed in a residual). Stats may be 0-dim device tensors: reading them is the caller's
+        choice (and a host sync on a GPU).
+        """
+
+    # -- helpers for subclasses ----------------------------------------------------------------
+    def accumulate(self, grad: torch.Tensor) -> torch.Tensor:
+        """``acc = residual + grad`` in fp32, as a new tensor (residual untouched)."""
+        return self.residual + grad.float()
+
+    def commit_residual(self, new_residual: torch.Tensor,
+                        nonfinite: Optional[torch.Tensor]) -> None:
+        """``residual = new_residual`` unless the step was non-finite (decided on the device)."""
+        if nonfinite is None:
+            self.residual.copy_(new_residual)
+        else:
+            self.residual.copy_(torch.where(nonfinite > 0, self.residual, new_residual))
+
+    # -- state ----------------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        sd: Dict[str, Any] = {"algorithm": self.name, "numel": self.numel, "world_size": self.P,
+                              "rank": self.rank, "density": self.density,
+                              "step": self.step_count, "residual": self.residual.clone()}
+        for key in self.STATE:
+            v = getattr(self, key)
+            sd[key] = v.clone() if isinstance(v, torch.Tensor) else _copy(v)
+        return sd
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        for key, mine in (("algorithm", self.name), ("numel", self.numel), ("world_size", self.P)):
+            if sd.get(key) != mine:
+                raise ValueError(f"{self.name}: state_dict has {key}={sd.get(key)!r}, this "
+                                 f"reducer has {mine!r}")
+        self.residual.copy_(sd["residual"].to(self.residual.device))
+        self.step_count = int(sd["step"])
+        for key in self.STATE:
+            v = sd[key]
+            cur = getattr(self, key, None)
+            if isinstance(v, torch.Tensor):
+                if isinstance(cur, torch.Tensor) and cur.shape == v.shape:
+                    cur.copy_(v.to(cur.device))
+                else:
+                    setattr(self, key, v.clone().to(self.device))
+            else:
+                setattr(self, key, _copy(v))
+
+
+def _copy(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {k: _copy(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return type(v)(_copy(x) for x in v)
+    if isinstance(v, torch.Tensor):
+        return v.clone()
+    return v

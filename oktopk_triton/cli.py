@@ -1,0 +1,45 @@
+"""``oktopk-bench``: kernel, collective and training benchmarks.
+
+    oktopk-bench kernels      --n 134217728 --density 0.01 [--dtype bf16] [--json PATH]
+    oktopk-bench collectives  --algorithms all --world-sizes 2 4 8 --n ... [--backend local]
+    oktopk-bench train        --algorithms dense oktopk --density 0.01 --world-size 4
+    oktopk-bench demo         (what `make demo` runs)
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module in oktopk_triton.bench, help)
+SUBCOMMANDS = {
+    "kernels": ("kernels", "time the fused select, histogram threshold, torch.topk and an unfused torch step"),
+    "collectives": ("collectives", "bytes per rank and step time of every algorithm over world sizes"),
+    "train": ("train", "train a small CNN on the digits data with each algorithm and compare"),
+    "demo": ("train", "the main job: 4 ranks, dense and every sparse algorithm at density 1%"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="oktopk-bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, (mod, help_) in SUBCOMMANDS.items():
+        sp = sub.add_parser(name, help=help_, description=help_)
+        m = importlib.import_module(f"oktopk_triton.bench.{mod}")
+        adder = getattr(m, "add_demo_arguments" if name == "demo" else "add_arguments", None)
+        if adder is None:
+            adder = m.add_arguments
+        adder(sp)
+        sp.set_defaults(_module=m, _entry="demo_main" if name == "demo" else "main")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    fn = getattr(args._module, args._entry, None) or args._module.main
+    return int(fn(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""The communicator interface every algorithm is written against.
+
+All primitives take tensors whose sizes the caller fixed in advance (static sizes), so that on a
+GPU every call can be enqueued on the current stream without reading anything back to the host.
+
+Byte counting (``bytes_sent``) is the same on every backend and counts the per-rank volume of the
+bandwidth-optimal algorithm for each primitive, so measured volumes compare with the papers'
+formulas (ALGORITHMS.md §6):
+
+=====================  ======================================
+primitive              bytes added to ``bytes_sent``
+=====================  ======================================
+send of b bytes        b
+allgather, chunk c     (P-1)·c
+allreduce of b bytes   2(P-1)/P·b
+alltoall of b bytes    (P-1)/P·b   (b = the whole input)
+broadcast of b bytes   b on the root, 0 elsewhere
+barrier                0
+=====================  ======================================
+"""
+from __future__ import annotations
+
+import abc
+from typing import Sequence, Tuple
+
+import torch
+
+__all__ = ["Communicator", "CommError", "CommAborted", "CommTimeout", "tensor_bytes"]
+
+
+class CommError(RuntimeError):
+    """Base class of communication failures."""
+
+
+class CommAborted(CommError):
+    """Raised on a rank when another rank failed (the group is torn down)."""
+
+
+class CommTimeout(CommError):
+    """Raised when a peer did not arrive within the communicator's timeout."""
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Communicator(abc.ABC):
+    """A group of ``world_size`` ranks; this object is rank ``rank`` of it.
+
+    Attributes:
+        rank, world_size: this rank and the group size.
+        device: where this rank's tensors live (``cpu`` or ``cuda:i``).
+        bytes_sent: cumulative bytes this rank has put on the wire (see the module docstring).
+    """
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+    def __init__(self) -> None:
+        self.bytes_sent = 0
+
+    # -- primitives -------------------------------------------------------------------------
+    @abc.abstractmethod
+    def send_recv(
+        self,
+        sends: Sequence[Tuple[int, torch.Tensor]],
+        recvs: Sequence[Tuple[int, torch.Tensor]],
+    ) -> None:
+        """Issue a batch of point-to-point transfers together (one NCCL group) and complete them.
+
+        ``sends`` is a list of ``(peer, tensor)``, ``recvs`` of ``(peer, tensor)`` to fill. The
+        transfers between one pair of ranks are matched in the order they are listed. Counts the
+        bytes of every send (a send to oneself is a local copy and counts nothing).
+        """
+
+    @abc.abstractmethod
+    def allgather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        """``output`` (numel = P·input.numel(), contiguous) receives rank r's ``input`` as chunk r."""
+
+    @abc.abstractmethod
+    def allreduce(self, tensor: torch.Tensor) -> None:
+        """In-place sum over ranks. The result is bitwise identical on every rank."""
+
+    @abc.abstractmethod
+    def alltoall(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        """Equal splits: chunk j of ``input`` (numel/P elements) goes to rank j and lands there as
+        chunk r of ``output`` (r = this rank)."""
+
+    @abc.abstractmethod
+    def broadcast(self, tensor: torch.Tensor, root: int = 0) -> None:
+        """In place: every rank ends with ``root``'s tensor."""
+
+    @abc.abstractmethod
+    def barrier(self) -> None:
+        """Wait until every rank has arrived."""
+
+    # -- byte counting helpers shared by the backends ---------------------------------------
+    def _count_send(self, t: torch.Tensor, peer: int) -> None:
+        if peer != self.rank:
+            self.bytes_sent += tensor_bytes(t)
+
+    def _count_allgather(self, input: torch.Tensor) -> None:
+        self.bytes_sent += (self.world_size - 1) * tensor_bytes(input)
+
+    def _count_allreduce(self, t: torch.Tensor) -> None:
+        P = self.world_size
+        self.bytes_sent += 2 * (P - 1) * tensor_bytes(t) // P
+
+    def _count_alltoall(self, input: torch.Tensor) -> None:
+        P = self.world_size
+        self.bytes_sent += (P - 1) * tensor_bytes(input) // P
+
+    def _count_broadcast(self, t: torch.Tensor, root: int) -> None:
+        if self.rank == root and self.world_size > 1:
+            self.bytes_sent += tensor_bytes(t)
+
+    # -- checks shared by the backends -------------------------------------------------------
+    def _check_peer(self, peer: int) -> None:
+        if not (0 <= peer < self.world_size):
+            raise ValueError(f"peer {peer} out of range for world_size {self.world_size}")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, device={self.device})"
