@@ -1,0 +1,193 @@
+"""``SparseAllreduce``: the public front of the library (a ``torch.nn.Module``).
+
+    from oktopk_triton import SparseAllreduce
+
+    # over a model's gradients
+    sar = SparseAllreduce(model.parameters(), density=0.01)      # algorithm="oktopk"
+    loss.backward(); sar.reduce_gradients(); opt.step()
+
+    # over a flat vector
+    sar = SparseAllreduce(n, comm=comm, density=0.01, algorithm="oktopk", device="cuda")
+    out = sar(flat_grad)   # the average over ranks of the globally selected entries
+
+``out`` has the input's shape, device and dtype and is bitwise identical on every rank.
+``sar.residual`` (fp32, ``numel``) is what this rank still owes (error feedback); ``sar.stats``
+describes the last step (``bytes_sent``, ``local_selected``, ``global_selected``, ``overflow``,
+...; values may be 0-dim device tensors, reading them is a host sync on a GPU).
+
+State: the algorithm's tensors (residual, thresholds, regions, capacities, step) are not module
+parameters or buffers; they travel as the module's *extra state*, so ``sar.state_dict()``,
+``model.state_dict()`` of a model holding ``sar`` as a submodule, ``torch.save`` /
+``torch.load(weights_only=True)`` and ``load_state_dict`` all work, and a restored reducer
+continues bit for bit. The communicator is not saved (a restored reducer uses its own).
+``.to(device)`` does not move the algorithm: build the reducer on the right device.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, List, Optional, Union
+
+import torch
+
+from .algorithms import get_algorithm
+from .algorithms.base import FLOAT_DTYPES, Algorithm
+from .comm.base import Communicator
+
+__all__ = ["SparseAllreduce"]
+
+
+def _default_communicator(device: torch.device) -> Communicator:
+    try:
+        from .comm import default_communicator
+    except (ImportError, AttributeError):  # pragma: no cover - select.py not present
+        default_communicator = None
+    if default_communicator is not None:
+        return default_communicator(device)
+    import torch.distributed as dist  # pragma: no cover
+    if dist.is_available() and dist.is_initialized():  # pragma: no cover
+        from .comm import TorchCommunicator
+        return TorchCommunicator()
+    from .comm.local import SingleCommunicator  # pragma: no cover
+    return SingleCommunicator(device)
+
+
+class SparseAllreduce(torch.nn.Module):
+    """Sparse (or dense) gradient allreduce with error feedback over one flat vector.
+
+    Args:
+        numel_or_params: an int (the flat gradient length), or the parameters whose ``.grad``
+            :meth:`reduce_gradients` reduces (an iterable of tensors or an ``nn.Module``; only
+            those with ``requires_grad``, each once).
+        comm: a :class:`~oktopk_triton.comm.Communicator`; ``None`` → ``default_communicator``
+            (a world of one unless torch.distributed is initialised).
+        density: fraction of entries selected, in (0, 1]; ``k = round(density * numel)``.
+        algorithm: a registered name (``"oktopk"``, ``"dense"``, ``"topka"``, ...).
+        device: for an int ``numel``: where the gradients live (default: the communicator's
+            device). For parameters it defaults to the first parameter's device.
+        check_finite: ``"skip"`` (default: a NaN/Inf on any rank makes ``out`` NaN on every
+            rank and leaves every residual unchanged), ``"raise"`` or ``"off"``.
+        **options: the algorithm's options (unknown names raise ``TypeError``).
+    """
+
+    def __init__(self, numel_or_params: Union[int, Iterable[torch.Tensor], torch.nn.Module],
+                 comm: Optional[Communicator] = None, density: float = 0.01,
+                 algorithm: str = "oktopk", *, device: Optional[Union[str, torch.device]] = None,
+                 check_finite: str = "skip", **options: Any) -> None:
+        super().__init__()
+        cls = get_algorithm(algorithm)  # clear ValueError for unknown names
+        params: Optional[List[torch.Tensor]] = None
+        if isinstance(numel_or_params, bool):
+            raise TypeError("numel_or_params must be an int or parameters, got a bool")
+        if isinstance(numel_or_params, int):
+            numel = numel_or_params
+        elif isinstance(numel_or_params, torch.Tensor):
+            raise TypeError("numel_or_params: pass an int or an iterable of parameters "
+                            "(e.g. model.parameters()), not a single tensor; use [tensor]")
+        else:
+            src = (numel_or_params.parameters() if isinstance(numel_or_params, torch.nn.Module)
+                   else numel_or_params)
+            params, seen = [], set()
+            for p in src:
+                if not isinstance(p, torch.Tensor):
+                    raise TypeError(f"expected tensors (parameters), got {type(p).__name__}")
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+            if not params:
+                raise ValueError("SparseAllreduce: no parameters with requires_grad were given")
+            for p in params:
+                if p.dtype not in FLOAT_DTYPES:
+                    raise TypeError(f"SparseAllreduce: parameter dtype {p.dtype} is not one of "
+                                    "float32, bfloat16, float16")
+            pdev = params[0].device
+            if any(p.device != pdev for p in params):
+                raise ValueError("SparseAllreduce: all parameters must be on one device, got "
+                                 f"{sorted({str(p.device) for p in params})}")
+            if device is not None and torch.device(device) != pdev:
+                raise ValueError(f"SparseAllreduce: device={device} but the parameters are on {pdev}")
+            device = pdev
+            numel = sum(p.numel() for p in params)
+        if comm is None:
+            comm = _default_communicator(torch.device(device) if device is not None
+                                         else torch.device("cpu"))
+        if device is None:
+            device = comm.device
+        self.comm = comm
+        self.algorithm: Algorithm = cls(numel, comm, density, device=torch.device(device),
+                                        check_finite=check_finite, **options)
+        self.algorithm_name = self.algorithm.name
+        self.numel = numel
+        self.density = self.algorithm.density
+        self.k = self.algorithm.k
+        self.device = self.algorithm.device
+        # reduce_gradients: a persistent flat buffer; after a step every .grad is a view of it
+        self._params = params
+        self._flat: Optional[torch.Tensor] = None
+        if params is not None:
+            dtypes = {p.dtype for p in params}
+            self._flat_dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+            self._offsets = []
+            off = 0
+            for p in params:
+                self._offsets.append(off)
+                off += p.numel()
+
+    # -- the reduction ---------------------------------------------------------------------------
+    def forward(self, flat_grad: torch.Tensor) -> torch.Tensor:
+        """Reduce ``flat_grad`` (``numel`` elements, any shape); returns ``out`` of the same shape,
+        dtype and device, bitwise identical on every rank."""
+        return self.algorithm(flat_grad)
+
+    @torch.no_grad()
+    def reduce_gradients(self) -> torch.Tensor:
+        """Flatten the parameters' ``.grad`` (``None`` → zeros), reduce, and write the result back
+        to ``.grad``: afterwards each ``.grad`` is a view of one persistent flat buffer (the copy
+        in is skipped for grads that already are). Returns the flat reduced gradient."""
+        if self._params is None:
+            raise RuntimeError("reduce_gradients needs a SparseAllreduce built from parameters")
+        if self._flat is None:
+            self._flat = torch.zeros(self.numel, dtype=self._flat_dtype, device=self.device)
+        flat = self._flat
+        views = []
+        for p, off in zip(self._params, self._offsets):
+            v = flat[off:off + p.numel()].view(p.shape)
+            views.append(v)
+            g = p.grad
+            if g is None:
+                v.zero_()
+            elif g.data_ptr() != v.data_ptr() or g.dtype != v.dtype or g.shape != v.shape:
+                if g.is_sparse:
+                    g = g.to_dense()
+                v.copy_(g)
+        out = self.algorithm(flat)
+        flat.copy_(out)
+        for p, v in zip(self._params, views):
+            if p.dtype == flat.dtype:
+                p.grad = v
+            else:
+                p.grad = v.to(p.dtype)
+        return flat
+
+    # -- views of the algorithm ----------------------------------------------------------------
+    @property
+    def residual(self) -> torch.Tensor:
+        """fp32 [numel]: what this rank still owes (zeros for dense)."""
+        return self.algorithm.residual
+
+    @property
+    def stats(self) -> Dict[str, Any]:
+        return self.algorithm.stats
+
+    @property
+    def step_count(self) -> int:
+        return self.algorithm.step_count
+
+    # -- state (as the module's extra state) -------------------------------------------------
+    def get_extra_state(self) -> Dict[str, Any]:
+        return self.algorithm.state_dict()
+
+    def set_extra_state(self, state: Dict[str, Any]) -> None:
+        self.algorithm.load_state_dict(state)
+
+    def extra_repr(self) -> str:
+        return (f"numel={self.numel}, density={self.density:g}, algorithm={self.algorithm_name!r}, "
+                f"world_size={self.comm.world_size}, rank={self.comm.rank}, device={self.device}")
