@@ -1,0 +1,62 @@
+"""Backend choice shared by every kernel: ``auto`` | ``triton`` | ``torch``.
+
+``auto``: CUDA tensors -> compiled Triton; CPU tensors -> the Triton interpreter when
+``TRITON_INTERPRET=1`` was set before the kernels were decorated, else the torch reference.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional, Union
+
+import torch
+
+BACKENDS = ("auto", "triton", "torch")
+
+# Read once, at import: triton.jit decides interpreted vs compiled when it decorates.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+try:  # triton is a hard dependency, but keep the torch path usable without it
+    import triton  # noqa: F401
+    import triton.language as tl  # noqa: F401
+    HAS_TRITON = True
+except Exception:  # pragma: no cover
+    HAS_TRITON = False
+
+
+def choose(backend: str, device: torch.device) -> str:
+    """Return ``"triton"`` or ``"torch"`` for tensors on ``device``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "torch":
+        return "torch"
+    cuda = device.type == "cuda"
+    if backend == "auto":
+        return "triton" if HAS_TRITON and (cuda or INTERPRET) else "torch"
+    # explicit triton
+    if not HAS_TRITON:
+        raise RuntimeError("backend='triton' requested but triton is not importable")
+    if not cuda and not INTERPRET:
+        raise RuntimeError("backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before "
+                           "oktopk_triton.kernels is imported")
+    return "triton"
+
+
+IntOrTensor = Union[int, torch.Tensor, None]
+
+
+def as_index_tensor(v: IntOrTensor, default: int, device: torch.device) -> torch.Tensor:
+    """A 0-dim int64 tensor on ``device`` (torch reference helper; no host read)."""
+    if v is None:
+        v = default
+    if isinstance(v, torch.Tensor):
+        return v.reshape(()).to(device=device, dtype=torch.int64)
+    return torch.tensor(int(v), dtype=torch.int64, device=device)
+
+
+def next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+def ceil_log2(x: int) -> int:
+    """Iterations of a binary search over ``x`` candidates (>= 1)."""
+    return max(1, (max(int(x), 1)).bit_length())
