@@ -1,0 +1,237 @@
+"""``TorchCommunicator``: the primitives on a torch.distributed process group (gloo for CPU
+tensors, nccl for CUDA tensors).
+
+Every primitive is issued with ``async_op=True`` and then waited on: with NCCL ``Work.wait()`` only
+makes the current stream wait for the communication stream (no host synchronisation); with gloo it
+blocks until the transfer is complete, bounded by ``timeout`` (or the process group's timeout).
+
+Failures seen while waiting are re-raised as :class:`CommTimeout` (a timeout) or
+:class:`CommAborted` (anything else, typically a peer that died: "Connection closed by peer"), with
+the original error chained. Peers in the API are ranks of ``group``.
+"""
+from __future__ import annotations
+
+import datetime
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .base import CommAborted, CommError, CommTimeout, Communicator
+
+__all__ = ["TorchCommunicator"]
+
+
+def _wrap_error(exc: BaseException, what: str) -> CommError:
+    text = str(exc)
+    low = text.lower()
+    if "timed out" in low or "timeout" in low:
+        return CommTimeout(f"{what}: {text}")
+    return CommAborted(f"{what}: {text}")
+
+
+class TorchCommunicator(Communicator):
+    """Communicator over a torch.distributed group (``None``: the default group).
+
+    Args:
+        group: the process group (``None`` = ``dist.group.WORLD``).
+        timeout: seconds to wait for each operation on gloo (``None``: the process group's
+            timeout). Ignored for NCCL, whose waits never block the host.
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None,
+                 timeout: Optional[float] = None) -> None:
+        super().__init__()
+        if not dist.is_available() or not dist.is_initialized():
+            raise CommError("TorchCommunicator: torch.distributed is not initialised")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.backend = str(dist.get_backend(group)).lower()
+        self.is_nccl = "nccl" in self.backend
+        if self.is_nccl:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
+        self.timeout = timeout
+        self._wait_timeout = (datetime.timedelta(seconds=float(timeout))
+                              if timeout is not None and not self.is_nccl else None)
+        self._use_batch_p2p = True
+        self._gather_into_tensor = True
+        self._global = [self._global_rank(r) for r in range(self.world_size)]
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _global_rank(self, r: int) -> int:
+        if self.group is None or self.group is dist.group.WORLD:
+            return r
+        return dist.get_global_rank(self.group, r)
+
+    def _wait(self, works, what: str) -> None:
+        if works is None:
+            return
+        if not isinstance(works, (list, tuple)):
+            works = [works]
+        try:
+            for w in works:
+                if self._wait_timeout is not None:
+                    w.wait(timeout=self._wait_timeout)
+                else:
+                    w.wait()
+        except CommError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - re-raised as a communicator error
+            raise _wrap_error(exc, f"rank {self.rank}: {what}") from exc
+
+    def _issue(self, what: str, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (TypeError, ValueError):
+            raise
+        except RuntimeError as exc:
+            low = str(exc).lower()
+            if ("connection" in low or "timed out" in low or "timeout" in low
+                    or "abort" in low or "closed" in low or "broken pipe" in low):
+                raise _wrap_error(exc, f"rank {self.rank}: {what}") from exc
+            raise
+
+    # -- primitives --------------------------------------------------------------------------
+    def send_recv(self, sends: Sequence[Tuple[int, torch.Tensor]],
+                  recvs: Sequence[Tuple[int, torch.Tensor]]) -> None:
+        sends = list(sends)
+        recvs = list(recvs)
+        for peer, _ in sends + recvs:
+            self._check_peer(peer)
+        # transfers to oneself are local copies, matched in order
+        self_sends = [t for p, t in sends if p == self.rank]
+        self_recvs = [t for p, t in recvs if p == self.rank]
+        if len(self_sends) != len(self_recvs):
+            raise CommError(f"rank {self.rank}: {len(self_sends)} sends to self but "
+                            f"{len(self_recvs)} receives from self")
+        ops: List[Tuple[str, int, torch.Tensor]] = []
+        copy_back: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        for peer, t in sends:
+            if peer != self.rank:
+                ops.append(("send", peer, t.contiguous()))
+                self._count_send(t, peer)
+        for peer, t in recvs:
+            if peer != self.rank:
+                buf = t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
+                if buf is not t:
+                    copy_back.append((t, buf))
+                ops.append(("recv", peer, buf))
+        for s, r in zip(self_sends, self_recvs):
+            if s.numel() != r.numel():
+                raise CommError(f"rank {self.rank}: send to self of {s.numel()} elements into a "
+                                f"buffer of {r.numel()}")
+            r.copy_(s.reshape(r.shape))
+        if ops:
+            works = None
+            if self._use_batch_p2p:
+                p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, t,
+                                  self._global[peer], group=self.group)
+                       for kind, peer, t in ops]
+                try:
+                    works = self._issue("send_recv", dist.batch_isend_irecv, p2p)
+                except CommError:
+                    raise
+                except RuntimeError:
+                    if self.is_nccl:
+                        raise
+                    self._use_batch_p2p = False  # fall back to individual isend/irecv
+            if works is None:
+                works = []
+                for kind, peer, t in ops:
+                    f = dist.isend if kind == "send" else dist.irecv
+                    works.append(self._issue("send_recv", f, t, self._global[peer],
+                                             group=self.group))
+            self._wait(works, "send_recv")
+        for t, buf in copy_back:
+            t.copy_(buf)
+
+    def allgather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        P = self.world_size
+        m = input.numel()
+        if output.numel() != P * m:
+            raise ValueError(f"allgather: output has {output.numel()} elements, expected {P}*{m}")
+        if not output.is_contiguous():
+            raise ValueError("allgather: output must be contiguous")
+        inp = input.reshape(-1).contiguous()
+        out = output.view(-1)
+        if P == 1:
+            if out.data_ptr() != inp.data_ptr():
+                out.copy_(inp)
+            return
+        work = None
+        if self._gather_into_tensor:
+            try:
+                work = self._issue("allgather", dist.all_gather_into_tensor, out, inp,
+                                   group=self.group, async_op=True)
+            except CommError:
+                raise
+            except (RuntimeError, NotImplementedError):
+                if self.is_nccl:
+                    raise
+                self._gather_into_tensor = False
+        if work is None:
+            chunks = list(out.split(m))
+            if inp.data_ptr() == chunks[self.rank].data_ptr():
+                inp = inp.clone()  # all_gather may write the output chunk while reading input
+            work = self._issue("allgather", dist.all_gather, chunks, inp, group=self.group,
+                               async_op=True)
+        self._wait(work, "allgather")
+        self._count_allgather(input)
+
+    def allreduce(self, tensor: torch.Tensor) -> None:
+        if self.world_size == 1:
+            return
+        buf = tensor if tensor.is_contiguous() else tensor.contiguous()
+        work = self._issue("allreduce", dist.all_reduce, buf, op=dist.ReduceOp.SUM,
+                           group=self.group, async_op=True)
+        self._wait(work, "allreduce")
+        if buf is not tensor:
+            tensor.copy_(buf)
+        self._count_allreduce(tensor)
+
+    def alltoall(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        P = self.world_size
+        b = input.numel()
+        if b % P or output.numel() != b:
+            raise ValueError(f"alltoall: input ({b}) and output ({output.numel()}) must have the "
+                             f"same numel, divisible by {P}")
+        if not output.is_contiguous():
+            raise ValueError("alltoall: output must be contiguous")
+        inp = input.reshape(-1).contiguous()
+        out = output.view(-1)
+        if P == 1:
+            if out.data_ptr() != inp.data_ptr():
+                out.copy_(inp)
+            return
+        if inp.data_ptr() == out.data_ptr():
+            inp = inp.clone()
+        work = self._issue("alltoall", dist.all_to_all_single, out, inp, group=self.group,
+                           async_op=True)
+        self._wait(work, "alltoall")
+        self._count_alltoall(input)
+
+    def broadcast(self, tensor: torch.Tensor, root: int = 0) -> None:
+        self._check_peer(root)
+        if self.world_size == 1:
+            return
+        buf = tensor if tensor.is_contiguous() else tensor.contiguous()
+        work = self._issue("broadcast", dist.broadcast, buf, src=self._global[root],
+                           group=self.group, async_op=True)
+        self._wait(work, "broadcast")
+        if buf is not tensor:
+            tensor.copy_(buf)
+        self._count_broadcast(tensor, root)
+
+    def barrier(self) -> None:
+        if self.world_size == 1:
+            return
+        if self.is_nccl:
+            # dist.barrier() synchronises the host on NCCL: a tiny allreduce on the stream does not
+            t = torch.zeros(1, device=self.device)
+            self._wait(dist.all_reduce(t, group=self.group, async_op=True), "barrier")
+            return
+        work = self._issue("barrier", dist.barrier, group=self.group, async_op=True)
+        self._wait(work, "barrier")
