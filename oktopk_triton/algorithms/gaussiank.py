@@ -1,0 +1,118 @@
+"""Gaussiank (Shi et al.): a threshold from a normal fit of ``acc``, then an allgather of
+fixed-capacity slots (ALGORITHMS.md §6).
+
+Per step:
+
+1. ``acc = residual + grad``; ``mu, sigma`` = mean and standard deviation of ``acc``;
+   ``threshold = |mu| + z·sigma`` with ``z = Phi^-1(1 - density/2)`` (the two-sided normal
+   quantile: under a normal fit, a fraction ``density`` of the entries has ``|acc| >= threshold``).
+2. **Correction on the device** (the reference code instead loops on the host, reading the
+   count back each time). ``iters`` fixed iterations (default 6), each one counting pass:
+   if the count is below ``lo·k`` the threshold becomes an upper bracket, above ``hi·k`` a lower
+   bracket; the next threshold is the geometric mean of the brackets once both exist, else the
+   threshold is halved (too few) or doubled (too many); inside the band it stays put. All of it
+   is ``torch.where`` on 0-dim device tensors: no host read, no data-dependent sizes.
+3. Select ``|acc| >= threshold`` (and ``acc != 0``), compact in ascending index order into a
+   fixed capacity ``cap = ceil(slack·k)`` (default slack 1.5); entries past the capacity are not
+   sent and stay in the residual (``stats["overflow"]``).
+4. One allgather of an int32 message of ``2 + 2·cap`` words: ``[true count, 0][cap indices]
+   [cap fp32 value bits]``; every rank adds the P sources in rank order 0..P-1 (bitwise identical
+   everywhere) and divides by P.
+5. ``residual = acc`` with the sent entries zeroed: conservation holds exactly.
+
+Caveat (ALGORITHMS.md §6): real gradients are heavy-tailed, not normal: the outliers inflate
+``sigma`` and the fitted threshold sits far too high, so plain Gaussiank **under-selects** (often
+by a large factor). The correction above brings the count into ``[lo·k, hi·k]`` when
+``iters`` halvings/bisections suffice (each halving at least doubles the count for a heavy
+tail); when they do not, the step simply sends fewer than k entries -- the rest waits in the
+residual, nothing is lost. Over-selection is bounded by the capacity.
+
+Volume ``2·(1 + cap)·(P-1)`` words per rank per step (the padding counts as sent).
+"""
+from __future__ import annotations
+
+import math
+from statistics import NormalDist
+from typing import Optional
+
+import torch
+
+from ._sparse import compact, pack_entries, scatter_add_sources, unpack_entries
+from .base import Algorithm
+
+__all__ = ["Gaussiank"]
+
+
+class Gaussiank(Algorithm):
+    name = "gaussiank"
+    OPTIONS = {"slack": 1.5, "iters": 6, "lo": 0.75, "hi": 1.25}
+    HEADER = 2
+
+    @classmethod
+    def capacity(cls, k: int, n: int, slack: float = 1.5) -> int:
+        return max(1, min(n, int(math.ceil(float(slack) * k))))
+
+    @classmethod
+    def volume_bound_bytes(cls, n: int, k: int, P: int, **opts) -> int:
+        """Bytes one rank sends per step (exact, without the 4-byte non-finite flag)."""
+        if P <= 1:
+            return 0
+        cap = cls.capacity(k, n, opts.get("slack", cls.OPTIONS["slack"]))
+        return 4 * (cls.HEADER + 2 * cap) * (P - 1)
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        o = self.opts
+        if not (float(o["slack"]) >= 1.0):
+            raise ValueError(f"gaussiank: slack must be >= 1, got {o['slack']!r}")
+        if not (isinstance(o["iters"], int) and o["iters"] >= 0):
+            raise ValueError(f"gaussiank: iters must be an int >= 0, got {o['iters']!r}")
+        if not (0.0 < float(o["lo"]) <= 1.0 <= float(o["hi"])):
+            raise ValueError(f"gaussiank: need 0 < lo <= 1 <= hi, got lo={o['lo']!r}, hi={o['hi']!r}")
+        self.cap = self.capacity(self.k, self.numel, o["slack"])
+        dens = min(self.density, 1.0 - 1e-12)
+        self.z = NormalDist().inv_cdf(1.0 - dens / 2.0)
+
+    def threshold(self, acc: torch.Tensor) -> torch.Tensor:
+        """Fitted and device-corrected threshold (0-dim fp32); see the module docstring."""
+        k = float(self.k)
+        lo_c, hi_c = float(self.opts["lo"]) * k, float(self.opts["hi"]) * k
+        std, mean = torch.std_mean(acc, correction=0)
+        a = acc.abs()
+        thr = mean.abs() + self.z * std
+        lo_t = torch.zeros_like(thr)
+        hi_t = torch.full_like(thr, float("inf"))
+        for _ in range(int(self.opts["iters"])):
+            c = ((a >= thr) & (acc != 0)).sum()
+            few, many = c < lo_c, c > hi_c
+            lo_t = torch.where(many, thr, lo_t)
+            hi_t = torch.where(few, thr, hi_t)
+            bracket = (lo_t > 0) & torch.isfinite(hi_t)
+            nxt = torch.where(bracket, torch.sqrt(lo_t * hi_t),
+                              torch.where(few, thr * 0.5, thr * 2.0))
+            thr = torch.where(few | many, nxt, thr)
+        return thr
+
+    def step(self, grad: torch.Tensor, out: torch.Tensor,
+             nonfinite: Optional[torch.Tensor]) -> None:
+        P, cap, H = self.P, self.cap, self.HEADER
+        acc = self.accumulate(grad)
+        thr = self.threshold(acc)
+        mask = (acc.abs() >= thr) & (acc != 0)
+        idx, val, count, kept = compact(mask, acc, cap)
+        if P > 1:
+            header = torch.stack([count, torch.zeros_like(count)])
+            msg = pack_entries(idx, val, header=header)
+            allmsg = torch.empty(P * (H + 2 * cap), dtype=torch.int32, device=acc.device)
+            self.comm.allgather(allmsg, msg)
+            hdr, all_idx, all_val = unpack_entries(allmsg.view(P, H + 2 * cap), cap, header=H)
+            counts = hdr[:, 0]
+        else:
+            all_idx, all_val, counts = idx.view(1, cap), val.view(1, cap), count.view(1)
+        scatter_add_sources(out, all_idx, all_val, counts)
+        out.div_(P)
+        self.commit_residual(torch.where(kept, torch.zeros_like(acc), acc), nonfinite)
+        self.stats.update(local_selected=torch.clamp(count, max=cap),
+                          global_selected=(out != 0).sum(),
+                          overflow=torch.clamp(count - cap, min=0), threshold=thr,
+                          selected_before_capacity=count)

@@ -1,0 +1,140 @@
+"""gTop-k (Shi et al., 2019), butterfly variant with a sticky residual mask (ALGORITHMS.md §4).
+
+Per step:
+
+1. ``acc = residual + grad``; every rank takes its exact local top-k ``L`` (ties by index,
+   :func:`._sparse.topk_entries`).
+2. **Fold** (P not a power of two): with ``P2 = 2^floor(log2 P)`` and ``e = P - P2``, ranks
+   ``2j`` and ``2j+1`` (j < e) pair up; the odd one sends its ``L`` to the even one, which merges
+   (its own value first) and keeps the top-k. The remaining ``P2`` ranks are renumbered
+   ``v = 0..P2-1``.
+3. **Butterfly**: in round i = 0..log2(P2)-1, virtual ranks ``v`` and ``v XOR 2^i`` exchange their
+   current k-entry sets and both compute ``merge_topk(lower group's set, higher group's set)``:
+   matching indices add (lower group's value + higher group's value, a canonical order, so
+   the sum of 3+ contributions is the same on every rank), the top-k of the union survives
+   (ties by index). After the last round every participant holds the same final set ``F``.
+4. **Unfold**: each even rank of a pair sends ``F`` back, plus a bit mask telling its partner
+   which of the partner's entries reached ``F`` (see below).
+5. ``out[F] = F.values / P`` (the same bits on every rank).
+
+Conservation (exact, the reason for the butterfly and the sticky mask): an entry of ``L_p``
+contributes to ``F`` iff its index was in the merged set of p's group at *every* merge from the
+moment it entered -- once dropped, p's value is gone from the group's partial sums even if the
+index comes back later through another group. Each rank tracks that ``alive`` mask over its own
+``L`` (by membership in each round's set); the even rank of a fold pair tracks it for its partner
+too. ``residual = acc`` with the alive entries zeroed; everything else of ``acc`` (including local
+top-k entries dropped at some merge) stays in the residual. Then
+``sum_p acc_p = P·out + sum_p residual_p`` up to the rounding of the sums.
+
+Messages are fixed size: ``2k`` words (k int32 indices + k fp32 value bits, no header: the count
+is always k), plus ``ceil(k/32)`` mask words on the unfold message. Volume per rank per step:
+``2k·log2 P`` words for a power of two; otherwise at most ``2k·ceil(log2 P) + ceil(k/32)``
+(the even rank of a fold pair: ``floor(log2 P)`` butterfly rounds + the unfold message; the odd
+rank sends ``2k`` once). No host read anywhere.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ._sparse import (is_member, merge_topk, pack_bits, pack_entries, topk_entries,
+                      unpack_bits, unpack_entries)
+from .base import Algorithm
+
+__all__ = ["GTopk"]
+
+
+def _layout(P: int):
+    P2 = 1 << (P.bit_length() - 1)
+    return P2, P - P2
+
+
+class GTopk(Algorithm):
+    name = "gtopk"
+
+    @classmethod
+    def volume_bound_bytes(cls, n: int, k: int, P: int, **opts) -> int:
+        """Most bytes any rank sends per step (without the 4-byte non-finite flag)."""
+        if P <= 1:
+            return 0
+        P2, e = _layout(P)
+        rounds = P2.bit_length() - 1
+        words = 2 * k * rounds
+        if e:
+            words += 2 * k + (k + 31) // 32
+        return 4 * words
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        P, r = self.P, self.rank
+        self._P2, self._extra = _layout(P)
+        e = self._extra
+        if r < 2 * e:
+            self._role = "survivor" if r % 2 == 0 else "folded"
+            self._fold_peer = r + 1 if r % 2 == 0 else r - 1
+            self._v = r // 2
+        else:
+            self._role = "plain"
+            self._fold_peer = None
+            self._v = r - e
+
+    def _real(self, v: int) -> int:
+        return 2 * v if v < self._extra else v + self._extra
+
+    def _exchange(self, peer: int, msg: torch.Tensor, recv_words: int) -> torch.Tensor:
+        buf = torch.empty(recv_words, dtype=torch.int32, device=msg.device)
+        self.comm.send_recv([(peer, msg)], [(peer, buf)])
+        return buf
+
+    def step(self, grad: torch.Tensor, out: torch.Tensor,
+             nonfinite: Optional[torch.Tensor]) -> None:
+        k, P = self.k, self.P
+        nmask = (k + 31) // 32
+        acc = self.accumulate(grad)
+        L_idx, L_val = topk_entries(acc, k)
+
+        if self._role == "folded":
+            peer = self._fold_peer
+            self.comm.send_recv([(peer, pack_entries(L_idx, L_val))], [])
+            buf = torch.empty(2 * k + nmask, dtype=torch.int32, device=acc.device)
+            self.comm.send_recv([], [(peer, buf)])
+            _, F_idx, F_val = unpack_entries(buf[:2 * k], k)
+            alive = unpack_bits(buf[2 * k:], k)
+        else:
+            S_idx, S_val = L_idx, L_val
+            alive = torch.ones(k, dtype=torch.bool, device=acc.device)
+            p_idx = p_alive = None
+            if self._role == "survivor":
+                peer = self._fold_peer
+                buf = torch.empty(2 * k, dtype=torch.int32, device=acc.device)
+                self.comm.send_recv([], [(peer, buf)])
+                _, p_idx, p_val = unpack_entries(buf, k)
+                S_idx, S_val = merge_topk(S_idx, S_val, p_idx, p_val, k)   # lower rank first
+                alive = is_member(L_idx, S_idx)
+                p_alive = is_member(p_idx, S_idx)
+            v = self._v
+            bit = 1
+            while bit < self._P2:
+                peer = self._real(v ^ bit)
+                theirs = self._exchange(peer, pack_entries(S_idx, S_val), 2 * k)
+                _, t_idx, t_val = unpack_entries(theirs, k)
+                if v & bit == 0:
+                    S_idx, S_val = merge_topk(S_idx, S_val, t_idx, t_val, k)
+                else:
+                    S_idx, S_val = merge_topk(t_idx, t_val, S_idx, S_val, k)
+                alive &= is_member(L_idx, S_idx)
+                if p_alive is not None:
+                    p_alive &= is_member(p_idx, S_idx)
+                bit <<= 1
+            F_idx, F_val = S_idx, S_val
+            if self._role == "survivor":
+                msg = torch.cat([pack_entries(F_idx, F_val), pack_bits(p_alive)])
+                self.comm.send_recv([(self._fold_peer, msg)], [])
+
+        out.index_copy_(0, F_idx.to(torch.int64), F_val / P)
+        L64 = L_idx.to(torch.int64)
+        acc.scatter_(0, L64, torch.where(alive, torch.zeros_like(L_val), L_val))
+        self.commit_residual(acc, nonfinite)
+        self.stats.update(local_selected=alive.sum(), global_selected=(F_val != 0).sum(),
+                          overflow=0, dropped=k - alive.sum())

@@ -1,0 +1,54 @@
+"""TopkA: allgather of every rank's local top-k, each rank sums them all (ALGORITHMS.md §6).
+
+Per step, on every rank:
+
+1. ``acc = residual + grad``;
+2. the exact local top-k of ``|acc|`` (ties broken by index, :func:`._sparse.topk_entries`):
+   exactly ``k`` entries, sorted by index;
+3. one allgather of a fixed-size int32 message of ``2k`` words (k indices, then the k fp32 value
+   bit patterns; no header: the count is always k);
+4. ``out = (sum of the P sets, added source by source in rank order 0..P-1) / P`` -- the same
+   operations on the same data on every rank, hence bitwise identical;
+5. ``residual = acc`` with the k sent entries zeroed (every sent entry is in ``out``).
+
+Volume ``2k(P-1)`` words per rank per step, exactly (plus the base class's 4-byte non-finite
+flag allreduce). Output up to ``P·k`` nonzeros. No host read: the sizes depend on n, k, P only.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ._sparse import pack_entries, scatter_add_sources, topk_entries, unpack_entries
+from .base import Algorithm
+
+__all__ = ["TopkA"]
+
+
+class TopkA(Algorithm):
+    name = "topka"
+
+    @classmethod
+    def volume_bound_bytes(cls, n: int, k: int, P: int, **opts) -> int:
+        """Bytes one rank sends per step (exact, without the 4-byte non-finite flag)."""
+        return 0 if P <= 1 else 4 * 2 * k * (P - 1)
+
+    def step(self, grad: torch.Tensor, out: torch.Tensor,
+             nonfinite: Optional[torch.Tensor]) -> None:
+        k, P = self.k, self.P
+        acc = self.accumulate(grad)
+        idx, val = topk_entries(acc, k)
+        if P > 1:
+            msg = pack_entries(idx, val)
+            allmsg = torch.empty(P * 2 * k, dtype=torch.int32, device=acc.device)
+            self.comm.allgather(allmsg, msg)
+            _, all_idx, all_val = unpack_entries(allmsg.view(P, 2 * k), k)
+        else:
+            all_idx, all_val = idx.view(1, k), val.view(1, k)
+        scatter_add_sources(out, all_idx, all_val)
+        out.div_(P)
+        acc.index_fill_(0, idx.to(torch.int64), 0.0)
+        self.commit_residual(acc, nonfinite)
+        self.stats.update(local_selected=(val != 0).sum(), global_selected=(out != 0).sum(),
+                          overflow=0)
