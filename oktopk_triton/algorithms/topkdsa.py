@@ -1,0 +1,185 @@
+"""TopkDSA (SparCML-style sparse reduce + allgather, switching to dense), ALGORITHMS.md §6.
+
+Regions: ``P`` equal static regions (region ``j`` = ``[n*j//P, n*(j+1)//P)``, owned by rank
+``j``), held padded as ``[P, L]`` with ``L = ceil(n/P)`` (padding is always zero).
+
+One step on rank ``r``:
+
+1. ``acc = residual + grad``; local selection: ``torch.topk(|acc|, k)``.
+2. Sparse reduce to the owners: for every region ``j`` the rank sends rank ``j`` the largest
+   ``cap = ceil(slack * k / P)`` of its selected entries in that region (one ``alltoall`` of
+   ``[P, 1 + 2*cap]`` int32: header = count, region-relative indices, fp32 values as bits).
+   Selected entries that do not fit stay in the residual (``overflow``).
+3. The owner adds the ``P`` contributions in rank order (deterministic) into its region ``R``.
+4. Allgather of the reduced regions, in one of two static modes:
+   * ``sparse``: the owner sends the largest ``cap2`` entries of ``R`` (``[1 + 2*cap2]`` int32,
+     header = the TRUE number of nonzeros of ``R``); what does not fit stays in the OWNER's
+     residual, so nothing is lost;
+   * ``dense``: the owner sends ``R`` itself (``L`` fp32): the SparCML switch once the sum has
+     filled in. Volume ``(2*cap + 1)(P-1) + L(P-1)`` words, the ``(2k + n)(P-1)/P`` of §6.
+   ``out`` = the gathered regions / P, built from the same bytes on every rank (bitwise
+   identical).
+5. ``residual = acc - sent`` (+ on the owner, what of ``R`` was not gathered).
+
+Mode and ``cap2`` are decided at most every ``tau`` steps (after steps 0, tau, 2*tau, ...) from
+the fill observed in that step (the gathered headers, or the nonzeros of the dense regions --
+identical on every rank): this is the one amortised host read. ``dense`` when the total fill
+exceeds ``fill * n`` (default n/3) or when a sparse region message would be larger than a dense
+one; otherwise ``sparse`` with ``cap2 = ceil(gather_slack * max region fill)``. Step 0 uses a
+lossless capacity (``cap2 = P*cap``, or dense if that is larger than a dense region). Between
+decisions every message size is fixed, and no step reads the device from the host.
+
+Note: in dense mode the sparse reduce-scatter is kept (SparCML's ``split_allgather``) rather than
+a dense allreduce of ``acc``: the fill stays observable (so the algorithm can switch back to
+sparse) and the volume stays within §6's ``(2k + n)(P-1)/P``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .base import Algorithm
+
+__all__ = ["TopkDSA"]
+
+SPARSE, DENSE = "sparse", "dense"
+
+
+class TopkDSA(Algorithm):
+    name = "topkdsa"
+    OPTIONS = {"tau": 32, "slack": 1.25, "gather_slack": 1.25, "fill": 1.0 / 3.0}
+    STATE = ("mode", "cap2", "decisions")
+
+    def __init__(self, numel, comm, density=0.01, **kw):
+        super().__init__(numel, comm, density, **kw)
+        P, n = self.P, self.numel
+        tau = self.opts["tau"]
+        if not isinstance(tau, int) or tau < 1:
+            raise ValueError(f"topkdsa: tau must be a positive int, got {tau!r}")
+        for key in ("slack", "gather_slack"):
+            if not (float(self.opts[key]) >= 1.0):
+                raise ValueError(f"topkdsa: {key} must be >= 1, got {self.opts[key]!r}")
+        if not (0.0 < float(self.opts["fill"]) <= 1.0):
+            raise ValueError(f"topkdsa: fill must be in (0, 1], got {self.opts['fill']!r}")
+        self.tau = tau
+        self.L = L = -(-n // P)
+        self.cap = max(1, min(L, math.ceil(float(self.opts["slack"]) * self.k / P)))
+        b = torch.arange(P + 1, dtype=torch.int64) * n // P
+        lens = b[1:] - b[:-1]
+        blk = torch.repeat_interleave(torch.arange(P), lens)
+        self._pad_pos = (torch.arange(n, dtype=torch.int64) - b[:-1][blk] + blk * L).to(self.device)
+        # step 0: lossless gather
+        self.cap2 = min(L, P * self.cap)
+        self.mode = DENSE if 1 + 2 * self.cap2 >= L else SPARSE
+        self.decisions = 0
+        self.stats.update(local_selected=0, global_selected=0, overflow=0)
+
+    # -- helpers -----------------------------------------------------------------------------
+    @staticmethod
+    def _pack(idx: torch.Tensor, vals: torch.Tensor, header: torch.Tensor) -> torch.Tensor:
+        c = idx.shape[-1]
+        msg = torch.empty(idx.shape[:-1] + (1 + 2 * c,), dtype=torch.int32, device=idx.device)
+        msg[..., 0] = header.to(torch.int32)
+        msg[..., 1:1 + c] = idx.to(torch.int32)
+        msg[..., 1 + c:] = vals.contiguous().view(torch.int32)
+        return msg
+
+    @staticmethod
+    def _unpack(msg: torch.Tensor):
+        c = (msg.shape[-1] - 1) // 2
+        return msg[..., 1:1 + c].long(), msg[..., 1 + c:].contiguous().view(torch.float32)
+
+    def _decide(self, counts: torch.Tensor, nonfinite) -> None:
+        """The amortised host read: mode and cap2 for the next tau steps."""
+        if nonfinite is not None and int(nonfinite.item()) > 0:
+            return  # counts of a NaN step mean nothing; keep the current sizes
+        c = counts.tolist()
+        total, mx = sum(c), max(c)
+        cap2 = max(1, min(self.L, math.ceil(float(self.opts["gather_slack"]) * mx)))
+        if total > float(self.opts["fill"]) * self.numel or 1 + 2 * cap2 >= self.L:
+            self.mode = DENSE
+        else:
+            self.mode, self.cap2 = SPARSE, cap2
+        self.decisions += 1
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self, grad, out, nonfinite):
+        P, L, cap, r = self.P, self.L, self.cap, self.rank
+        dev = self.device
+        acc = self.accumulate(grad)
+        acc_pad = torch.zeros(P * L, dtype=torch.float32, device=dev)
+        acc_pad.index_copy_(0, self._pad_pos, acc)
+        acc_pad = acc_pad.view(P, L)
+
+        # 1. local top-k
+        _, sidx = torch.topk(acc.abs(), self.k, sorted=False)
+        sel = torch.zeros(P * L, dtype=torch.float32, device=dev)
+        pidx = self._pad_pos.index_select(0, sidx)
+        sel.index_copy_(0, pidx, acc_pad.view(-1).index_select(0, pidx))
+        sel = sel.view(P, L)
+        sel_count = (sel != 0).sum(1)
+
+        # 2. the largest `cap` selected entries of each region go to its owner
+        _, ridx = torch.topk(sel.abs(), cap, dim=1, sorted=False)
+        rvals = sel.gather(1, ridx)
+        sent_count = (rvals != 0).sum(1)
+        # acc - sent: exact zeros where sent (the values are copies); slots that picked an
+        # unselected (zero in `sel`) position leave acc there untouched
+        residual = acc_pad.scatter(1, ridx, acc_pad.gather(1, ridx) - rvals)
+        msg = self._pack(ridx, rvals, sent_count)
+        rmsg = torch.empty_like(msg)
+        if P > 1:
+            self.comm.alltoall(rmsg.view(-1), msg.view(-1))
+        else:
+            rmsg.copy_(msg)
+
+        # 3. owner reduces in rank order
+        iidx, ivals = self._unpack(rmsg)
+        R = torch.zeros(L, dtype=torch.float32, device=dev)
+        for s in range(P):
+            R.index_add_(0, iidx[s], ivals[s])
+
+        # 4. allgather of the reduced regions
+        mode = self.mode
+        if mode == SPARSE:
+            _, gidx = torch.topk(R.abs(), self.cap2, sorted=False)
+            gvals = R.gather(0, gidx)
+            fill_own = (R != 0).sum()
+            R.scatter_(0, gidx, 0.0)  # what does not fit stays with the owner
+            gmsg = self._pack(gidx, gvals, fill_own)
+            allm = torch.empty(P, gmsg.numel(), dtype=torch.int32, device=dev)
+            if P > 1:
+                self.comm.allgather(allm, gmsg)
+            else:
+                allm[0] = gmsg
+            aidx, avals = self._unpack(allm)
+            opad = torch.zeros(P, L, dtype=torch.float32, device=dev)
+            opad.scatter_(1, aidx, avals)
+            counts = allm[:, 0]
+            kept = (avals != 0).sum()
+        else:
+            opad = torch.empty(P, L, dtype=torch.float32, device=dev)
+            if P > 1:
+                self.comm.allgather(opad, R)
+            else:
+                opad[0] = R
+            R.zero_()
+            counts = (opad != 0).sum(1)
+            kept = counts.sum()
+        residual[r] += R
+        out.copy_(opad.view(-1).index_select(0, self._pad_pos).div_(P))
+        self.commit_residual(residual.view(-1).index_select(0, self._pad_pos), nonfinite)
+
+        self.stats.update(
+            local_selected=sent_count.sum(),
+            global_selected=(out != 0).sum(),
+            overflow=(sel_count - sent_count).sum(),
+            fill=counts.sum(),
+            gathered=kept,
+            mode=mode,
+            cap=cap,
+            cap2=self.cap2 if mode == SPARSE else L,
+        )
+        if self.step_count % self.tau == 0:
+            self._decide(counts, nonfinite)
