@@ -61,22 +61,23 @@ if HAS_TRITON:
         in_range = offs < n
         block_end = tl.minimum(block_start + BLOCK, n)
 
-        active = True
+        live = in_range      # in range and not skipped
         if HAS_SKIP:
-            active = tl.load(skip_ptr) == 0
+            skip_vec = tl.zeros((BLOCK,), dtype=tl.int32) + tl.load(skip_ptr)
+            live = in_range & (skip_vec == 0)
 
         g = tl.load(grad_ptr + offs, mask=in_range, other=0.0).to(tl.float32)
         r = tl.load(residual_ptr + offs, mask=in_range, other=0.0)
         acc = r + g
-        tl.store(residual_ptr + offs, acc, mask=in_range & active)
+        tl.store(residual_ptr + offs, acc, mask=live)
 
         thr = tl.load(threshold_ptr)
-        selected = (tl.abs(acc) >= thr) & (acc != 0.0) & in_range & active
-        bad = ((acc != acc) | (tl.abs(acc) == float("inf"))) & in_range & active
+        selected = (tl.abs(acc) >= thr) & (acc != 0.0) & live
+        bad = ((acc != acc) | (tl.abs(acc) == float("inf"))) & live
 
         # region holding block_start: the largest p < P with region_offsets[p] <= block_start
-        lo = 0
-        hi = P
+        lo = P * 0          # int32 tensors (loop-carried)
+        hi = P + 0
         for _ in range(SEARCH_STEPS):
             mid = (lo + hi) // 2
             go_right = (hi - lo > 1) & (tl.load(region_offsets_ptr + mid) <= block_start)
@@ -106,6 +107,8 @@ if HAS_TRITON:
 
     def _fused_select_triton(grad, residual, threshold, region_offsets, capacity, skip, out,
                              block: int = 2048):
+        if _dispatch.INTERPRET:
+            block = 4096   # the interpreter pays per program: fewer, bigger programs
         n = residual.numel()
         P = region_offsets.numel() - 1
         out.counts.zero_()

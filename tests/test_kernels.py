@@ -1,0 +1,477 @@
+"""Kernels: every Triton kernel against its torch reference (docs/CONTRACTS.md §1).
+
+On CPU the Triton kernels run in the interpreter (conftest sets TRITON_INTERPRET=1 before the
+kernels are imported), which fills region slots in ascending order like the reference; compiled
+Triton on CUDA may fill them in any order, so slots are compared sorted, and with capacity
+overflow only as a subset of the selected set.
+
+Histogram threshold tolerance (tested below): with >= k nonzero finite entries the count
+``c = #{|x| >= t}`` satisfies ``k <= c`` always and ``c <= 1.05 k`` for k >= 1000 on normal,
+student-t and lognormal data; with ties ``c_exact <= c <= c_exact + 0.05 k`` where c_exact is
+the count at the exact k-th largest value.
+"""
+import os
+
+import pytest
+import torch
+
+import oktopk_triton.kernels as K
+from oktopk_triton.kernels import (HIST_BINS, Selection, abs_histogram, bin_threshold, clear_sent,
+                                   exact_threshold, fused_select, histogram_threshold, kth_bin,
+                                   region_select, scatter_add)
+
+CUDA = torch.cuda.is_available()
+DEV = torch.device("cuda" if CUDA else "cpu")
+TRITON_OK = CUDA or os.environ.get("TRITON_INTERPRET") == "1"
+needs_triton = pytest.mark.skipif(not TRITON_OK, reason="needs CUDA or TRITON_INTERPRET=1")
+requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def region_layout(n, P, seed=0, empty=True):
+    """int64 [P+1] offsets with random sizes; some regions empty when P >= 3."""
+    g = gen(seed)
+    if P == 1:
+        return torch.tensor([0, n], dtype=torch.int64, device=DEV)
+    cuts = torch.randint(0, n + 1, (P - 1,), generator=g).sort().values
+    offs = torch.cat([torch.tensor([0]), cuts, torch.tensor([n])]).to(torch.int64)
+    if empty and P >= 3:
+        offs[2] = offs[1]            # region 1 empty
+        offs[P - 1] = offs[P]        # last region empty
+    return offs.to(DEV)
+
+
+def make_grad(n, dtype, seed=0):
+    g = gen(seed)
+    grad = torch.randn(n, generator=g).to(dtype)
+    residual = torch.randn(n, generator=g) * 0.5
+    residual[:: 11] = 0.0                 # some exact zeros of acc come from here
+    grad[:: 11] = 0
+    return grad.to(DEV), residual.to(DEV)
+
+
+def check_selection(sel: Selection, ref: Selection, full: Selection, acc, offsets, capacity,
+                    exact_order: bool):
+    """Counts and nonfinite exactly; valid slots against the reference (sorted per row)."""
+    assert torch.equal(sel.counts.cpu(), ref.counts.cpu())
+    assert torch.equal(sel.nonfinite.cpu(), ref.nonfinite.cpu())
+    P = offsets.numel() - 1
+    acc = acc.cpu()
+    for p in range(P):
+        c = min(int(ref.counts[p]), capacity)
+        idx = sel.indices[p, :c].cpu().to(torch.int64)
+        val = sel.values[p, :c].cpu()
+        ridx = ref.indices[p, :c].cpu().to(torch.int64)
+        if exact_order:
+            assert torch.equal(idx, ridx)
+        order = idx.argsort()
+        idx, val = idx[order], val[order]
+        assert torch.equal(idx.unique(), idx), "duplicate slots"
+        start = int(offsets[p])
+        torch.testing.assert_close(val, acc[start + idx], rtol=0, atol=0, equal_nan=True)
+        if int(ref.counts[p]) <= capacity:
+            assert torch.equal(idx, ridx.sort().values)
+        else:   # overflow: any min(count, cap) of the selected entries
+            allowed = set(full.indices[p, :int(full.counts[p])].cpu().tolist())
+            assert set(idx.tolist()) <= allowed
+
+
+def run_pair(grad, residual, thr, offsets, capacity, skip=None):
+    outs = {}
+    for be in ("torch", "triton"):
+        r = residual.clone()
+        outs[be] = (r, fused_select(grad, r, thr, offsets, capacity, skip=skip, backend=be))
+    return outs
+
+
+# ----------------------------------------------------------------------------------------------
+# fused_select
+# ----------------------------------------------------------------------------------------------
+@needs_triton
+@pytest.mark.parametrize("n", [1, 7, 1000, 65537])
+@pytest.mark.parametrize("P", [1, 3, 8])
+@pytest.mark.parametrize("dtype", list(GRAD_DTYPES))
+@pytest.mark.parametrize("mode", ["nothing", "some", "everything"])
+def test_fused_select_matches_reference(n, P, dtype, mode):
+    if n == 65537 and dtype != "fp32" and mode != "some":
+        pytest.skip("large n: one mode per low-precision dtype keeps the file fast")
+    grad, residual = make_grad(n, GRAD_DTYPES[dtype], seed=n + P)
+    offsets = region_layout(n, P, seed=n * 7 + P)
+    thr = {"nothing": float("inf"), "some": 1.5, "everything": 0.0}[mode]
+    thr = torch.tensor(thr, dtype=torch.float32, device=DEV)
+    capacity = max(1, n // (2 * P))        # overflows in "everything", not in "some"
+    outs = run_pair(grad, residual, thr, offsets, capacity)
+    acc = residual + grad.float()
+    torch.testing.assert_close(outs["triton"][0], acc, rtol=0, atol=0)
+    torch.testing.assert_close(outs["torch"][0], acc, rtol=0, atol=0)
+    full = fused_select(grad, residual.clone(), thr, offsets, n, backend="torch")
+    ref = outs["torch"][1]
+    # the reference itself against a plain definition
+    sizes = (offsets[1:] - offsets[:-1]).cpu()
+    sel = (acc.abs() >= thr) & (acc != 0)
+    want = torch.stack([sel[int(offsets[p]):int(offsets[p + 1])].sum() for p in range(P)])
+    assert torch.equal(ref.counts.cpu().to(torch.int64), want.cpu().to(torch.int64))
+    if mode == "nothing":
+        assert int(ref.counts.sum()) == 0
+    if mode == "everything":
+        assert int(ref.counts.sum()) == int((acc != 0).sum())
+    assert sizes.sum() == n
+    check_selection(outs["triton"][1], ref, full, acc, offsets, capacity, exact_order=not CUDA)
+
+
+@needs_triton
+@pytest.mark.parametrize("capacity", [0, 1, 5])
+def test_fused_select_capacity_overflow(capacity):
+    n, P = 5000, 3
+    grad, residual = make_grad(n, torch.float32, seed=3)
+    offsets = region_layout(n, P, seed=5, empty=False)
+    thr = torch.tensor(0.5, device=DEV)
+    outs = run_pair(grad, residual, thr, offsets, capacity)
+    full = fused_select(grad, residual.clone(), thr, offsets, n, backend="torch")
+    ref = outs["torch"][1]
+    assert (ref.counts > capacity).all()               # true counts past the capacity
+    assert torch.equal(ref.counts, full.counts)
+    acc = residual + grad
+    check_selection(outs["triton"][1], ref, full, acc, offsets, capacity, exact_order=not CUDA)
+    for be in outs:                                    # residual keeps all of acc
+        torch.testing.assert_close(outs[be][0], acc, rtol=0, atol=0)
+
+
+@needs_triton
+def test_fused_select_all_regions_empty_but_one():
+    n = 3000
+    offsets = torch.tensor([0, 0, 0, n, n, n], dtype=torch.int64, device=DEV)
+    grad, residual = make_grad(n, torch.float32, seed=9)
+    thr = torch.tensor(1.0, device=DEV)
+    outs = run_pair(grad, residual, thr, offsets, 2000)
+    ref = outs["torch"][1]
+    assert ref.counts[[0, 1, 3, 4]].abs().sum() == 0 and ref.counts[2] > 0
+    check_selection(outs["triton"][1], ref, ref, residual + grad, offsets, 2000, exact_order=not CUDA)
+
+
+@needs_triton
+@pytest.mark.parametrize("skip", [0, 1])
+def test_fused_select_skip_and_nonfinite(skip):
+    n, P = 9000, 4
+    grad, residual = make_grad(n, torch.float16, seed=1)
+    offsets = torch.tensor([0, 1000, 1000, 5000, n], dtype=torch.int64, device=DEV)
+    residual[10] = float("nan")          # region 0
+    grad[6000] = float("inf")            # region 3
+    skip_t = torch.tensor(skip, dtype=torch.int32, device=DEV)
+    thr = torch.tensor(1.0, device=DEV)
+    outs = run_pair(grad, residual, thr, offsets, 4000, skip=skip_t)
+    for be, (r, sel) in outs.items():
+        if skip:
+            assert torch.equal(r.nan_to_num(), residual.nan_to_num()), be     # untouched
+            assert int(sel.counts.abs().sum()) == 0 and int(sel.nonfinite.sum()) == 0
+        else:
+            assert sel.nonfinite.tolist() == [1, 0, 0, 1], be
+            assert torch.isinf(sel.values[3, :int(sel.counts[3])]).any()   # inf is selected
+    if not skip:
+        check_selection(outs["triton"][1], outs["torch"][1], outs["torch"][1],
+                        residual + grad.float(), offsets, 4000, exact_order=not CUDA)
+
+
+@needs_triton
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fused_select_out_packed_message_views(backend):
+    n, P, cap = 20000, 3, 700
+    grad, residual = make_grad(n, torch.bfloat16, seed=4)
+    offsets = region_layout(n, P, seed=8, empty=False)
+    thr = torch.tensor(1.2, device=DEV)
+    msg = torch.full((P, 2 + 2 * cap), -7, dtype=torch.int32, device=DEV)
+    out = Selection(msg[:, 2:2 + cap], msg[:, 2 + cap:].view(torch.float32), msg[:, 0], msg[:, 1])
+    r = residual.clone()
+    got = fused_select(grad, r, thr, offsets, cap, out=out, backend=backend)
+    assert got.counts.data_ptr() == msg.data_ptr()
+    ref = fused_select(grad, residual.clone(), thr, offsets, cap, backend="torch")
+    assert torch.equal(msg[:, 0], ref.counts) and torch.equal(msg[:, 1], ref.nonfinite)
+    check_selection(got, ref, ref, residual + grad.float(), offsets, cap, exact_order=not CUDA)
+
+
+# ----------------------------------------------------------------------------------------------
+# histograms and thresholds
+# ----------------------------------------------------------------------------------------------
+@needs_triton
+@pytest.mark.parametrize("n", [1, 7, 1000, 65537])
+@pytest.mark.parametrize("dtype", list(GRAD_DTYPES))
+def test_abs_histogram_matches_reference(n, dtype):
+    x = (torch.randn(n, generator=gen(n)) * 3).to(GRAD_DTYPES[dtype])
+    x[::5] = 0
+    if n > 10:
+        x[3], x[4], x[6] = float("nan"), float("inf"), -float("inf")
+    x = x.to(DEV)
+    ranges = [(None, None), (n // 3, n - n // 4),
+              (torch.tensor(n // 5, device=DEV), torch.tensor(n, device=DEV)), (n // 2, n // 2)]
+    for start, end in ranges:
+        h0 = {be: abs_histogram(x, start=start, end=end, backend=be) for be in ("torch", "triton")}
+        assert torch.equal(h0["torch"], h0["triton"])
+        s = 0 if start is None else int(start)
+        e = n if end is None else int(end)
+        seg = x[s:e].float().cpu()
+        assert int(h0["torch"].sum()) == int(((seg != 0) & seg.isfinite()).sum())
+        b, _ = kth_bin(h0["torch"], 1)
+        h1 = {be: abs_histogram(x, prefix=b, start=start, end=end, backend=be)
+              for be in ("torch", "triton")}
+        assert torch.equal(h1["torch"], h1["triton"])
+        assert int(h1["torch"].sum()) == int(h0["torch"][b])
+
+
+def test_kth_bin_edge_cases():
+    h = torch.zeros(HIST_BINS, dtype=torch.int64)
+    h[[3, 10, 100]] = torch.tensor([5, 2, 1])
+    assert [int(v) for v in kth_bin(h, 1)] == [100, 0]
+    assert [int(v) for v in kth_bin(h, 2)] == [10, 1]
+    assert [int(v) for v in kth_bin(h, 3)] == [10, 1]
+    assert [int(v) for v in kth_bin(h, 4)] == [3, 3]
+    assert [int(v) for v in kth_bin(h, 8)] == [3, 3]
+    assert [int(v) for v in kth_bin(h, 9)] == [0, 8]              # total below k: bin 0
+    assert [int(v) for v in kth_bin(h, 0)] == [HIST_BINS - 1, 0]
+    assert [int(v) for v in kth_bin(h, torch.tensor(2))] == [10, 1]  # k as a tensor
+    z = torch.zeros(HIST_BINS, dtype=torch.int64)
+    assert [int(v) for v in kth_bin(z, 1)] == [0, 0]
+    b, above = kth_bin(h, 2)
+    assert b.dtype == torch.int64 and b.dim() == 0 and above.dim() == 0
+
+
+def test_bin_threshold_edges():
+    x = torch.tensor([1.0, 2.0, 3.5, 1e-30, 3e38])
+    for v in x:
+        bits = int(v.view(torch.int32))
+        b0 = torch.tensor(bits >> 20)
+        b1 = torch.tensor((bits >> 9) & 2047)
+        assert float(bin_threshold(b0)) <= float(v)
+        t = float(bin_threshold(b0, b1))
+        assert t <= float(v) and (float(v) - t) <= float(v) * 2 ** -14
+    assert bin_threshold(torch.tensor(0)).dtype == torch.float32
+
+
+def tail_count(x, t):
+    x = x.float()
+    return int(((x.abs() >= t) & (x != 0)).sum())
+
+
+DISTS = {
+    "normal": lambda n, g: torch.randn(n, generator=g),
+    "student_t2": lambda n, g: torch.distributions.StudentT(2.0).sample((n,)),
+    "lognormal": lambda n, g: torch.exp(2 * torch.randn(n, generator=g)) * torch.sign(torch.randn(n, generator=g)),
+}
+
+
+@needs_triton
+@pytest.mark.parametrize("dist", list(DISTS))
+@pytest.mark.parametrize("k", [1000, 5000])
+def test_histogram_threshold_tolerance(dist, k):
+    torch.manual_seed(k)
+    n = 1 << 17
+    x = DISTS[dist](n, gen(k)).to(DEV)
+    for be in ("torch", "triton"):
+        t = histogram_threshold(x, k, backend=be)
+        c = tail_count(x, t)
+        assert k <= c <= 1.05 * k, (be, c)
+        assert float(t) <= float(exact_threshold(x, k))
+    assert float(histogram_threshold(x, k, backend="torch")) == float(histogram_threshold(x, k, backend="triton"))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_histogram_threshold_with_ties(dtype):
+    n, k = 1 << 16, 1000
+    x = (torch.randn(n, generator=gen(1)) * 100).round() / 100      # ~dozens of ties per value
+    x = x.to(GRAD_DTYPES[dtype]).to(DEV)
+    t_exact = exact_threshold(x, k)
+    c_exact = tail_count(x, t_exact)
+    assert c_exact > k                                              # the data do tie at k
+    for be in ("torch", "triton"):
+        t = histogram_threshold(x, k, backend=be)
+        c = tail_count(x, t)
+        assert c_exact <= c <= c_exact + 0.05 * k, (be, c, c_exact)
+
+
+@needs_triton
+def test_histogram_threshold_small_cases():
+    x = torch.tensor([0.0, -3.0, 0.0, 2.0, float("nan"), 1.0], device=DEV)
+    for be in ("torch", "triton"):
+        assert float(histogram_threshold(x, 1, backend=be)) <= 3.0
+        assert tail_count(x, histogram_threshold(x, 1, backend=be)) == 1
+        assert tail_count(x, histogram_threshold(x, 3, backend=be)) == 3
+        assert float(histogram_threshold(x, 10, backend=be)) == 0.0   # fewer than k: all nonzero
+        # start/end as device tensors
+        t = histogram_threshold(x, 1, start=torch.tensor(2, device=DEV),
+                                end=torch.tensor(6, device=DEV), backend=be)
+        assert tail_count(x[2:6], t) == 1 and float(t) <= 2.0
+    one = torch.tensor([-0.25], device=DEV)
+    assert float(histogram_threshold(one, 1, backend="triton")) == 0.25
+    assert float(exact_threshold(one, 1)) == 0.25
+    assert float(exact_threshold(x[:1], 0)) == 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# scatter_add
+# ----------------------------------------------------------------------------------------------
+@needs_triton
+@pytest.mark.parametrize("base", [None, 5, "tensor"])
+def test_scatter_add_repeated_indices_across_sources(base):
+    S, cap, m = 4, 300, 1000
+    g = gen(2)
+    common = torch.randperm(m, generator=g)[:50]          # the same indices in every source
+    rest = torch.ones(m, dtype=torch.bool)
+    rest[common] = False
+    others = rest.nonzero().reshape(-1)
+    idx = torch.stack([torch.cat([common, others[torch.randperm(others.numel(), generator=g)[:cap - 50]]])
+                       for _ in range(S)]).to(torch.int32)   # unique within a source
+    vals = torch.randn(S, cap, generator=g)
+    counts = torch.tensor([cap, 120, 0, cap + 40], dtype=torch.int32)   # past cap: cap valid
+    b = {None: 0, 5: 5, "tensor": 17}[base]
+    base_arg = torch.tensor(17, device=DEV) if base == "tensor" else base
+    want = torch.randn(m + 20, generator=g)
+    start = want.clone()
+    for s in range(S):
+        for i in range(min(int(counts[s]), cap)):
+            want[b + int(idx[s, i])] += vals[s, i]
+    got = {}
+    for be in ("torch", "triton"):
+        d = start.clone().to(DEV)
+        scatter_add(d, idx.to(DEV), vals.to(DEV), counts.to(DEV), base=base_arg, backend=be)
+        got[be] = d.cpu()
+    assert torch.equal(got["torch"], got["triton"])      # same order: bitwise
+    torch.testing.assert_close(got["torch"], want, rtol=1e-5, atol=1e-5)
+
+
+@needs_triton
+def test_scatter_add_strided_rows_and_empty():
+    cap = 10
+    msg = torch.zeros(2, 2 + 2 * cap, dtype=torch.int32, device=DEV)
+    msg[:, 0] = torch.tensor([3, 0], dtype=torch.int32)
+    msg[0, 2:5] = torch.tensor([0, 4, 9], dtype=torch.int32)
+    msg[:, 2 + cap:].view(torch.float32)[0, :3] = torch.tensor([1.0, 2.0, 3.0])
+    for be in ("torch", "triton"):
+        d = torch.zeros(10, device=DEV)
+        scatter_add(d, msg[:, 2:2 + cap], msg[:, 2 + cap:].view(torch.float32), msg[:, 0], backend=be)
+        assert d.tolist() == [1, 0, 0, 0, 2, 0, 0, 0, 0, 3]
+
+
+# ----------------------------------------------------------------------------------------------
+# region_select
+# ----------------------------------------------------------------------------------------------
+@needs_triton
+@pytest.mark.parametrize("n", [1, 7, 1000, 65537])
+@pytest.mark.parametrize("device_range", [False, True])
+def test_region_select_ascending_and_matches(n, device_range):
+    x = torch.randn(n, generator=gen(n)).to(DEV)
+    x[::3] = 0
+    cases = [(0, n), (n // 4, n - n // 3), (n // 2, n // 2)]
+    for start, end in cases:
+        for thr_v, cap in [(1.0, n), (0.0, max(1, n // 10)), (float("inf"), 4)]:
+            thr = torch.tensor(thr_v, device=DEV)
+            kw = {}
+            s_arg, e_arg = start, end
+            if device_range:
+                s_arg = torch.tensor(start, device=DEV)
+                e_arg = torch.tensor(end, device=DEV)
+                kw["max_len"] = max(end - start, 1) + 3
+            res = {be: region_select(x, s_arg, e_arg, thr, cap, scale=0.5, backend=be, **kw)
+                   for be in ("torch", "triton")}
+            seg = x[start:end].cpu()
+            sel = ((seg.abs() >= thr_v) & (seg != 0)).nonzero().reshape(-1)
+            for be, (idx, val, cnt) in res.items():
+                assert int(cnt) == sel.numel(), be
+                c = min(sel.numel(), cap)
+                assert torch.equal(idx[:c].cpu().to(torch.int64), sel[:c]), be   # ascending
+                assert torch.equal(val[:c].cpu(), seg[sel[:c]] * 0.5), be
+                assert (idx[c:] == -1).all() and (val[c:] == 0).all(), be
+                assert idx.dtype == torch.int32 and val.dtype == torch.float32
+                assert cnt.dtype == torch.int32 and cnt.dim() == 0
+
+
+@needs_triton
+def test_region_select_tensor_scale_and_out():
+    x = torch.arange(-50, 50, dtype=torch.float32, device=DEV)    # x[10:90] = -40..39
+    out = (torch.empty(8, dtype=torch.int32, device=DEV), torch.empty(8, device=DEV),
+           torch.empty((), dtype=torch.int32, device=DEV))
+    for be in ("torch", "triton"):
+        idx, val, cnt = region_select(x, 10, 90, torch.tensor(35.0, device=DEV), 8,
+                                      scale=torch.tensor(2.0, device=DEV), out=out, backend=be)
+        assert idx is out[0] and cnt is out[2]
+        assert int(cnt) == 11                            # -40..-35 and 35..39
+        assert idx.tolist() == [0, 1, 2, 3, 4, 5, 75, 76]
+        assert val.tolist() == [-80, -78, -76, -74, -72, -70, 70, 72]
+
+
+# ----------------------------------------------------------------------------------------------
+# clear_sent
+# ----------------------------------------------------------------------------------------------
+@needs_triton
+@pytest.mark.parametrize("P", [1, 3, 8])
+def test_clear_sent_matches_sets(P):
+    n = 4000
+    offsets = region_layout(n, P, seed=P)
+    g = gen(P)
+    cap_s, cap_g = 64, 40
+    sent_idx = torch.zeros(P, cap_s, dtype=torch.int32)
+    glob_idx = torch.full((P, cap_g), 2 ** 30, dtype=torch.int32)   # padding past the count
+    sent_cnt = torch.zeros(P, dtype=torch.int32)
+    glob_cnt = torch.zeros(P, dtype=torch.int32)
+    want = torch.ones(n)
+    for j in range(P):
+        size = int(offsets[j + 1] - offsets[j])
+        if size == 0:
+            continue
+        s = torch.randperm(size, generator=g)[:cap_s]
+        sent_cnt[j] = s.numel() + (5 if j % 2 else 0)         # past the capacity on odd rows
+        sent_idx[j, :s.numel()] = s.to(torch.int32)
+        gl = torch.cat([s[: s.numel() // 2], torch.randperm(size, generator=g)[:cap_g]]).unique()
+        gl = gl[torch.randperm(gl.numel(), generator=g)][:cap_g].sort().values
+        glob_cnt[j] = gl.numel() + (3 if j % 3 == 0 else 0)
+        glob_idx[j, :gl.numel()] = gl.to(torch.int32)
+        for v in set(s.tolist()) & set(gl.tolist()):
+            want[int(offsets[j]) + v] = 0
+    if P > 1:                      # a sent entry past the global count must not be cleared
+        glob_cnt[P - 1] = min(int(glob_cnt[P - 1]), cap_g)
+    for be in ("torch", "triton"):
+        r = torch.ones(n, device=DEV)
+        clear_sent(r, sent_idx.to(DEV), sent_cnt.to(DEV), offsets, glob_idx.to(DEV),
+                   glob_cnt.to(DEV), backend=be)
+        assert torch.equal(r.cpu(), want), be
+
+
+@needs_triton
+def test_clear_sent_respects_counts():
+    offsets = torch.tensor([0, 10], dtype=torch.int64, device=DEV)
+    r0 = torch.arange(1, 11, dtype=torch.float32, device=DEV)
+    sent = torch.tensor([[1, 4, 7]], dtype=torch.int32, device=DEV)
+    glob = torch.tensor([[1, 4, 7, 8]], dtype=torch.int32, device=DEV)
+    for be in ("torch", "triton"):
+        r = r0.clone()
+        clear_sent(r, sent, torch.tensor([2], dtype=torch.int32, device=DEV), offsets, glob,
+                   torch.tensor([2], dtype=torch.int32, device=DEV), backend=be)
+        assert r.tolist() == [1, 0, 3, 4, 0, 6, 7, 8, 9, 10], be   # only 1 and 4: 7 past counts
+
+
+# ----------------------------------------------------------------------------------------------
+# dispatch and CUDA
+# ----------------------------------------------------------------------------------------------
+def test_dispatch_choice():
+    cpu = torch.device("cpu")
+    assert K.choose("torch", cpu) == "torch"
+    assert K.choose("auto", cpu) == ("triton" if K.INTERPRET else "torch")
+    with pytest.raises(ValueError):
+        K.choose("cuda", cpu)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", list(GRAD_DTYPES))
+def test_cuda_compiled_large(dtype):
+    n, P = (1 << 22) + 3, 8
+    grad, residual = make_grad(n, GRAD_DTYPES[dtype], seed=11)
+    offsets = region_layout(n, P, seed=12)
+    thr = histogram_threshold(residual + grad.float(), n // 100)
+    outs = run_pair(grad, residual, thr, offsets, n // 50)
+    full = fused_select(grad, residual.clone(), thr, offsets, n, backend="torch")
+    check_selection(outs["triton"][1], outs["torch"][1], full, residual + grad.float(), offsets,
+                    n // 50, exact_order=False)
