@@ -198,6 +198,9 @@ def test_state_dict_round_trip(name):
 
 
 # -- gloo == LocalCluster --------------------------------------------------------------------------
+GLOO_ARGS = (1200, 3, 0.03)  # n, steps, density
+
+
 def _steps_body(comm, name, n, steps, density):
     grad = mixed(seed=21)
     a = get_algorithm(name)(n, comm, density)
@@ -205,13 +208,42 @@ def _steps_body(comm, name, n, steps, density):
     return outs, a.residual.clone()
 
 
+def _all_steps_body(comm, names, n, steps, density):
+    """Every algorithm in one gloo world (one spawn for all: spawning costs seconds)."""
+    import traceback
+    res = {}
+    for name in names:
+        try:
+            res[name] = _steps_body(comm, name, n, steps, density)
+        except Exception:  # noqa: BLE001 - reported by the test of that algorithm
+            res[name] = traceback.format_exc()
+            comm.barrier()
+    return res
+
+
+def _present(name):
+    try:
+        get_algorithm(name)
+        return True
+    except (ImportError, AttributeError):
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def _gloo_all():
+    distutil = pytest.importorskip("distutil")
+    names = tuple(n for n in ALL if _present(n))
+    return distutil.run_gloo(3, _all_steps_body, names, *GLOO_ARGS, timeout=180)
+
+
 @pytest.mark.parametrize("name", ALL)
 def test_gloo_equals_local_cluster(name):
     require(name)
-    distutil = pytest.importorskip("distutil")
-    n, steps, density = 1200, 3, 0.03
-    gloo = distutil.run_gloo(3, _steps_body, name, n, steps, density, timeout=120)
-    local = LocalCluster(3, timeout=60).run(_steps_body, name, n, steps, density)
+    gloo = [r[name] for r in _gloo_all()]
+    for p, g in enumerate(gloo):
+        assert not isinstance(g, str), f"{name} failed on gloo rank {p}:\n{g}"
+    n, steps, _ = GLOO_ARGS
+    local = LocalCluster(3, timeout=60).run(_steps_body, name, *GLOO_ARGS)
     for p in range(3):
         (go, gr), (lo, lr) = gloo[p], local[p]
         for t in range(steps):
