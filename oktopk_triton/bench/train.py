@@ -1,0 +1,589 @@
+"""Train a small CNN on scikit-learn's digits with every allreduce and compare (``oktopk-bench
+train`` / ``oktopk-bench demo`` / ``make demo``).
+
+The data is ``sklearn.datasets.load_digits`` (1797 8x8 images, bundled: no download), split once
+(fixed split seed) into a training and a held-out test set. ``world_size`` ranks are launched by
+``torchrun`` (gloo on CPU; NCCL, through CuPy when installed, when there are at least
+``world_size`` GPUs). Every rank builds the model from the same seed, trains on its own shard of
+the training set and averages its gradients with :class:`oktopk_triton.SparseAllreduce`; the
+loop is the one a user copies::
+
+    sar = SparseAllreduce(model.parameters(), density=0.01, algorithm="oktopk")
+    for x, y in loader:
+        opt.zero_grad(); loss = F.cross_entropy(model(x), y); loss.backward()
+        sar.reduce_gradients()      # averages .grad over ranks (sparse), with error feedback
+        opt.step()
+
+Launch design: ONE torchrun for the whole comparison. The workers loop over the (seed,
+algorithm) runs, re-seeding the model, optimizer and data order for each, so every algorithm
+sees exactly the same initial weights and batches. One launch pays interpreter start-up, the
+torch import, and the process-group rendezvous once instead of once per algorithm (on the 2-core
+reference machine that is ~10 s per launch for 4 processes). If a run fails (an algorithm
+raises or a rank dies), torchrun stops the launch; the driver records the failure for that run
+and relaunches with the runs that are left, so one broken algorithm never hides the others.
+
+Rank 0 prints one progress line per epoch and appends one JSON record per finished run to a
+results file that the driver reads. At the end of every run the parameters of all ranks are
+compared bit for bit (an allgather of an exact integer checksum of the fp32 bit patterns): the
+reduced gradient is bitwise identical on every rank, so the replicas must be too.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List, Optional
+
+DEFAULTS = dict(world_size=4, density=0.01, epochs=12, model="cnn", seeds=[0], batch_size=32,
+                lr=0.1, momentum=0.9, schedule="cosine", warmup_epochs=1.0, weight_decay=0.0, test_fraction=0.25, width=32,
+                eval_every=0, tag=None)
+RESULTS_DIR = os.path.join("bench", "results")
+
+
+# ------------------------------------------------------------------------------------------
+# CLI
+# ------------------------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--algorithms", nargs="+", default=["all"],
+                   help="algorithms to compare ('all' = dense and every available sparse one)")
+    p.add_argument("--density", type=float, default=DEFAULTS["density"],
+                   help="fraction of the gradient each sparse algorithm sends (k = density*n)")
+    p.add_argument("--world-size", type=int, default=DEFAULTS["world_size"], help="ranks")
+    p.add_argument("--epochs", type=int, default=DEFAULTS["epochs"])
+    p.add_argument("--model", choices=["cnn", "mlp"], default=DEFAULTS["model"])
+    p.add_argument("--width", type=int, default=DEFAULTS["width"],
+                   help="channels of the first conv (cnn) / hidden units / 8 (mlp)")
+    p.add_argument("--seeds", "--seed", type=int, nargs="+", default=DEFAULTS["seeds"],
+                   help="training seeds (model init and data order); results are averaged")
+    p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"], help="per rank")
+    p.add_argument("--lr", type=float, default=DEFAULTS["lr"])
+    p.add_argument("--momentum", type=float, default=DEFAULTS["momentum"])
+    p.add_argument("--schedule", choices=["cosine", "constant"], default=DEFAULTS["schedule"],
+                   help="learning rate: linear warm-up then cosine decay to 0, or constant")
+    p.add_argument("--warmup-epochs", type=float, default=DEFAULTS["warmup_epochs"])
+    p.add_argument("--weight-decay", type=float, default=DEFAULTS["weight_decay"])
+    p.add_argument("--test-fraction", type=float, default=DEFAULTS["test_fraction"])
+    p.add_argument("--train-subset", type=int, default=0,
+                   help="use only this many training samples (0 = all; for quick tests)")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="evaluate every N steps as well as at every epoch end (0 = epochs only)")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra option passed to the sparse algorithms (repeatable)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: NCCL on GPUs when there are >= world-size of them, else gloo/CPU")
+    p.add_argument("--tag", default=None, help="results name: bench/results/train-<tag>.json")
+    p.add_argument("--json", default=None, help="results JSON path (default from --tag)")
+    p.add_argument("--plot", default=None, help="PNG path (default: the JSON path with .png)")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--timeout", type=float, default=1800.0,
+                   help="seconds before a launch is killed")
+    p.add_argument("--quiet", action="store_true", help="no per-epoch progress lines")
+
+
+def add_demo_arguments(p: argparse.ArgumentParser) -> None:
+    add_arguments(p)
+    p.set_defaults(tag="digits-d0.01-demo")
+
+
+def demo_main(args) -> int:
+    """``make demo``: 4 ranks, dense and every available sparse algorithm at density 1%."""
+    return main(args)
+
+
+def main(args) -> int:
+    t0 = time.time()
+    algos, skipped = resolve_algorithms(args.algorithms)
+    for name, why in skipped:
+        print(f"note: skipping {name}: {why}", flush=True)
+    if not algos:
+        print("nothing to run", file=sys.stderr)
+        return 2
+    tag = args.tag or f"digits-d{args.density:g}"
+    json_path = args.json or os.path.join(RESULTS_DIR, f"train-{tag}.json")
+    plot_path = None if args.no_plot else (args.plot or os.path.splitext(json_path)[0] + ".png")
+    config = build_config(args, algos)
+    print(f"oktopk-bench train: {args.world_size} ranks, {args.model}, density {args.density:g}, "
+          f"{args.epochs} epochs, seeds {list(args.seeds)}, algorithms {algos}", flush=True)
+    runs, failures = launch(config, timeout=args.timeout)
+    summary = summarize(runs, algos, failures)
+    wall = time.time() - t0
+    report = {"config": config, "skipped": [{"algorithm": n, "why": w} for n, w in skipped],
+              "failures": failures, "summary": summary, "runs": runs, "wall_s": wall}
+    os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+    with open(json_path, "w") as f:
+        json.dump(report, f, indent=1)
+    print()
+    print(format_table(summary, config))
+    for fl in failures:
+        print(f"FAILED {fl['algorithm']} (seed {fl['seed']}): {fl['error']}")
+    for name, why in skipped:
+        print(f"skipped {name}: {why}")
+    print(f"results: {json_path}")
+    if plot_path:
+        try:
+            plot(report, plot_path)
+            print(f"plot:    {plot_path}")
+        except Exception as e:  # the plot is a convenience; never lose the results over it
+            print(f"plot failed: {e!r}")
+    print(f"wall time {wall:.1f} s", flush=True)
+    bad = [r for r in runs if not r.get("replicas_identical", False)]
+    if bad:
+        print(f"ERROR: replicas diverged in {len(bad)} run(s)", file=sys.stderr)
+        return 1
+    return 1 if failures else 0
+
+
+def resolve_algorithms(names: List[str]):
+    from ..algorithms import REGISTRY, available_algorithms
+    avail = available_algorithms()
+    if any(n.lower() == "all" for n in names):
+        wanted = list(REGISTRY)  # dense first, then the sparse ones in registry order
+    else:
+        wanted = [n.lower() for n in names]
+    algos, skipped = [], []
+    for n in wanted:
+        if n not in REGISTRY:
+            raise SystemExit(f"unknown algorithm {n!r}; choose from {sorted(REGISTRY)} or 'all'")
+        if n in avail:
+            if n not in algos:
+                algos.append(n)
+        else:
+            skipped.append((n, "not implemented yet (get_algorithm failed to import it)"))
+    return algos, skipped
+
+
+def _parse_option(s: str):
+    if "=" not in s:
+        raise SystemExit(f"--option expects KEY=VALUE, got {s!r}")
+    k, v = s.split("=", 1)
+    try:
+        v = json.loads(v)
+    except ValueError:
+        pass
+    return k, v
+
+
+def build_config(args, algos) -> Dict[str, Any]:
+    return dict(algorithms=algos, density=args.density, world_size=args.world_size,
+                epochs=args.epochs, model=args.model, width=args.width, seeds=list(args.seeds),
+                batch_size=args.batch_size, lr=args.lr, momentum=args.momentum,
+                schedule=args.schedule, warmup_epochs=args.warmup_epochs,
+                weight_decay=args.weight_decay, test_fraction=args.test_fraction,
+                train_subset=args.train_subset, eval_every=args.eval_every,
+                options=dict(_parse_option(o) for o in args.option), device=args.device,
+                quiet=args.quiet)
+
+
+# ------------------------------------------------------------------------------------------
+# driver: one torchrun for all runs, relaunch after a failure
+# ------------------------------------------------------------------------------------------
+def launch(config: Dict[str, Any], timeout: float = 1800.0):
+    jobs = [(seed, alg) for seed in config["seeds"] for alg in config["algorithms"]]
+    done: Dict[tuple, dict] = {}
+    failures: List[dict] = []
+    env = dict(os.environ)
+    # the CPU path of the kernels is the torch reference; the Triton *interpreter* (what the
+    # test suite turns on) would make training ~100x slower
+    env.pop("TRITON_INTERPRET", None)
+    env["OMP_NUM_THREADS"] = "1"
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    with tempfile.TemporaryDirectory(prefix="oktopk-train-") as tmp:
+        attempt = 0
+        while True:
+            todo = [j for j in jobs if j not in done and
+                    not any((f["seed"], f["algorithm"]) == j for f in failures)]
+            if not todo:
+                break
+            attempt += 1
+            cfg = dict(config, jobs=[list(j) for j in todo])
+            cfg_path = os.path.join(tmp, f"config{attempt}.json")
+            out_path = os.path.join(tmp, f"results{attempt}.jsonl")
+            with open(cfg_path, "w") as f:
+                json.dump(cfg, f)
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc_per_node", str(config["world_size"]),
+                   "-m", "oktopk_triton.bench.train", "--worker", cfg_path, out_path]
+            try:
+                rc = subprocess.run(cmd, env=env, timeout=timeout).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+            records = _read_jsonl(out_path)
+            errors = {}
+            for r in records:
+                key = (r["seed"], r["algorithm"])
+                if "error" in r:
+                    errors.setdefault(key, r["error"])
+                else:
+                    done[key] = r
+            if rc == 0 and all(j in done for j in todo):
+                break
+            # the first unfinished run is the one that failed
+            pending = [j for j in todo if j not in done]
+            if not pending:
+                break
+            failed = pending[0]
+            failures.append({"seed": failed[0], "algorithm": failed[1],
+                             "error": errors.get(failed, f"launch ended with rc={rc}")})
+            print(f"!! {failed[1]} (seed {failed[0]}) failed: {failures[-1]['error']}; "
+                  f"relaunching for the remaining runs", flush=True)
+    runs = [done[j] for j in jobs if j in done]
+    return runs, failures
+
+
+def _read_jsonl(path: str) -> List[dict]:
+    out = []
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                line = line.strip()
+                if line:
+                    out.append(json.loads(line))
+    return out
+
+
+def summarize(runs: List[dict], algos: List[str], failures: List[dict]) -> List[dict]:
+    rows = []
+    for alg in algos:
+        rs = [r for r in runs if r["algorithm"] == alg]
+        if not rs:
+            rows.append({"algorithm": alg, "status": "failed", "n_seeds": 0})
+            continue
+        acc = [r["final_test_acc"] for r in rs]
+        m = sum(acc) / len(acc)
+        sd = math.sqrt(sum((a - m) ** 2 for a in acc) / (len(acc) - 1)) if len(acc) > 1 else 0.0
+        rows.append({
+            "algorithm": alg, "status": "ok", "n_seeds": len(rs),
+            "final_test_acc": m, "final_test_acc_std": sd, "final_test_acc_per_seed": acc,
+            "final_train_loss": sum(r["final_train_loss"] for r in rs) / len(rs),
+            "bytes_per_step": sum(r["bytes_per_step"] for r in rs) / len(rs),
+            "time_per_step_ms": sum(r["time_per_step_ms"] for r in rs) / len(rs),
+            "reduce_ms": sum(r["reduce_ms"] for r in rs) / len(rs),
+            "numel": rs[0]["numel"], "k": rs[0]["k"],
+            "replicas_identical": all(r["replicas_identical"] for r in rs),
+        })
+    dense = next((r for r in rows if r["algorithm"] == "dense" and r["status"] == "ok"), None)
+    for r in rows:
+        if r["status"] == "ok" and dense is not None:
+            r["acc_vs_dense_points"] = 100.0 * (r["final_test_acc"] - dense["final_test_acc"])
+            r["bytes_vs_dense"] = r["bytes_per_step"] / dense["bytes_per_step"]
+    return rows
+
+
+def format_table(summary: List[dict], config: Dict[str, Any]) -> str:
+    n_seeds = len(config["seeds"])
+    acc_hdr = "test acc %" + (f" (mean±sd, {n_seeds} seeds)" if n_seeds > 1 else "")
+    head = (f"{'algorithm':<10} {acc_hdr:>28} {'vs dense':>9} {'bytes/rank/step':>16} "
+            f"{'x dense':>8} {'time/step ms':>13} {'reduce ms':>10} {'replicas':>9}")
+    lines = [f"density {config['density']:g}, {config['world_size']} ranks, {config['model']}, "
+             f"{config['epochs']} epochs", head, "-" * len(head)]
+    for r in summary:
+        if r["status"] != "ok":
+            lines.append(f"{r['algorithm']:<10} {'FAILED':>28}")
+            continue
+        acc = f"{100 * r['final_test_acc']:.2f}"
+        if n_seeds > 1:
+            acc += f" ± {100 * r['final_test_acc_std']:.2f}"
+        vs = f"{r.get('acc_vs_dense_points', 0.0):+.2f}"
+        xd = f"{r.get('bytes_vs_dense', float('nan')):.4f}"
+        lines.append(f"{r['algorithm']:<10} {acc:>28} {vs:>9} {_fmt_bytes(r['bytes_per_step']):>16} "
+                     f"{xd:>8} {r['time_per_step_ms']:>13.1f} {r['reduce_ms']:>10.2f} "
+                     f"{'identical' if r['replicas_identical'] else 'DIVERGED':>9}")
+    ok = [r for r in summary if r.get("numel")]
+    if ok:
+        n = ok[0]["numel"]
+        lines.append(f"(model: {n} parameters; sparse k = {max(1, round(config['density'] * n))} "
+                     f"at density {config['density']:g}; bytes counted by the communicator)")
+    return "\n".join(lines)
+
+
+def _fmt_bytes(b: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(b) < 1000 or unit == "GB":
+            return f"{b:.1f} {unit}" if unit != "B" else f"{b:.0f} B"
+        b /= 1000.0
+    return f"{b:.1f}"
+
+
+def plot(report: Dict[str, Any], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfg = report["config"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.6))
+    for alg in cfg["algorithms"]:
+        rs = [r for r in report["runs"] if r["algorithm"] == alg]
+        if not rs:
+            continue
+        # accuracy: mean over seeds at the common evaluation steps
+        steps = [s for s, _ in rs[0]["acc_curve"]]
+        acc = [100 * sum(r["acc_curve"][i][1] for r in rs) / len(rs) for i in range(len(steps))]
+        style = dict(lw=2.2, color="black") if alg == "dense" else dict(lw=1.4)
+        (line,) = ax1.plot(steps, acc, label=alg, marker=".", **style)
+        b = rs[0]["bytes_curve"]
+        ax2.plot(range(1, len(b) + 1), b, label=alg, color=line.get_color(),
+                 lw=style["lw"])
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("test accuracy (%)")
+    lo = 80.0
+    ax1.set_ylim(lo, 100)
+    ax1.grid(alpha=0.3)
+    ax1.legend(loc="lower right", fontsize=8)
+    ax1.set_title(f"digits, {cfg['world_size']} ranks, density {cfg['density']:g}")
+    ax2.set_yscale("log")
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("bytes sent per rank per step")
+    ax2.grid(alpha=0.3, which="both")
+    ax2.set_title("communication volume")
+    ax2.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------
+# worker (one per rank, started by torchrun)
+# ------------------------------------------------------------------------------------------
+def make_model(kind: str, width: int = 32):
+    """cnn (width 32): conv 1->32 ->64 (3x3), pool, fc 1024->64->10: 85,450 parameters;
+    mlp (width 32): 64->256->256->10: 85,002 parameters."""
+    import torch.nn as nn
+    if kind == "cnn":
+        w = width
+        return nn.Sequential(
+            nn.Conv2d(1, w, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(w, 2 * w, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(), nn.Linear(2 * w * 16, 64), nn.ReLU(), nn.Linear(64, 10))
+    if kind == "mlp":
+        h = 8 * width
+        return nn.Sequential(nn.Flatten(), nn.Linear(64, h), nn.ReLU(), nn.Linear(h, h),
+                             nn.ReLU(), nn.Linear(h, 10))
+    raise ValueError(f"unknown model {kind!r}")
+
+
+def load_data(test_fraction: float = 0.25, train_subset: int = 0, split_seed: int = 0):
+    """Digits as float tensors [N, 1, 8, 8] in [0, 1]; a fixed stratified-enough random split."""
+    import numpy as np
+    import torch
+    from sklearn.datasets import load_digits
+    d = load_digits()
+    X = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(d.target, dtype=torch.int64)
+    perm = torch.from_numpy(np.random.RandomState(split_seed).permutation(len(y)))
+    n_test = int(round(test_fraction * len(y)))
+    te, tr = perm[:n_test], perm[n_test:]
+    if train_subset:
+        tr = tr[:train_subset]
+    return X[tr], y[tr], X[te], y[te]
+
+
+def _comm_and_device(cfg):
+    import torch
+    import torch.distributed as dist
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = (cfg.get("device", "auto") == "cuda" or
+                (cfg.get("device", "auto") == "auto" and torch.cuda.is_available()
+                 and torch.cuda.device_count() >= world))
+    import datetime
+    if use_cuda:
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=300),
+                                device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    try:
+        from ..comm import default_communicator
+        comm = default_communicator(device)
+    except (ImportError, AttributeError):  # select.py not present: torch.distributed directly
+        from ..comm import TorchCommunicator
+        comm = TorchCommunicator()
+    return comm, device
+
+
+def _param_checksum(model):
+    """Exact checksum of the fp32 bit patterns (int64 sum of the int32 views, and of them times a
+    position weight so a permutation is caught too)."""
+    import torch
+    flat = torch.cat([p.detach().reshape(-1).float().cpu() for p in model.parameters()])
+    bits = flat.view(torch.int32).to(torch.int64)
+    w = torch.arange(1, bits.numel() + 1, dtype=torch.int64) % 1000003
+    return torch.stack([bits.sum(), (bits * w).sum()])
+
+
+def replicas_identical(model) -> bool:
+    import torch
+    import torch.distributed as dist
+    cs = _param_checksum(model)
+    dev = next(model.parameters()).device
+    cs = cs.to(dev)
+    out = [torch.zeros_like(cs) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, cs)
+    return all(torch.equal(o, out[0]) for o in out)
+
+
+def evaluate(model, X, y, batch: int = 512) -> float:
+    import torch
+    model.eval()
+    correct = 0
+    with torch.no_grad():
+        for i in range(0, len(y), batch):
+            correct += (model(X[i:i + batch]).argmax(1) == y[i:i + batch]).sum().item()
+    model.train()
+    return correct / max(1, len(y))
+
+
+def train_one(cfg, algorithm: str, seed: int, comm, device, data, log) -> Dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from .. import SparseAllreduce
+
+    Xtr, ytr, Xte, yte = data
+    P, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(seed)  # the same init on every rank
+    model = make_model(cfg["model"], cfg["width"]).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=cfg["momentum"],
+                          weight_decay=cfg["weight_decay"])
+    options = dict(cfg.get("options") or {}) if algorithm != "dense" else {}
+    density = cfg["density"] if algorithm != "dense" else 1.0
+    sar = SparseAllreduce(model.parameters(), comm=comm, density=density, algorithm=algorithm,
+                          **options)
+    numel = sum(p.numel() for p in model.parameters())
+    k = max(1, int(round(density * numel)))
+    init_identical = replicas_identical(model)
+
+    per_rank = len(ytr) // P
+    bs = cfg["batch_size"]
+    steps_per_epoch = max(1, math.ceil(per_rank / bs))
+    g = torch.Generator().manual_seed(10007 * seed + 17)
+    acc_curve = [(0, evaluate(model, Xte, yte))]
+    bytes_curve: List[int] = []
+    step_times: List[float] = []
+    reduce_times: List[float] = []
+    epoch_losses: List[float] = []
+    total_steps = steps_per_epoch * cfg["epochs"]
+    warmup = int(round(cfg.get("warmup_epochs", 0) * steps_per_epoch))
+
+    def lr_at(i):  # i = steps done so far
+        if cfg.get("schedule", "constant") == "constant":
+            return cfg["lr"]
+        if i < warmup:
+            return cfg["lr"] * (i + 1) / warmup
+        t = (i - warmup) / max(1, total_steps - warmup)
+        return cfg["lr"] * 0.5 * (1 + math.cos(math.pi * t))
+
+    step = 0
+    eval_every = int(cfg.get("eval_every") or 0)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    for epoch in range(cfg["epochs"]):
+        perm = torch.randperm(len(ytr), generator=g)     # same on every rank
+        shard = perm[rank::P][:per_rank]                  # this rank's part of the epoch
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for b in range(steps_per_epoch):
+            idx = shard[b * bs:(b + 1) * bs]
+            x, y = Xtr[idx].to(device), ytr[idx].to(device)
+            sync()
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=False)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            sync()
+            t1 = time.perf_counter()
+            sar.reduce_gradients()   # averages .grad over ranks, error feedback inside
+            sync()
+            t2 = time.perf_counter()
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step)
+            opt.step()
+            sync()
+            t3 = time.perf_counter()
+            step += 1
+            step_times.append(t3 - t0)
+            reduce_times.append(t2 - t1)
+            bytes_curve.append(int(sar.stats["bytes_sent"]))
+            loss_sum += float(loss.detach())
+            if eval_every and step % eval_every == 0 and b != steps_per_epoch - 1:
+                acc_curve.append((step, evaluate(model, Xte, yte)))
+        # mean training loss over ranks and batches of the epoch (one tiny allreduce)
+        lt = (loss_sum / steps_per_epoch).to(torch.float32).reshape(1).to(device)
+        dist.all_reduce(lt)
+        epoch_loss = float(lt) / P
+        epoch_losses.append(epoch_loss)
+        acc = evaluate(model, Xte, yte)
+        acc_curve.append((step, acc))
+        if rank == 0 and log:
+            recent = step_times[-steps_per_epoch:]
+            print(f"  [{algorithm:>9} seed {seed}] epoch {epoch + 1:>2}/{cfg['epochs']}  "
+                  f"step {step:>4}  loss {epoch_loss:.4f}  test acc {100 * acc:6.2f}%  "
+                  f"bytes/step {_fmt_bytes(sum(bytes_curve[-steps_per_epoch:]) / steps_per_epoch):>9}"
+                  f"  {1000 * sum(recent) / len(recent):6.1f} ms/step", flush=True)
+    identical = replicas_identical(model) and init_identical
+    warm = 2 if len(step_times) > 4 else 0  # the first steps include one-time set-up
+    return {
+        "algorithm": algorithm, "seed": seed, "density": density,
+        "world_size": P, "numel": numel, "k": k, "steps": step,
+        "final_test_acc": acc_curve[-1][1], "acc_curve": acc_curve,
+        "final_train_loss": epoch_losses[-1], "train_loss_per_epoch": epoch_losses,
+        "bytes_per_step": sum(bytes_curve) / len(bytes_curve), "bytes_curve": bytes_curve,
+        "time_per_step_ms": 1000 * sum(step_times[warm:]) / len(step_times[warm:]),
+        "reduce_ms": 1000 * sum(reduce_times[warm:]) / len(reduce_times[warm:]),
+        "replicas_identical": bool(identical), "device": str(device),
+        "backend": type(comm).__name__,
+    }
+
+
+def worker_main(cfg_path: str, out_path: str) -> int:
+    import traceback
+
+    import torch
+    import torch.distributed as dist
+    import warnings
+    warnings.filterwarnings("ignore", category=FutureWarning)  # torch.distributed deprecations
+    torch.set_num_threads(1)
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    comm, device = _comm_and_device(cfg)
+    rank = dist.get_rank()
+    Xtr, ytr, Xte, yte = load_data(cfg["test_fraction"], cfg.get("train_subset", 0))
+    data = (Xtr.to(device), ytr.to(device), Xte.to(device), yte.to(device))
+    for seed, alg in cfg["jobs"]:
+        t0 = time.time()
+        try:
+            rec = train_one(cfg, alg, seed, comm, device, data, log=not cfg.get("quiet"))
+        except Exception as e:
+            err = f"{type(e).__name__}: {e}"
+            tb = traceback.format_exc()
+            print(f"[rank {rank}] {alg} seed {seed} failed:\n{tb}", file=sys.stderr, flush=True)
+            # any rank may be the one that raised: each appends its own short line
+            with open(out_path, "a") as f:
+                f.write(json.dumps({"seed": seed, "algorithm": alg, "error": err}) + "\n")
+            raise
+        rec["wall_s"] = time.time() - t0
+        if rank == 0:
+            with open(out_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            if not cfg.get("quiet"):
+                print(f"  [{alg:>9} seed {seed}] done in {rec['wall_s']:.1f} s: test acc "
+                      f"{100 * rec['final_test_acc']:.2f}%, {_fmt_bytes(rec['bytes_per_step'])}"
+                      f"/step, {rec['time_per_step_ms']:.1f} ms/step, replicas "
+                      f"{'identical' if rec['replicas_identical'] else 'DIVERGED'}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 4 and sys.argv[1] == "--worker":
+        sys.exit(worker_main(sys.argv[2], sys.argv[3]))
+    print("usage: torchrun ... -m oktopk_triton.bench.train --worker CONFIG.json OUT.jsonl\n"
+          "       (use `oktopk-bench train` to run the comparison)", file=sys.stderr)
+    sys.exit(2)
