@@ -47,7 +47,7 @@ _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 if _TESTS_DIR not in sys.path:  # so spawned children (and odd import modes) find test modules
     sys.path.insert(0, _TESTS_DIR)
 
-__all__ = ["run_gloo", "RemoteError", "free_port"]
+__all__ = ["run_gloo", "run_nccl", "RemoteError", "free_port"]
 
 
 class RemoteError(RuntimeError):
@@ -85,7 +85,7 @@ def _to_cpu(obj: Any) -> Any:
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, q,
-            pg_timeout: float) -> None:
+            pg_timeout: float, backend: str = "gloo") -> None:
     code = 0
     try:
         import datetime
@@ -98,8 +98,17 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, q,
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size,
                                 timeout=datetime.timedelta(seconds=pg_timeout))
-        comm = TorchCommunicator()
+        if backend == "nccl-cupy":
+            # several ranks may share one GPU: make each look like its own host to NCCL
+            os.environ.setdefault("NCCL_HOSTID", f"oktopk-test-rank{rank}")
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+            from oktopk_triton.comm import NcclCommunicator
+            comm = NcclCommunicator.from_torch_distributed()
+        else:
+            comm = TorchCommunicator()
         result = fn(comm, *args)
+        if backend == "nccl-cupy":
+            torch.cuda.synchronize()
         q.put((rank, True, pickle.dumps(_to_cpu(result))))
         try:  # keep our sockets open until every rank is done with them
             dist.barrier()
@@ -124,6 +133,19 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, q,
 def run_gloo(world_size: int, fn: Callable, *args: Any, timeout: float = 120,
              pg_timeout: float | None = None) -> List[Any]:
     """Run ``fn(comm, *args)`` on ``world_size`` gloo processes; results by rank (see module doc)."""
+    return _run(world_size, fn, args, timeout, pg_timeout, "gloo")
+
+
+def run_nccl(world_size: int, fn: Callable, *args: Any, timeout: float = 180,
+             pg_timeout: float | None = None) -> List[Any]:
+    """Like :func:`run_gloo`, but ``comm`` is a :class:`NcclCommunicator` (CuPy NCCL) on
+    ``cuda:(rank % device_count)``, bootstrapped through a gloo group. Several ranks may share
+    one GPU: each process gets its own ``NCCL_HOSTID``. Callers skip without CUDA or cupy."""
+    return _run(world_size, fn, args, timeout, pg_timeout, "nccl-cupy")
+
+
+def _run(world_size: int, fn: Callable, args: tuple, timeout: float,
+         pg_timeout: float | None, backend: str) -> List[Any]:
     import torch.multiprocessing as mp
 
     if pg_timeout is None:
@@ -137,7 +159,7 @@ def run_gloo(world_size: int, fn: Callable, *args: Any, timeout: float = 120,
         os.environ["OMP_NUM_THREADS"] = "1"
         os.environ["MKL_NUM_THREADS"] = "1"
         for r in range(world_size):
-            p = ctx.Process(target=_worker, args=(r, world_size, port, fn, args, q, pg_timeout),
+            p = ctx.Process(target=_worker, args=(r, world_size, port, fn, args, q, pg_timeout, backend),
                             name=f"run_gloo-rank{r}", daemon=True)
             p.start()
             procs.append(p)
@@ -200,6 +222,9 @@ def run_gloo(world_size: int, fn: Callable, *args: Any, timeout: float = 120,
         except Exception:
             pass
     if errors:
+        # report the origin: a rank's own error before the communication errors it caused
+        secondary = ("CommAborted", "CommTimeout")
+        errors.sort(key=lambda e: e[1] in secondary)  # stable: arrival order otherwise
         rank, typ, tb = errors[0]
         others = "".join(f"  rank {r}: {t}: {b.strip().splitlines()[-1] if b.strip() else ''}\n"
                          for r, t, b in errors[1:])

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from distutil import RemoteError, run_gloo
+from distutil import RemoteError, run_gloo, run_nccl
 from oktopk_triton.comm import (CommAborted, CommError, CommTimeout, LocalCluster,
                                 LocalCommunicator, tensor_bytes)
 from oktopk_triton.comm.local import SingleCommunicator
@@ -132,6 +132,10 @@ def random_allreduce(comm, n, seed):
 
 
 def gloo_all_checks(comm):
+    from oktopk_triton.comm import TorchCommunicator, default_communicator
+    d = default_communicator(torch.device("cpu"))
+    assert type(d) is TorchCommunicator and d.world_size == comm.world_size
+    assert d.rank == comm.rank and d.device == torch.device("cpu")
     total = check_primitives(comm)
     res = random_allreduce(comm, 100_003, 1234)
     # a large-ish allgather + alltoall
@@ -363,3 +367,72 @@ def test_gloo_failure_propagates(tmp_path):
         assert lines[0] in ("CommAborted", "CommTimeout", "RuntimeError"), lines
         assert float(lines[1]) < 15.0, lines  # well below the 60 s process-group timeout
     assert elapsed < 40, elapsed
+
+
+def test_run_gloo_reports_dead_process():
+    t0 = time.monotonic()
+    with pytest.raises(RemoteError) as info:
+        run_gloo(2, exit_body, timeout=60)
+    assert info.value.rank == 1 and "exited with code 3" in str(info.value)
+    assert time.monotonic() - t0 < 40
+
+
+def exit_body(comm):
+    if comm.rank == 1:
+        os._exit(3)  # dies without reporting
+    comm.barrier()
+
+
+# ---------------------------------------------------------------------------------------------
+# NCCL through CuPy
+# ---------------------------------------------------------------------------------------------
+def _has_cupy_nccl() -> bool:
+    try:
+        from cupy.cuda import nccl  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+requires_nccl = pytest.mark.skipif(not (torch.cuda.is_available() and _has_cupy_nccl()),
+                                   reason="needs CUDA and cupy with NCCL")
+
+
+def test_nccl_module_imports_without_cupy():
+    from oktopk_triton.comm import NcclCommunicator
+    from oktopk_triton.comm.nccl import nccl_dtype
+    assert nccl_dtype(torch.bfloat16) == 9 and nccl_dtype(torch.float32) == 7
+    if not _has_cupy_nccl():
+        with pytest.raises(ImportError):
+            NcclCommunicator(0, 1, (0,) * 128, device="cuda:0")
+
+
+def nccl_all_checks(comm):
+    assert comm.device.type == "cuda"
+    total = check_primitives(comm)
+    res = random_allreduce(comm, 1_000_003, 99)
+    # every primitive is enqueued on the current stream: run on a side stream too
+    s = torch.cuda.Stream(comm.device)
+    s.wait_stream(torch.cuda.current_stream(comm.device))
+    with torch.cuda.stream(s):
+        t = torch.full((1 << 20,), float(comm.rank + 1), device=comm.device)
+        comm.allreduce(t)
+        o = torch.empty(comm.world_size << 20, device=comm.device)
+        comm.allgather(o, t)
+    torch.cuda.current_stream(comm.device).wait_stream(s)
+    P = comm.world_size
+    assert torch.equal(o, torch.full_like(o, P * (P + 1) / 2))
+    return total, res
+
+
+@requires_nccl
+@pytest.mark.gpu
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_nccl_primitives(P):
+    res = run_nccl(P, nccl_all_checks, timeout=240)
+    assert [tot for tot, _ in res] == [expected_total_bytes(P, r) for r in range(P)]
+    outs = [t for _, t in res]
+    for t in outs:
+        assert torch.equal(t, outs[0])
+    ref = LocalCluster(P).run(random_allreduce, 1_000_003, 99)[0]
+    torch.testing.assert_close(outs[0], ref, rtol=1e-5, atol=1e-3)
