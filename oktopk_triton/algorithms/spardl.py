@@ -74,7 +74,8 @@ class SparDL(Algorithm):
         lens = b[1:] - b[:-1]
         blk = torch.repeat_interleave(torch.arange(P), lens)
         pos = torch.arange(n, dtype=torch.int64) - b[:-1][blk] + blk * self.L
-        self._pad_pos = pos.to(self.device)
+        # None when n % P == 0: the padded layout is the flat vector itself (no copies)
+        self._pad_pos = None if n % P == 0 else pos.to(self.device)
         # groups: phase 1 inside the team (units = super-blocks of d blocks), phase 2 across teams
         T = P // d
         t, q = divmod(self.rank, T)
@@ -159,8 +160,11 @@ class SparDL(Algorithm):
     def step(self, grad, out, nonfinite):
         P, L, kb, d, T = self.P, self.L, self.kb, self.teams, self._T
         acc = self.accumulate(grad)
-        Wflat = torch.zeros(P * L, dtype=torch.float32, device=self.device)
-        Wflat.index_copy_(0, self._pad_pos, acc)
+        if self._pad_pos is None:
+            Wflat = acc
+        else:
+            Wflat = torch.zeros(P * L, dtype=torch.float32, device=self.device)
+            Wflat.index_copy_(0, self._pad_pos, acc)
         W = Wflat.view(P, L)
         counters: list = []
         q, t = self._q, self._t
@@ -184,8 +188,12 @@ class SparDL(Algorithm):
         idx, vals = self._unpack(blocks.reshape(P, -1))
         opad = torch.zeros(P, L, dtype=torch.float32, device=self.device)
         opad.scatter_(1, idx, vals)
-        out.copy_(opad.view(-1).index_select(0, self._pad_pos).div_(P))
-        self.commit_residual(Wflat.index_select(0, self._pad_pos), nonfinite)
+        if self._pad_pos is None:
+            out.copy_(opad.view(-1)).div_(P)
+            self.commit_residual(Wflat, nonfinite)
+        else:
+            out.copy_(opad.view(-1).index_select(0, self._pad_pos).div_(P))
+            self.commit_residual(Wflat.index_select(0, self._pad_pos), nonfinite)
 
         sent = counters[0] if counters else final[:, 0].sum()
         if len(counters) > 1:

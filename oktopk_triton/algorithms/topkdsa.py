@@ -68,7 +68,9 @@ class TopkDSA(Algorithm):
         b = torch.arange(P + 1, dtype=torch.int64) * n // P
         lens = b[1:] - b[:-1]
         blk = torch.repeat_interleave(torch.arange(P), lens)
-        self._pad_pos = (torch.arange(n, dtype=torch.int64) - b[:-1][blk] + blk * L).to(self.device)
+        # None when n % P == 0: the padded layout is the flat vector itself (no copies)
+        self._pad_pos = None if n % P == 0 else \
+            (torch.arange(n, dtype=torch.int64) - b[:-1][blk] + blk * L).to(self.device)
         # step 0: lossless gather
         self.cap2 = min(L, P * self.cap)
         self.mode = DENSE if 1 + 2 * self.cap2 >= L else SPARSE
@@ -108,14 +110,17 @@ class TopkDSA(Algorithm):
         P, L, cap, r = self.P, self.L, self.cap, self.rank
         dev = self.device
         acc = self.accumulate(grad)
-        acc_pad = torch.zeros(P * L, dtype=torch.float32, device=dev)
-        acc_pad.index_copy_(0, self._pad_pos, acc)
-        acc_pad = acc_pad.view(P, L)
+        if self._pad_pos is None:
+            acc_pad = acc.view(P, L)  # read only below
+        else:
+            acc_pad = torch.zeros(P * L, dtype=torch.float32, device=dev)
+            acc_pad.index_copy_(0, self._pad_pos, acc)
+            acc_pad = acc_pad.view(P, L)
 
         # 1. local top-k
         _, sidx = torch.topk(acc.abs(), self.k, sorted=False)
         sel = torch.zeros(P * L, dtype=torch.float32, device=dev)
-        pidx = self._pad_pos.index_select(0, sidx)
+        pidx = sidx if self._pad_pos is None else self._pad_pos.index_select(0, sidx)
         sel.index_copy_(0, pidx, acc_pad.view(-1).index_select(0, pidx))
         sel = sel.view(P, L)
         sel_count = (sel != 0).sum(1)
@@ -168,8 +173,12 @@ class TopkDSA(Algorithm):
             counts = (opad != 0).sum(1)
             kept = counts.sum()
         residual[r] += R
-        out.copy_(opad.view(-1).index_select(0, self._pad_pos).div_(P))
-        self.commit_residual(residual.view(-1).index_select(0, self._pad_pos), nonfinite)
+        if self._pad_pos is None:
+            out.copy_(opad.view(-1)).div_(P)
+            self.commit_residual(residual.view(-1), nonfinite)
+        else:
+            out.copy_(opad.view(-1).index_select(0, self._pad_pos).div_(P))
+            self.commit_residual(residual.view(-1).index_select(0, self._pad_pos), nonfinite)
 
         self.stats.update(
             local_selected=sent_count.sum(),
