@@ -130,7 +130,8 @@ if HAS_TRITON:
 
 
 # ----------------------------------------------------------------------------------------------
-# torch reference (same semantics; the CPU path)
+# torch reference (same semantics; the CPU path).  On CUDA tensors it stays free of host reads
+# (scatter into a dump slot instead of boolean indexing); on CPU it may read, and is O(selected).
 # ----------------------------------------------------------------------------------------------
 def region_ids(region_offsets: Tensor, n: int) -> Tensor:
     """int64 [n]: the region of every element (empty regions hold none)."""
@@ -138,7 +139,41 @@ def region_ids(region_offsets: Tensor, n: int) -> Tensor:
     return torch.searchsorted(region_offsets[1:].contiguous(), pos, right=True)
 
 
+def _fused_select_torch_cpu(grad, residual, threshold, region_offsets, capacity, skip, out):
+    """CPU tensors: host reads are allowed, so work on the selected entries only."""
+    P = region_offsets.numel() - 1
+    out.counts.zero_()
+    out.nonfinite.zero_()
+    if skip is not None and int(skip) != 0:
+        return out
+    acc = residual.add_(grad)                      # acc = residual + float(grad), in place
+    thr = float(threshold)
+    ends = region_offsets[1:].contiguous()
+    sel = (acc.abs() >= thr) & (acc != 0)
+    idx = torch.nonzero(sel).reshape(-1)           # ascending
+    rid = torch.searchsorted(ends, idx, right=True)
+    counts = torch.bincount(rid, minlength=P)
+    first = torch.cumsum(counts, 0) - counts
+    slot = torch.arange(idx.numel(), dtype=torch.int64) - first[rid]
+    keep = slot < capacity
+    rid_k, slot_k, idx_k = rid[keep], slot[keep], idx[keep]
+    out.indices[rid_k, slot_k] = (idx_k - region_offsets[rid_k]).to(torch.int32)
+    out.values[rid_k, slot_k] = acc[idx_k]
+    out.counts.copy_(counts)
+    if not bool(torch.isfinite(acc).all()):
+        bad = torch.nonzero(~torch.isfinite(acc)).reshape(-1)
+        out.nonfinite[torch.searchsorted(ends, bad, right=True)] = 1
+    return out
+
+
 def _fused_select_torch(grad, residual, threshold, region_offsets, capacity, skip, out):
+    if residual.device.type == "cpu":
+        return _fused_select_torch_cpu(grad, residual, threshold, region_offsets, capacity, skip, out)
+    return _fused_select_torch_nosync(grad, residual, threshold, region_offsets, capacity, skip, out)
+
+
+def _fused_select_torch_nosync(grad, residual, threshold, region_offsets, capacity, skip, out):
+    """No host read: the torch path for CUDA tensors (tested on CPU too)."""
     n = residual.numel()
     P = region_offsets.numel() - 1
     dev = residual.device

@@ -194,6 +194,27 @@ def test_fused_select_out_packed_message_views(backend):
     check_selection(got, ref, ref, residual + grad.float(), offsets, cap, exact_order=not CUDA)
 
 
+@pytest.mark.parametrize("skip", [None, 0, 1])
+def test_fused_select_torch_paths_agree(skip):
+    """The host-read-free torch path (used for CUDA tensors) equals the CPU path."""
+    from oktopk_triton.kernels.selection import (_fused_select_torch_cpu,
+                                                 _fused_select_torch_nosync, empty_selection)
+    n, P, cap = 30001, 5, 2000
+    grad, residual = make_grad(n, torch.bfloat16, seed=21)
+    grad, residual = grad.cpu(), residual.cpu()
+    residual[77] = float("inf")
+    offsets = region_layout(n, P, seed=22).cpu()
+    thr = torch.tensor(1.3)
+    sk = None if skip is None else torch.tensor(skip, dtype=torch.int32)
+    res = []
+    for fn in (_fused_select_torch_cpu, _fused_select_torch_nosync):
+        r = residual.clone()
+        res.append((r, fn(grad, r, thr, offsets, cap, sk, empty_selection(P, cap, "cpu"))))
+    assert torch.equal(res[0][0], res[1][0])
+    for a, b in zip(res[0][1], res[1][1]):
+        assert torch.equal(a, b)
+
+
 # ----------------------------------------------------------------------------------------------
 # histograms and thresholds
 # ----------------------------------------------------------------------------------------------
