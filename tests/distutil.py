@@ -161,7 +161,13 @@ def _run(world_size: int, fn: Callable, args: tuple, timeout: float,
         for r in range(world_size):
             p = ctx.Process(target=_worker, args=(r, world_size, port, fn, args, q, pg_timeout, backend),
                             name=f"run_gloo-rank{r}", daemon=True)
-            p.start()
+            try:
+                p.start()
+            except BaseException:
+                for started in procs:  # e.g. fn or args not picklable
+                    started.kill()
+                    started.join(timeout=5.0)
+                raise
             procs.append(p)
     finally:
         for k, v in saved.items():

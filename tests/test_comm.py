@@ -366,7 +366,7 @@ def test_gloo_failure_propagates(tmp_path):
         lines = (tmp_path / f"rank{r}.txt").read_text().splitlines()
         assert lines[0] in ("CommAborted", "CommTimeout", "RuntimeError"), lines
         assert float(lines[1]) < 15.0, lines  # well below the 60 s process-group timeout
-    assert elapsed < 40, elapsed
+    assert elapsed < 60, elapsed
 
 
 def test_run_gloo_reports_dead_process():
@@ -374,7 +374,7 @@ def test_run_gloo_reports_dead_process():
     with pytest.raises(RemoteError) as info:
         run_gloo(2, exit_body, timeout=60)
     assert info.value.rank == 1 and "exited with code 3" in str(info.value)
-    assert time.monotonic() - t0 < 40
+    assert time.monotonic() - t0 < 60
 
 
 def exit_body(comm):

@@ -210,7 +210,8 @@ class LocalCommunicator(Communicator):
         c = self.cluster
         for peer, _ in list(sends) + list(recvs):
             self._check_peer(peer)
-        staged = [(peer, t.detach().clone()) for peer, t in sends]  # copy outside the lock
+        staged = [(peer, t.detach().clone(memory_format=torch.contiguous_format))
+                  for peer, t in sends]  # copied outside the lock
         with c._cond:
             c._check_abort()
             for (peer, t), (_, orig) in zip(staged, sends):
