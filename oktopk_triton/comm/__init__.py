@@ -6,12 +6,12 @@ and ``NcclCommunicator`` (CuPy NCCL on the current torch stream; cupy imported o
 from .base import CommAborted, CommError, CommTimeout, Communicator, tensor_bytes
 
 __all__ = ["Communicator", "CommError", "CommAborted", "CommTimeout", "tensor_bytes",
-           "LocalCluster", "LocalCommunicator", "TorchCommunicator", "NcclCommunicator",
+           "LocalCluster", "LocalCommunicator", "SingleCommunicator", "TorchCommunicator", "NcclCommunicator",
            "default_communicator"]
 
 
 def __getattr__(name):  # lazy, so a missing optional backend never breaks the package import
-    if name in ("LocalCluster", "LocalCommunicator"):
+    if name in ("LocalCluster", "LocalCommunicator", "SingleCommunicator"):
         from . import local
         return getattr(local, name)
     if name == "TorchCommunicator":
