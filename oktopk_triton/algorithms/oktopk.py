@@ -1,0 +1,390 @@
+"""Ok-Topk (Li & Hoefler, PPoPP'22) with no host round-trips (ALGORITHMS.md §2–3).
+
+One step on rank r (P ranks, k = density·n, all on the device; no ``.item()``, ``nonzero`` or
+boolean-mask indexing in a steady-state step):
+
+1. **Local threshold** ``th_local``: exact (``torch.topk``) at the first step, a two-level
+   histogram threshold of ``acc = residual + grad`` every ``tau_prime`` steps (the only steps
+   that form ``acc`` in an extra pass), otherwise the previous one nudged on the device by count
+   feedback: ``th *= nudge`` when the local count was > 1.25k, ``/= nudge`` when < 0.75k.
+2. **fused_select** reads grad and residual once, writes ``residual = acc`` and compacts the
+   selected entries straight into one packed int32 message buffer ``msg[P, 2 + 2·cap_r]``:
+   row j = ``[true count, nonfinite flag, cap_r relative indices, cap_r fp32 value bits]`` for
+   owner j. Entries past the capacity are not sent: they stay in the residual.
+3. **Split-and-reduce**: destination rotation (round i: send to (r+i)%P, receive from (r−i)%P)
+   in buckets of ``bucket_size`` peers through ``comm.send_recv``. The owner scatter-adds its own
+   row first, then each bucket in round order, into a dense fp32 scratch of size n (absolute
+   positions: base = region_offsets[r]); the summation order per owner is fixed
+   (sources r, r−1, r−2, … mod P), so the result is deterministic.
+4. **Global threshold** ``th_global``: every ``tau`` steps (and the first step) the owners'
+   level-0 histograms of their reduced regions are summed by one int64 [HIST_BINS] allreduce,
+   then level 1 the same way: the k-th largest |sum| to 2^-14 relative resolution, identical on
+   every rank, with no gathering of nonzeros. In between it is nudged by the global count (known
+   to every rank from the gathered headers: no extra message).
+5. **Owner selection** with ``region_select`` (ascending indices, values × 1/P) into the owner's
+   fixed-capacity gather slot ``[count, max count received, cap_g indices, cap_g values]``.
+6. **Balanced gather**: one allgather of the slots; every rank writes
+   ``out[region_offsets[j] + idx] = value`` (regions are disjoint, so the result is bitwise
+   identical everywhere).
+7. **clear_sent**: ``residual = 0`` at S_r ∩ I (entries this rank sent within capacity that
+   were gathered). The scratch is zeroed back at the positions it received.
+8. **Regions** are revised after the first step and then every ``region_period`` steps from the
+   global set I just gathered (identical on every rank, so identical boundaries, no
+   communication): boundary q sits at the (q·|I|/P)-th entry of I, so each region holds about
+   |I|/P entries. **Capacities** start at ``slack · k/P`` and are adapted every ``tau`` steps
+   from the largest counts observed in the window (message headers, gathered, so identical on
+   every rank), clamped to the volume budget. That adaptation (and the largest region length,
+   the static grid bound of ``region_select``) is the only host read: one small ``tolist()`` per
+   ``tau`` steps (and at step 0).
+
+Volume per rank and step: the reduce sends (P−1) rows of 2+2·cap_r words, the allgather (P−1)
+slots of 2+2·cap_g words. With ``volume_budget=6`` (the paper's bound, 6k(P−1)/P words) the
+capacities satisfy ``cap_r + cap_g <= 3k/P``, so a step sends at most 6k(P−1)/P words + 4(P−1)
+header words, plus on threshold-recalibration steps two int64 [HIST_BINS] allreduces (fixed size,
+independent of n; negligible for real models, visible at toy sizes).
+
+Slack defaults: ``capacity_slack=(1.5, 1.25)``. The reduce rows see the local selections, whose
+split over regions varies from rank to rank and step to step (hot spots move; each rank's
+selection is balanced only on average), hence more slack there; the gather slots see the global
+survivors, which the regions balance by construction, so 1.25 suffices. 1.5 + 1.25 = 2.75 < 3,
+leaving room under the 6k(P−1)/P budget.
+
+Conservation holds exactly: fused_select leaves ``residual = acc``; only clear_sent zeroes, and
+only the entries that reached ``out``. Non-finite steps (``nonfinite > 0``) skip fused_select
+(residual untouched bit for bit, nothing sent) and keep thresholds and regions as they were.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+
+from .. import kernels as K
+from .base import Algorithm
+
+__all__ = ["OkTopk", "source_order"]
+
+
+def source_order(owner: int, P: int) -> list:
+    """The fixed order in which ``owner`` adds the senders' contributions (itself first)."""
+    return [(owner - i) % P for i in range(P)]
+
+
+class OkTopk(Algorithm):
+    name = "oktopk"
+    OPTIONS = {
+        "tau": 32,                 # global threshold recompute period (steps)
+        "tau_prime": 32,           # local threshold recompute period (steps)
+        "region_period": 64,       # region boundaries revision period (steps)
+        "capacity_slack": (1.5, 1.25),  # (reduce rows, gather slots) or one float for both
+        "volume_budget": 6.0,      # words per rank ≤ budget·k(P−1)/P + headers; None: no clamp
+        "adapt_capacity": True,    # adapt capacities every tau steps (one host read)
+        "nudge": 1.02,             # count-feedback factor for both thresholds (minimum step)
+        "adaptive_nudge": True,    # grow the nudge while the count stays off, halve on a flip
+        "max_nudge": 2.0,          # largest adaptive factor per step
+        "bucket_size": 4,          # peers per bucket of the split-and-reduce
+        "warmup_steps": 0,         # dense allreduce steps before Ok-Topk starts
+        "exact_thresholds": False,  # exact top-k thresholds every step (reference / calibration)
+        "backend": "auto",         # kernels backend: auto | triton | torch
+    }
+    STATE = ("th_local", "th_global", "region_offsets", "cap_r", "cap_g", "max_len", "_obs",
+             "_fb", "_calibrated")
+
+    def __init__(self, numel: int, comm, density: float = 0.01, **kw: Any) -> None:
+        super().__init__(numel, comm, density, **kw)
+        o = self.opts
+        for key in ("tau", "tau_prime", "region_period", "bucket_size"):
+            if not isinstance(o[key], int) or o[key] < 1:
+                raise ValueError(f"oktopk: {key} must be a positive int, got {o[key]!r}")
+        if not isinstance(o["warmup_steps"], int) or o["warmup_steps"] < 0:
+            raise ValueError(f"oktopk: warmup_steps must be an int >= 0, got {o['warmup_steps']!r}")
+        slack = o["capacity_slack"]
+        if isinstance(slack, (int, float)):
+            slack = (float(slack), float(slack))
+        slack = tuple(float(s) for s in slack)
+        if len(slack) != 2 or min(slack) <= 0:
+            raise ValueError(f"oktopk: capacity_slack must be a positive float or a pair, got "
+                             f"{o['capacity_slack']!r}")
+        self.slack = slack
+        if not float(o["nudge"]) >= 1.0:
+            raise ValueError(f"oktopk: nudge must be >= 1, got {o['nudge']!r}")
+        self.backend = o["backend"]
+        dev, n, P = self.device, self.numel, self.P
+        self.th_local = torch.zeros((), dtype=torch.float32, device=dev)
+        self.th_global = torch.zeros((), dtype=torch.float32, device=dev)
+        self.region_offsets = torch.tensor([n * j // P for j in range(P + 1)], dtype=torch.int64,
+                                           device=dev)
+        self.max_len = max(n * (j + 1) // P - n * j // P for j in range(P))
+        kp = self.k / P
+        self.cap_r, self.cap_g = self._fit(math.ceil(slack[0] * kp), math.ceil(slack[1] * kp))
+        self._obs = torch.zeros(2, dtype=torch.int64, device=dev)  # window max: reduce, gather
+        # count feedback state per threshold (local, global): [log step, last direction]
+        self._fb = torch.tensor([[math.log(float(o["nudge"])), 0.0]] * 2, dtype=torch.float32,
+                                device=dev)
+        self._calibrated = False
+        self._scratch = torch.zeros(n, dtype=torch.float32, device=dev)
+        self._bufs_for = None
+        self._inv_P = 1.0 / P
+
+    # -- capacities -------------------------------------------------------------------------------
+    def _fit(self, want_r: int, want_g: int):
+        """Capacities ≥ 1 with ``cap_r + cap_g <= budget·k/(2P)`` (when a budget is set).
+
+        Over budget, the gather slots win: they bound how much of the global set reaches
+        ``out`` (their overflow delays entries every rank already paid to reduce), while a reduce
+        row's overflow only delays one rank's local entries by a step. Each keeps at least
+        ``ceil(k/P)`` while the budget allows it."""
+        cr, cg = max(1, int(want_r)), max(1, int(want_g))
+        budget = self.opts["volume_budget"]
+        if budget is not None:
+            limit = max(2, int(math.floor(float(budget) * self.k / (2 * self.P) + 1e-9)))
+            if cr + cg > limit:
+                floor_r = min(max(1, math.ceil(self.k / self.P)), limit // 2)
+                cg = min(cg, limit - floor_r)
+                cr = limit - cg
+        return cr, cg
+
+    def _ensure_buffers(self) -> None:
+        key = (self.cap_r, self.cap_g)
+        if self._bufs_for == key:
+            return
+        P, dev = self.P, self.device
+        wr, wg = 2 + 2 * self.cap_r, 2 + 2 * self.cap_g
+        self._msg = torch.zeros(P, wr, dtype=torch.int32, device=dev)
+        self._recv = torch.zeros(max(P - 1, 1), wr, dtype=torch.int32, device=dev)
+        self._slot = torch.zeros(wg, dtype=torch.int32, device=dev)
+        self._gathered = torch.zeros(P, wg, dtype=torch.int32, device=dev)
+        self._bufs_for = key
+
+    # -- the step --------------------------------------------------------------------------------
+    def step(self, grad: torch.Tensor, out: torch.Tensor,
+             nonfinite: Optional[torch.Tensor]) -> None:
+        o = self.opts
+        t = self.step_count - o["warmup_steps"]
+        if t < 0:
+            self._dense_step(grad, out, nonfinite)
+            return
+        self._ensure_buffers()
+        P, r, k, n, be = self.P, self.rank, self.k, self.numel, self.backend
+        exact = bool(o["exact_thresholds"])
+        first = not self._calibrated
+        cal_local = exact or first or t % o["tau_prime"] == 0
+        cal_global = exact or first or t % o["tau"] == 0
+        cr, cg = self.cap_r, self.cap_g
+        offs = self.region_offsets
+        start, end = offs[r], offs[r + 1]
+
+        # 1. local threshold
+        if cal_local:
+            acc = self.residual + grad.float()
+            if exact or first:
+                th_l = K.exact_threshold(acc, k)
+            else:
+                th_l = K.histogram_threshold(acc, k, backend=be)
+            del acc
+            if not first:
+                th_l = self._keep_if_nonfinite(th_l, self.th_local, nonfinite)
+        else:
+            th_l = self.th_local
+
+        # 2. fused selection straight into the packed messages
+        msg = self._msg
+        sel = K.Selection(indices=msg[:, 2:2 + cr], values=msg[:, 2 + cr:].view(torch.float32),
+                          counts=msg[:, 0], nonfinite=msg[:, 1])
+        K.fused_select(grad, self.residual, th_l, offs, cr, skip=nonfinite, out=sel, backend=be)
+
+        # 3. split-and-reduce: own row first, then buckets in rotation order
+        scratch = self._scratch
+        K.scatter_add(scratch, sel.indices[r:r + 1], sel.values[r:r + 1], sel.counts[r:r + 1],
+                      base=start, backend=be)
+        recv = self._recv
+        B = o["bucket_size"]
+        for lo in range(1, P, B):
+            hi = min(P, lo + B)
+            sends = [((r + i) % P, msg[(r + i) % P]) for i in range(lo, hi)]
+            recvs = [((r - i) % P, recv[i - 1]) for i in range(lo, hi)]
+            self.comm.send_recv(sends, recvs)
+            rb = recv[lo - 1:hi - 1]
+            K.scatter_add(scratch, rb[:, 2:2 + cr], rb[:, 2 + cr:].view(torch.float32),
+                          rb[:, 0], base=start, backend=be)
+
+        # 4. global threshold
+        if cal_global:
+            th_g = self._global_threshold(scratch, start, end, exact)
+            if not first:
+                th_g = self._keep_if_nonfinite(th_g, self.th_global, nonfinite)
+        else:
+            th_g = self.th_global
+
+        # 5. owner selection into the gather slot
+        slot = self._slot
+        K.region_select(scratch, start, end, th_g, cg, max_len=self.max_len, scale=self._inv_P,
+                        out=(slot[2:2 + cg], slot[2 + cg:].view(torch.float32), slot[0]),
+                        backend=be)
+        if P > 1:
+            recv_counts = torch.cat([msg[r:r + 1, 0], recv[:, 0]])
+        else:
+            recv_counts = msg[:, 0]
+        slot[1].copy_(recv_counts.max())
+
+        # zero the scratch where it received (the rest is zero already)
+        slots_r = torch.arange(cr, device=self.device)
+        rows = torch.cat([msg[r:r + 1], recv[:P - 1]]) if P > 1 else msg
+        valid = slots_r < rows[:, 0:1].to(torch.int64)
+        pos = torch.where(valid, start + rows[:, 2:2 + cr].to(torch.int64), start.clamp(max=n - 1))
+        scratch.index_fill_(0, pos.reshape(-1), 0.0)
+
+        # 6. balanced gather
+        gathered = self._gathered
+        if P > 1:
+            self.comm.allgather(gathered, slot)
+        else:
+            gathered[0].copy_(slot)
+        gcounts = gathered[:, 0]
+        gidx = gathered[:, 2:2 + cg]
+        gval = gathered[:, 2 + cg:].view(torch.float32)
+        gvalid = torch.arange(cg, device=self.device) < gcounts.clamp(max=cg).to(torch.int64)[:, None]
+        gpos = torch.where(gvalid, offs[:P, None] + gidx.to(torch.int64), 0)
+        out.index_put_((gpos.reshape(-1),), torch.where(gvalid, gval, 0.0).reshape(-1),
+                       accumulate=True)
+
+        # 7. clear the residual at S_r ∩ I
+        K.clear_sent(self.residual, sel.indices, sel.counts, offs, gidx, gcounts, backend=be)
+
+        # 8. feedback, observations, regions, stats
+        counts64 = sel.counts.to(torch.int64)
+        local_count = counts64.sum()
+        sent = counts64.clamp(max=cr).sum()
+        gc64 = gcounts.to(torch.int64)
+        global_count = gc64.sum()
+        global_selected = gc64.clamp(max=cg).sum()
+        nudge = float(o["nudge"])
+        new_l, fb_l = self._nudged(th_l, local_count, self._fb[0], nudge)
+        new_g, fb_g = self._nudged(th_g, global_count, self._fb[1], nudge)
+        self.th_local = self._keep_if_nonfinite(new_l, th_l, nonfinite)
+        self.th_global = self._keep_if_nonfinite(new_g, th_g, nonfinite)
+        self._fb = self._keep_if_nonfinite(torch.stack([fb_l, fb_g]), self._fb, nonfinite)
+        self._obs = torch.maximum(self._obs, torch.stack([gathered[:, 1].to(torch.int64).max(),
+                                                          gc64.max()]))
+        revise_regions = P > 1 and (t == 0 or t % o["region_period"] == o["region_period"] - 1)
+        if revise_regions:
+            new = self._balanced_offsets(gcounts, gidx, cg)
+            keep = global_selected == 0
+            if nonfinite is not None:
+                keep = keep | (nonfinite > 0)
+            self.region_offsets = torch.where(keep, offs, new)
+        adapt = bool(o["adapt_capacity"]) and t % o["tau"] == o["tau"] - 1
+
+        self.stats.update(
+            local_selected=local_count, sent=sent, reduce_overflow=local_count - sent,
+            global_selected=global_selected, global_count=global_count,
+            gather_overflow=global_count - global_selected,
+            overflow=(local_count - sent) + (global_count - global_selected),
+            th_local=th_l, th_global=th_g, cap_r=cr, cap_g=cg, calibrated=cal_global)
+
+        # the only host reads: once at the first calibration, then once per tau steps
+        if first:
+            self._calibrated = nonfinite is None or int(nonfinite.item()) == 0
+        if revise_regions or adapt:
+            self._host_update(revise_regions, adapt)
+
+    # -- pieces ----------------------------------------------------------------------------------
+    @staticmethod
+    def _keep_if_nonfinite(new: torch.Tensor, old: torch.Tensor,
+                           nonfinite: Optional[torch.Tensor]) -> torch.Tensor:
+        if nonfinite is None:
+            return new
+        return torch.where(nonfinite > 0, old, new)
+
+    def _nudged(self, th: torch.Tensor, count: torch.Tensor, fb: torch.Tensor, nudge: float):
+        """Count feedback on the device. The paper's rule: outside [0.75k, 1.25k] multiply or
+        divide by ``nudge``. With ``adaptive_nudge`` (default) the step is adapted like Rprop: it
+        grows ×1.5 (up to ``max_nudge``) while the count stays off on the same side and halves
+        (down to ``nudge``) when it crosses over, so a threshold far off (a shifted gradient
+        distribution, residuals piling up) recovers in a few steps instead of tens, without the
+        oscillation a proportional rule shows on steep distributions. Returns (th, new fb)."""
+        k = float(self.k)
+        c = count.to(torch.float32)
+        e = torch.where(c > 1.25 * k, 1.0, torch.where(c < 0.75 * k, -1.0, 0.0))
+        lo = math.log(nudge)
+        if not self.opts["adaptive_nudge"]:
+            return th * torch.exp(e * lo), fb
+        hi = max(lo, math.log(float(self.opts["max_nudge"])))
+        step, prev = fb[0], fb[1]
+        step = torch.where(e == 0, step * 0.5,
+                           torch.where(e == prev, step * 1.5,
+                                       torch.where(e == -prev, step * 0.5, step)))
+        step = step.clamp(lo, hi)
+        return th * torch.exp(e * step), torch.stack([step, e])
+
+    def _global_threshold(self, scratch: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
+                          exact: bool) -> torch.Tensor:
+        k, P = self.k, self.P
+        if exact:
+            # exact k-th largest |sum|: each owner's top-k of its region, allgathered (test mode)
+            kk = min(k, self.numel)
+            top = torch.topk(scratch.abs(), kk, sorted=False).values
+            if P > 1:
+                allv = torch.empty(P * kk, dtype=torch.float32, device=self.device)
+                self.comm.allgather(allv, top)
+            else:
+                allv = top
+            return torch.topk(allv, kk, sorted=False).values.min().reshape(())
+        h0 = self._allreduce_hist(K.abs_histogram(scratch, start=start, end=end,
+                                                  backend=self.backend))
+        b0, above = K.kth_bin(h0, k)
+        h1 = self._allreduce_hist(K.abs_histogram(scratch, prefix=b0, start=start, end=end,
+                                                  backend=self.backend))
+        b1, _ = K.kth_bin(h1, k - above)
+        return K.bin_threshold(b0, b1)
+
+    def _allreduce_hist(self, h: torch.Tensor) -> torch.Tensor:
+        """Sum a histogram over ranks; in int32 (half the bytes) when P·n cannot overflow it."""
+        if self.P == 1:
+            return h
+        if self.P * self.numel < 2 ** 31:
+            h32 = h.to(torch.int32)
+            self.comm.allreduce(h32)
+            return h32.to(torch.int64)
+        self.comm.allreduce(h)
+        return h
+
+    def _balanced_offsets(self, gcounts: torch.Tensor, gidx: torch.Tensor, cg: int) -> torch.Tensor:
+        """Boundaries with about |I|/P entries of the gathered set I per region (on device)."""
+        P, n, dev = self.P, self.numel, self.device
+        cnt = gcounts.to(torch.int64).clamp(0, cg)
+        incl = torch.cumsum(cnt, 0)
+        excl = incl - cnt
+        T = incl[-1]
+        q = torch.arange(1, P, device=dev, dtype=torch.int64)
+        target = (q * T) // P                                   # entry that starts region q
+        j = torch.searchsorted(incl, target, right=True).clamp(max=P - 1)
+        col = (target - excl[j]).clamp(0, cg - 1)
+        idx = gidx.to(torch.int64)[j, col]
+        b = (self.region_offsets[j] + idx).clamp(0, n)
+        b = torch.cummax(b, 0).values                           # monotone even if T is tiny
+        return torch.cat([b.new_zeros(1), b, b.new_full((1,), n)])
+
+    def _host_update(self, revise_regions: bool, adapt: bool) -> None:
+        offs = self.region_offsets
+        vals = torch.cat([self._obs, (offs[1:] - offs[:-1]).max().reshape(1)]).tolist()
+        obs_r, obs_g, max_len = (int(v) for v in vals)
+        self.max_len = max(1, max_len)
+        if adapt:
+            want_r = math.ceil(self.slack[0] * max(obs_r, 1))
+            want_g = math.ceil(self.slack[1] * max(obs_g, 1))
+            self.cap_r, self.cap_g = self._fit(want_r, want_g)
+            self._obs = torch.zeros_like(self._obs)
+
+    def _dense_step(self, grad: torch.Tensor, out: torch.Tensor,
+                    nonfinite: Optional[torch.Tensor]) -> None:
+        acc = self.accumulate(grad)
+        buf = acc.clone()
+        if self.P > 1:
+            self.comm.allreduce(buf)
+        out.copy_(buf.div_(self.P))
+        self.commit_residual(torch.zeros_like(acc), nonfinite)
+        self.stats.update(local_selected=self.numel, global_selected=self.numel, overflow=0,
+                          sent=self.numel, reduce_overflow=0, gather_overflow=0,
+                          global_count=self.numel, cap_r=self.cap_r, cap_g=self.cap_g)
