@@ -36,14 +36,14 @@ if HAS_TRITON:
         if START_IS_PTR:
             start = tl.load(start_ptr).to(tl.int64)
         else:
-            start = start_int.to(tl.int64)
+            start = start_int
         if END_IS_PTR:
             end = tl.load(end_ptr).to(tl.int64)
         else:
-            end = end_int.to(tl.int64)
+            end = end_int
         return start, end
 
-    @triton.jit(do_not_specialize=["start_int", "end_int"])
+    @triton.jit
     def _region_count_kernel(
         dense_ptr,          # *fp32|bf16|fp16 [n]  values to select from
         threshold_ptr,      # *fp32 []             selection threshold
@@ -62,7 +62,7 @@ if HAS_TRITON:
         take = (tl.abs(v) >= thr) & (v != 0.0) & in_range
         tl.store(block_counts_ptr + pid, tl.sum(take.to(tl.int32), axis=0))
 
-    @triton.jit(do_not_specialize=["start_int", "end_int", "capacity", "scale"])
+    @triton.jit(do_not_specialize=["capacity", "scale"])
     def _region_write_kernel(
         dense_ptr,          # *fp32|bf16|fp16 [n]  values to select from
         threshold_ptr,      # *fp32 []             selection threshold

@@ -36,7 +36,7 @@ class Selection(NamedTuple):
 # ----------------------------------------------------------------------------------------------
 if HAS_TRITON:
 
-    @triton.jit(do_not_specialize=["n", "P", "capacity"])
+    @triton.jit(do_not_specialize=["P", "capacity"])   # n stays specialised (n % 16: vector loads)
     def _fused_select_kernel(
         grad_ptr,            # *fp32|bf16|fp16 [n]  gradient of this step
         residual_ptr,        # *fp32 [n]            residual, overwritten with acc = residual + grad
@@ -94,14 +94,15 @@ if HAS_TRITON:
             take_i = take.to(tl.int32)
             n_take = tl.sum(take_i, axis=0)
             # one scalar atomic per (program, region): the slot base; counts end as true counts
-            slot_base = tl.atomic_add(counts_ptr + region * counts_stride, n_take, mask=n_take > 0)
+            slot_base = tl.atomic_add(counts_ptr + region * counts_stride, n_take, mask=n_take > 0,
+                                      sem="relaxed")
             slot = slot_base + tl.cumsum(take_i, axis=0) - 1
             write = take & (slot < capacity)
             rel = (offs - region_start).to(tl.int32)
             tl.store(indices_ptr + region * idx_row_stride + slot, rel, mask=write)
             tl.store(values_ptr + region * val_row_stride + slot, acc, mask=write)
             n_bad = tl.sum((bad & in_region).to(tl.int32), axis=0)
-            tl.atomic_max(nonfinite_ptr + region * nonfinite_stride, 1, mask=n_bad > 0)
+            tl.atomic_max(nonfinite_ptr + region * nonfinite_stride, 1, mask=n_bad > 0, sem="relaxed")
             region += 1
             region_start = region_end
 
