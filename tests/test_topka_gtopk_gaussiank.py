@@ -324,3 +324,49 @@ def test_bytes_n64k_density1pct_P8(name, cls):
     # headers only over the formula: none for TopkA / gTop-k (P a power of two), 2 words per
     # message for Gaussiank
     assert bound - formula <= 4 * 2 * (P - 1)
+
+
+# -- no host reads in a steady step ------------------------------------------------------------------
+# On CPU this catches the Python-level reads (.item(), .tolist(), .nonzero(), bool()/int()/float()
+# of a tensor); boolean-mask indexing and torch.unique sync inside C++ and are not caught here
+# (none are used: reviewed by hand).
+class _HostRead(AssertionError):
+    pass
+
+
+def _no_host_read_body(comm, name, n):
+    a = get_algorithm(name)(n, comm, 0.02)
+    grad = student_t(seed=3)
+    a(grad(comm.rank, 0, n))
+    comm.barrier()
+    patched = {}
+
+    def forbid(attr):
+        def f(self, *args, **kwargs):
+            raise _HostRead(f"{name}: Tensor.{attr} called in a steady step")
+        return f
+    # a host read of a tensor value goes through one of these on any device; patched
+    # process-wide by rank 0 only, between barriers (the ranks are threads)
+    attrs = ("item", "tolist", "nonzero", "__bool__", "__int__", "__float__", "__index__")
+    if comm.rank == 0:
+        for attr in attrs:
+            patched[attr] = getattr(torch.Tensor, attr)
+            setattr(torch.Tensor, attr, forbid(attr))
+    comm.barrier()
+    try:
+        for t in range(1, 3):
+            a(grad(comm.rank, t, n))
+    finally:
+        try:
+            comm.barrier()
+        finally:
+            for attr, f in patched.items():
+                setattr(torch.Tensor, attr, f)
+    return True
+
+
+@pytest.mark.parametrize("name", ["topka", "gtopk", "gaussiank"])
+def test_no_host_read_in_steady_step(name):
+    # LocalCluster's primitives read no tensor values either, so the whole step is covered
+    for P in (1, 3, 4):
+        assert LocalCluster(P).run(_no_host_read_body, name, 3000) == [True] * P
