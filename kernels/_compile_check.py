@@ -37,20 +37,20 @@ def variants():
     hsig = {"x_ptr": "*fp32", "hist_ptr": "*i64", "prefix_ptr": "*i64", "start_ptr": "*i64",
             "end_ptr": "*i64", "start_int": "i32", "end_int": "i64", "LEVEL": "constexpr",
             "START_IS_PTR": "constexpr", "END_IS_PTR": "constexpr", "HIST_BINS": "constexpr",
-            "SHIFT": "constexpr", "BLOCKS_PER_PROGRAM": "constexpr", "BLOCK": "constexpr"}
+            "blocks_per_program": "i32", "SHIFT": "constexpr", "BLOCK": "constexpr"}
     for lvl in (0, 1):
         for x in ("*fp32", "*bf16"):
             yield (f"abs_histogram level={lvl} x={x[1:]}", histogram._abs_histogram_kernel,
                    {**hsig, "x_ptr": x, "start_int": "constexpr"},
                    {"start_int": 0, "LEVEL": lvl, "START_IS_PTR": False, "END_IS_PTR": False,
                     "HIST_BINS": histogram.HIST_BINS, "SHIFT": 20 if lvl == 0 else 9,
-                    "BLOCKS_PER_PROGRAM": 16, "BLOCK": 1024}, [0, 1, 2, 3, 4, 6], 8)
+                    "BLOCK": 1024}, [0, 1, 2, 3, 4, 6], 8)
     yield ("abs_histogram device range", histogram._abs_histogram_kernel, hsig,
            {"LEVEL": 1, "START_IS_PTR": True, "END_IS_PTR": True, "HIST_BINS": histogram.HIST_BINS,
-            "SHIFT": 9, "BLOCKS_PER_PROGRAM": 4, "BLOCK": 1024}, [0, 1, 2, 3, 4], 8)
+            "SHIFT": 9, "BLOCK": 1024}, [0, 1, 2, 3, 4], 8)
     yield ("abs_histogram start=1", histogram._abs_histogram_kernel, {**hsig, "start_int": "constexpr"},
            {"start_int": 1, "LEVEL": 0, "START_IS_PTR": False, "END_IS_PTR": False,
-            "HIST_BINS": histogram.HIST_BINS, "SHIFT": 20, "BLOCKS_PER_PROGRAM": 1, "BLOCK": 1024},
+            "HIST_BINS": histogram.HIST_BINS, "SHIFT": 20, "BLOCK": 1024},
            [0, 1], 8)
     for base_ptr in (False, True):
         yield (f"scatter_add base_ptr={base_ptr}", scatter._scatter_add_kernel,

@@ -46,10 +46,10 @@ if HAS_TRITON:
         start_ptr,      # *int64 []           first index (if START_IS_PTR)
         end_ptr,        # *int64 []           one past the last index (if END_IS_PTR)
         start_int, end_int,                  # the same as Python ints otherwise
+        blocks_per_program,                  # runtime loop count: the grid stays ~MAX_PROGRAMS
         LEVEL: tl.constexpr,
         START_IS_PTR: tl.constexpr, END_IS_PTR: tl.constexpr,
         HIST_BINS: tl.constexpr, SHIFT: tl.constexpr,
-        BLOCKS_PER_PROGRAM: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         pid = tl.program_id(0).to(tl.int64)
@@ -65,8 +65,8 @@ if HAS_TRITON:
         if LEVEL == 1:
             prefix = tl.load(prefix_ptr).to(tl.int32)
         hist = tl.zeros((HIST_BINS,), dtype=tl.int32)
-        base = start + pid * (BLOCKS_PER_PROGRAM * BLOCK)
-        for b in range(BLOCKS_PER_PROGRAM):
+        base = start + pid * blocks_per_program * BLOCK
+        for b in range(0, blocks_per_program):
             offs = base + b * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
             in_range = offs < end
             x = tl.load(x_ptr + offs, mask=in_range, other=0.0).to(tl.float32)
@@ -76,10 +76,13 @@ if HAS_TRITON:
                 valid = valid & ((bits >> (SHIFT + 11)) == prefix)
             bins = (bits >> SHIFT) & (HIST_BINS - 1)
             hist += tl.histogram(bins, HIST_BINS, mask=valid)
-        # one vector atomic per program
-        tl.atomic_add(hist_ptr + tl.arange(0, HIST_BINS), hist.to(tl.int64), sem="relaxed")
+        # one vector atomic per program (empty bins skipped)
+        tl.atomic_add(hist_ptr + tl.arange(0, HIST_BINS), hist.to(tl.int64), mask=hist != 0,
+                      sem="relaxed")
 
-    def _abs_histogram_triton(x, prefix, start, end, out, block=1024, blocks_per_program=16):
+    MAX_PROGRAMS = 1024   # programs of a histogram launch: ~8 per SM on H100/H200
+
+    def _abs_histogram_triton(x, prefix, start, end, out, block=1024):
         n = x.numel()
         start_is_ptr = isinstance(start, Tensor)
         end_is_ptr = isinstance(end, Tensor)
@@ -91,22 +94,23 @@ if HAS_TRITON:
         out.zero_()
         if span == 0:
             return out
+        max_programs = MAX_PROGRAMS
         if _dispatch.INTERPRET:
             # the interpreter pays per program, not per element: fewer, bigger programs
-            block, blocks_per_program = 4096, max(1, min(64, triton.cdiv(span, 4096)))
-        else:
-            blocks_per_program = max(1, min(blocks_per_program, triton.cdiv(span, block * 1024)))
-        grid = (triton.cdiv(span, block * blocks_per_program),)
+            block, max_programs = 4096, 64
+        blocks = triton.cdiv(span, block)
+        blocks_per_program = triton.cdiv(blocks, min(blocks, max_programs))
+        grid = (triton.cdiv(blocks, blocks_per_program),)
         dummy = out
         _abs_histogram_kernel[grid](
             x, out,
             prefix if prefix is not None else dummy,
             start if start_is_ptr else dummy, end if end_is_ptr else dummy,
-            s_int, e_int,
+            s_int, e_int, blocks_per_program,
             LEVEL=0 if prefix is None else 1,
             START_IS_PTR=start_is_ptr, END_IS_PTR=end_is_ptr,
             HIST_BINS=HIST_BINS, SHIFT=LEVEL0_SHIFT if prefix is None else LEVEL1_SHIFT,
-            BLOCKS_PER_PROGRAM=blocks_per_program, BLOCK=block, num_warps=8,
+            BLOCK=block, num_warps=8,
         )
         return out
 
