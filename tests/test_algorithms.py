@@ -14,6 +14,7 @@ yet is skipped (reason shown), any other import failure is a test failure.
   differing across ranks (raises on every rank);
 * non-finite policy: a NaN on one rank -> out non-finite on every rank, every residual unchanged
   bit for bit, and the following steps conserve again;
+* bf16 / fp16 gradients: out in the gradient's dtype, conservation in that precision;
 * state_dict round trip (through ``torch.save``) continues bit for bit;
 * gloo (3 processes, ``distutil.run_gloo``) gives the same outs and residuals as LocalCluster.
 """
@@ -109,6 +110,16 @@ def test_bytes_per_step_within_formula(name, P):
             col = measured[:, p]
             assert bool((col == col[0]).all()) or name in ("oktopk", "topkdsa"), \
                 f"{name}: rank {p} sent data-dependent byte counts {col.tolist()}"
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
+@pytest.mark.parametrize("name", ALL)
+def test_low_precision_gradients_conserve(name, dtype):
+    require(name)
+    res = run_steps(name, 3, 1000, 8, 0.03, mixed(seed=2), dtype=dtype)
+    assert all(o.dtype == dtype for row in res.outs for o in row)
+    assert_bitwise_agreement(res)
+    assert_conservation(res)
 
 
 # -- bad inputs --------------------------------------------------------------------------------------
