@@ -4,7 +4,8 @@ One step on rank r (P ranks, k = density·n, all on the device; no ``.item()``, 
 boolean-mask indexing in a steady-state step):
 
 1. **Local threshold** ``th_local``: exact (``torch.topk``) at the first step, a two-level
-   histogram threshold of ``acc = residual + grad`` every ``tau_prime`` steps (the only steps
+   histogram threshold of ``acc = residual + grad`` at steps 1, 2, 4, 8, … < ``tau_prime``
+   (the residuals' distribution widens fastest at the start) and every ``tau_prime`` steps (the only steps
    that form ``acc`` in an extra pass), otherwise the previous one nudged on the device by count
    feedback: ``th *= nudge`` when the local count was > 1.25k, ``/= nudge`` when < 0.75k.
 2. **fused_select** reads grad and residual once, writes ``residual = acc`` and compacts the
@@ -16,7 +17,7 @@ boolean-mask indexing in a steady-state step):
    row first, then each bucket in round order, into a dense fp32 scratch of size n (absolute
    positions: base = region_offsets[r]); the summation order per owner is fixed
    (sources r, r−1, r−2, … mod P), so the result is deterministic.
-4. **Global threshold** ``th_global``: every ``tau`` steps (and the first step) the owners'
+4. **Global threshold** ``th_global``: every ``tau`` steps (and at steps 0, 1, 2, 4, … < tau) the owners'
    level-0 histograms of their reduced regions are summed by one int64 [HIST_BINS] allreduce,
    then level 1 the same way: the k-th largest |sum| to 2^-14 relative resolution, identical on
    every rank, with no gathering of nonzeros. In between it is nudged by the global count (known
@@ -169,8 +170,11 @@ class OkTopk(Algorithm):
         P, r, k, n, be = self.P, self.rank, self.k, self.numel, self.backend
         exact = bool(o["exact_thresholds"])
         first = not self._calibrated
-        cal_local = exact or first or t % o["tau_prime"] == 0
-        cal_global = exact or first or t % o["tau"] == 0
+        # recalibrate at steps 0, 1, 2, 4, 8, ... (the residuals' distribution changes fastest
+        # at the start: its variance grows with t) and then every tau (tau') steps
+        early = t & (t - 1) == 0
+        cal_local = exact or first or t % o["tau_prime"] == 0 or (early and t < o["tau_prime"])
+        cal_global = exact or first or t % o["tau"] == 0 or (early and t < o["tau"])
         cr, cg = self.cap_r, self.cap_g
         offs = self.region_offsets
         start, end = offs[r], offs[r + 1]
