@@ -11,6 +11,7 @@ empty regions fall out of the walk), so any layout works, P = 1 included.
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -150,7 +151,12 @@ def _fused_select_torch_cpu(grad, residual, threshold, region_offsets, capacity,
     acc = residual.add_(grad)                      # acc = residual + float(grad), in place
     thr = float(threshold)
     ends = region_offsets[1:].contiguous()
-    sel = (acc.abs() >= thr) & (acc != 0)
+    if thr > 0:
+        sel = acc.abs() >= thr                     # excludes 0 and NaN already
+    elif thr <= 0:
+        sel = (acc != 0) & ~torch.isnan(acc)
+    else:                                          # NaN threshold: nothing
+        sel = torch.zeros_like(acc, dtype=torch.bool)
     idx = torch.nonzero(sel).reshape(-1)           # ascending
     rid = torch.searchsorted(ends, idx, right=True)
     counts = torch.bincount(rid, minlength=P)
@@ -161,7 +167,7 @@ def _fused_select_torch_cpu(grad, residual, threshold, region_offsets, capacity,
     out.indices[rid_k, slot_k] = (idx_k - region_offsets[rid_k]).to(torch.int32)
     out.values[rid_k, slot_k] = acc[idx_k]
     out.counts.copy_(counts)
-    if not bool(torch.isfinite(acc).all()):
+    if not math.isfinite(float(acc.sum())):       # cheap filter; overflow only costs a pass
         bad = torch.nonzero(~torch.isfinite(acc)).reshape(-1)
         out.nonfinite[torch.searchsorted(ends, bad, right=True)] = 1
     return out

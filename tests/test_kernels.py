@@ -6,9 +6,11 @@ Triton on CUDA may fill them in any order, so slots are compared sorted, and wit
 overflow only as a subset of the selected set.
 
 Histogram threshold tolerance (tested below): with >= k nonzero finite entries the count
-``c = #{|x| >= t}`` satisfies ``k <= c`` always and ``c <= 1.05 k`` for k >= 1000 on normal,
-student-t and lognormal data; with ties ``c_exact <= c <= c_exact + 0.05 k`` where c_exact is
-the count at the exact k-th largest value.
+``c = #{|x| >= t}`` satisfies ``k <= c`` always and ``c <= 1.01 k`` for k >= 1000 on normal,
+student-t and lognormal data (measured at n = 2^22, k = 1000 ... 419430: c <= 1.001 k); with
+ties ``c_exact <= c <= c_exact + 0.01 k`` where c_exact is the count at the exact k-th largest
+value (measured: c == c_exact).  The threshold is the lower edge of a bin of relative width
+2^-14, so c exceeds k by at most the population of that bin.
 """
 import os
 
@@ -194,8 +196,9 @@ def test_fused_select_out_packed_message_views(backend):
     check_selection(got, ref, ref, residual + grad.float(), offsets, cap, exact_order=not CUDA)
 
 
+@pytest.mark.parametrize("thr_v", [1.3, 0.0, float("inf")])
 @pytest.mark.parametrize("skip", [None, 0, 1])
-def test_fused_select_torch_paths_agree(skip):
+def test_fused_select_torch_paths_agree(skip, thr_v):
     """The host-read-free torch path (used for CUDA tensors) equals the CPU path."""
     from oktopk_triton.kernels.selection import (_fused_select_torch_cpu,
                                                  _fused_select_torch_nosync, empty_selection)
@@ -203,14 +206,15 @@ def test_fused_select_torch_paths_agree(skip):
     grad, residual = make_grad(n, torch.bfloat16, seed=21)
     grad, residual = grad.cpu(), residual.cpu()
     residual[77] = float("inf")
+    residual[5] = float("nan")
     offsets = region_layout(n, P, seed=22).cpu()
-    thr = torch.tensor(1.3)
+    thr = torch.tensor(thr_v)
     sk = None if skip is None else torch.tensor(skip, dtype=torch.int32)
     res = []
     for fn in (_fused_select_torch_cpu, _fused_select_torch_nosync):
         r = residual.clone()
         res.append((r, fn(grad, r, thr, offsets, cap, sk, empty_selection(P, cap, "cpu"))))
-    assert torch.equal(res[0][0], res[1][0])
+    assert torch.equal(res[0][0].nan_to_num(), res[1][0].nan_to_num())
     for a, b in zip(res[0][1], res[1][1]):
         assert torch.equal(a, b)
 
@@ -294,7 +298,7 @@ def test_histogram_threshold_tolerance(dist, k):
     for be in ("torch", "triton"):
         t = histogram_threshold(x, k, backend=be)
         c = tail_count(x, t)
-        assert k <= c <= 1.05 * k, (be, c)
+        assert k <= c <= 1.01 * k, (be, c)
         assert float(t) <= float(exact_threshold(x, k))
     assert float(histogram_threshold(x, k, backend="torch")) == float(histogram_threshold(x, k, backend="triton"))
 
@@ -311,7 +315,7 @@ def test_histogram_threshold_with_ties(dtype):
     for be in ("torch", "triton"):
         t = histogram_threshold(x, k, backend=be)
         c = tail_count(x, t)
-        assert c_exact <= c <= c_exact + 0.05 * k, (be, c, c_exact)
+        assert c_exact <= c <= c_exact + 0.01 * k, (be, c, c_exact)
 
 
 @needs_triton
