@@ -1,0 +1,182 @@
+"""SparseAllreduce (oktopk_triton/module.py): the public front."""
+import io
+
+import pytest
+import torch
+
+from conservation import assert_bitwise_agreement, assert_conservation, mixed, run_steps
+from oktopk_triton import SparseAllreduce
+from oktopk_triton.comm.local import LocalCluster
+
+BE = {"backend": "torch"}
+
+
+def _opts(alg):
+    return BE if alg == "oktopk" else {}
+
+
+# -- shapes, dtypes, devices ---------------------------------------------------------------------
+@pytest.mark.parametrize("alg", ["dense", "oktopk"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_out_shape_dtype_device_world_of_one(alg, dtype):
+    sar = SparseAllreduce(600, density=0.05, algorithm=alg, **_opts(alg))
+    g = torch.randn(20, 30).to(dtype)
+    out = sar(g)
+    assert out.shape == g.shape and out.dtype == dtype and out.device == g.device
+    assert sar.residual.dtype == torch.float32 and sar.residual.numel() == 600
+    for key in ("bytes_sent", "local_selected", "global_selected", "overflow"):
+        assert key in sar.stats
+    # conservation in a world of one: acc = out + residual'
+    acc = g.float().reshape(-1)
+    assert torch.allclose(out.float().reshape(-1) + sar.residual, acc, rtol=0, atol=1e-2)
+
+
+def _lp_body(comm, dtype):
+    sar = SparseAllreduce(2000, comm=comm, density=0.02, algorithm="oktopk", **BE)
+    out = sar(mixed(1)(comm.rank, 0, 2000).to(dtype))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_conserves_across_ranks(dtype):
+    res = run_steps("oktopk", 3, 2000, 30, 0.02, mixed(2), dtype=dtype, backend="torch")
+    assert_conservation(res)
+    assert_bitwise_agreement(res)
+    outs = LocalCluster(3).run(_lp_body, dtype)
+    assert all(o.dtype == dtype for o in outs)
+
+
+# -- reduce_gradients -------------------------------------------------------------------------
+def _model(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def _grads_body(comm, alg):
+    m = _model(0)                      # identical weights everywhere
+    twin = _model(0)
+    torch.manual_seed(100 + comm.rank)
+    x = torch.randn(5, 8)
+    m(x).pow(2).sum().backward()
+    twin(x).pow(2).sum().backward()
+    m[2].bias.grad = None              # a None grad counts as zeros
+    sar = SparseAllreduce(m.parameters(), comm=comm, density=0.1, algorithm=alg, **_opts(alg))
+    flat_ref = torch.cat([(p.grad if i != 3 else torch.zeros_like(p)).reshape(-1)
+                          for i, p in enumerate(twin.parameters())])
+    ref_sar = SparseAllreduce(flat_ref.numel(), comm=comm, density=0.1, algorithm=alg,
+                              **_opts(alg))
+    flat = sar.reduce_gradients()
+    first = flat.clone()
+    ref = ref_sar(flat_ref)
+    grads = [p.grad.clone() for p in m.parameters()]
+    lo, hi = flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size()
+    views = all(lo <= p.grad.data_ptr() < hi for p in m.parameters())
+    # second step: backward accumulates into the views; reduce_gradients copies nothing in
+    ptrs = [p.grad.data_ptr() for p in m.parameters()]
+    m(x).sum().backward()
+    assert torch.equal(torch.cat([p.grad.reshape(-1) for p in m.parameters()]), flat)
+    flat2 = sar.reduce_gradients()
+    assert flat2.data_ptr() == lo and ptrs == [p.grad.data_ptr() for p in m.parameters()]
+    return first, ref, grads, views, sar.residual.clone(), ref_sar.residual.clone()
+
+@pytest.mark.parametrize("alg", ["dense", "oktopk"])
+def test_reduce_gradients_writes_grads(alg):
+    res = LocalCluster(2).run(_grads_body, alg)
+    for flat, ref, grads, views, r1, r2 in res:
+        assert torch.equal(flat, ref)
+        assert torch.equal(torch.cat([g.reshape(-1) for g in grads]), ref)
+        assert views
+        assert r1.shape == r2.shape
+    assert torch.equal(res[0][0], res[1][0])
+
+
+# -- non-finite policy ------------------------------------------------------------------------
+@pytest.mark.parametrize("alg", ["dense", "oktopk"])
+def test_nonfinite_on_one_rank_makes_out_nan_everywhere(alg):
+    res = run_steps(alg, 3, 1500, 8, 0.02, mixed(3), nonfinite={4: 1}, **_opts(alg))
+    assert res.unchanged[4]
+    assert all(not bool(torch.isfinite(o).any()) for o in res.outs[4])
+    assert_conservation(res)
+    assert_bitwise_agreement(res)
+
+
+def _raise_body(comm):
+    sar = SparseAllreduce(1000, comm=comm, density=0.02, algorithm="oktopk",
+                          check_finite="raise", **BE)
+    g = torch.randn(1000)
+    sar(g)
+    before = sar.residual.clone()
+    if comm.rank == 2:
+        g[5] = float("inf")
+    try:
+        sar(g)
+    except FloatingPointError as e:
+        return "raised", str(e), torch.equal(before, sar.residual)
+    return "no", "", False
+
+
+def test_check_finite_raise_on_every_rank():
+    for status, msg, same in LocalCluster(3).run(_raise_body):
+        assert status == "raised" and "non-finite" in msg and same
+
+
+# -- bad input ------------------------------------------------------------------------------
+def test_bad_input_errors():
+    for d in (0.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="density"):
+            SparseAllreduce(100, density=d, algorithm="oktopk", **BE)
+    with pytest.raises(ValueError, match="unknown algorithm"):
+        SparseAllreduce(100, algorithm="nope")
+    with pytest.raises(TypeError, match="unknown option"):
+        SparseAllreduce(100, algorithm="oktopk", not_an_option=3)
+    sar = SparseAllreduce(100, density=0.1, algorithm="oktopk", **BE)
+    with pytest.raises(ValueError, match=r"99.*100|100.*99"):
+        sar(torch.zeros(99))
+    with pytest.raises(TypeError, match="dtype"):
+        sar(torch.zeros(100, dtype=torch.int32))
+    with pytest.raises(TypeError):
+        sar([0.0] * 100)
+    with pytest.raises(ValueError, match="requires_grad"):
+        SparseAllreduce([torch.zeros(3)], algorithm="dense")
+
+
+def _numel_body(comm):
+    try:
+        SparseAllreduce(100 + (comm.rank == 1), comm=comm, algorithm="oktopk", **BE)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_numel_differing_across_ranks_raises_everywhere():
+    msgs = LocalCluster(3).run(_numel_body)
+    assert all(m is not None and "differ" in m and "101" in m for m in msgs)
+
+
+# -- state ------------------------------------------------------------------------------------
+def _state_body(comm, steps, cut):
+    fn = mixed(9)
+    opts = dict(tau=4, tau_prime=4, region_period=4, **BE)
+    a = SparseAllreduce(2000, comm=comm, density=0.02, **opts)
+    outs, blob = [], None
+    for t in range(steps):
+        if t == cut:
+            buf = io.BytesIO()
+            torch.save(a.state_dict(), buf)
+            blob = buf.getvalue()
+        outs.append(a(fn(comm.rank, t, 2000)))
+    b = SparseAllreduce(2000, comm=comm, density=0.02, **opts)
+    b.load_state_dict(torch.load(io.BytesIO(blob), weights_only=True))
+    outs2 = [b(fn(comm.rank, t, 2000)) for t in range(cut, steps)]
+    # nested in a model's state_dict too
+    holder = torch.nn.Module()
+    holder.sar = b
+    sd = holder.state_dict()
+    return (all(torch.equal(x, y) for x, y in zip(outs[cut:], outs2)),
+            torch.equal(a.residual, b.residual), b.step_count, list(sd))
+
+
+def test_state_dict_round_trip():
+    for same_out, same_res, step, keys in LocalCluster(2).run(_state_body, 20, 7):
+        assert same_out and same_res and step == 20
+        assert keys == ["sar._extra_state"]
