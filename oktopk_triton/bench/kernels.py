@@ -165,6 +165,7 @@ def run(n: int, density: float, dtype: str = "fp32", regions: int = 8, repeats: 
         "kernel_backend": used_backend,
         "n": n, "density": density, "k": k, "dtype": dtype, "regions": P, "capacity": capacity,
         "threshold": float(threshold), "selected": selected, "repeats": repeats,
+        "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "results": rows,
     }
 
@@ -177,6 +178,9 @@ def format_table(res: Dict) -> str:
     if res["device_type"] != "cuda":
         lines.append("NOTE: no CUDA device — this times the torch reference path on CPU with a "
                      "small n; the Triton numbers need a GPU.")
+        if res.get("load_average") is not None:
+            lines.append(f"NOTE: CPU load average {res['load_average']:.1f} over "
+                         f"{os.cpu_count()} cores during the run (timings are noisy when > cores).")
     hdr = f"{'step':<16}{'median ms':>11}{'GB/s':>9}{'% copy':>8}{'vs topk':>9}   bytes"
     lines += [hdr, "-" * len(hdr)]
     for r in res["results"]:
