@@ -467,6 +467,7 @@ def train_one(cfg, algorithm: str, seed: int, comm, device, data, log) -> Dict[s
     g = torch.Generator().manual_seed(10007 * seed + 17)
     acc_curve = [(0, evaluate(model, Xte, yte))]
     bytes_curve: List[int] = []
+    stats_curve: Dict[str, List[float]] = {}
     step_times: List[float] = []
     reduce_times: List[float] = []
     epoch_losses: List[float] = []
@@ -510,6 +511,7 @@ def train_one(cfg, algorithm: str, seed: int, comm, device, data, log) -> Dict[s
             step_times.append(t3 - t0)
             reduce_times.append(t2 - t1)
             bytes_curve.append(int(sar.stats["bytes_sent"]))
+            _record_stats(stats_curve, sar.stats)
             loss_sum += float(loss.detach())
             if eval_every and step % eval_every == 0 and b != steps_per_epoch - 1:
                 acc_curve.append((step, evaluate(model, Xte, yte)))
@@ -537,8 +539,26 @@ def train_one(cfg, algorithm: str, seed: int, comm, device, data, log) -> Dict[s
         "time_per_step_ms": 1000 * sum(step_times[warm:]) / len(step_times[warm:]),
         "reduce_ms": 1000 * sum(reduce_times[warm:]) / len(reduce_times[warm:]),
         "replicas_identical": bool(identical), "device": str(device),
+        "stats_curve": stats_curve,
         "backend": type(comm).__name__,
     }
+
+
+def _record_stats(curves: Dict[str, List[float]], stats: Dict[str, Any]) -> None:
+    """Per-step numeric stats of the algorithm (counts, overflow, thresholds, capacities): a host
+    read of a few scalars per step, fine for this benchmark (and free on CPU)."""
+    import torch
+    for key, v in stats.items():
+        if key == "bytes_sent" or v is None:
+            continue
+        if isinstance(v, torch.Tensor):
+            if v.numel() != 1:
+                continue
+            v = v.item()
+        if isinstance(v, bool):
+            v = int(v)
+        if isinstance(v, (int, float)):
+            curves.setdefault(key, []).append(v)
 
 
 def worker_main(cfg_path: str, out_path: str) -> int:
