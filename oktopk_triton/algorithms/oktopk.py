@@ -41,8 +41,12 @@ boolean-mask indexing in a steady-state step):
 Volume per rank and step: the reduce sends (P−1) rows of 2+2·cap_r words, the allgather (P−1)
 slots of 2+2·cap_g words. With ``volume_budget=6`` (the paper's bound, 6k(P−1)/P words) the
 capacities satisfy ``cap_r + cap_g <= 3k/P``, so a step sends at most 6k(P−1)/P words + 4(P−1)
-header words, plus on threshold-recalibration steps two int64 [HIST_BINS] allreduces (fixed size,
-independent of n; negligible for real models, visible at toy sizes).
+header words, plus on global-threshold recalibration steps the threshold exchange: either two
+[HIST_BINS] histogram allreduces (fixed size, independent of n) or, when cheaper (small k/P), an
+allgather of every owner's top-m |sums|, m = min(k, 2·cap_g) ((P−1)·m words: the k-th largest of that union
+is the exact threshold unless an owner holds more than m of the top k; then it is lower and the
+count feedback raises it). ``global_threshold="auto"`` picks the fewer bytes (static, identical on every rank), so
+a recalibration step stays below ~8.5k(P−1)/P words at any size.
 
 Slack defaults: ``capacity_slack=(1.5, 1.25)``. The reduce rows see the local selections, whose
 split over regions varies from rank to rank and step to step (hot spots move; each rank's
@@ -57,6 +61,7 @@ only the entries that reached ``out``. Non-finite steps (``nonfinite > 0``) skip
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any, Optional
 
 import torch
@@ -65,6 +70,26 @@ from .. import kernels as K
 from .base import Algorithm
 
 __all__ = ["OkTopk", "source_order"]
+
+# The Triton *interpreter* (CPU tensors with TRITON_INTERPRET=1) patches triton.language globally
+# while a kernel runs, so two threads (LocalCluster ranks) must not run interpreted kernels at
+# once. Compiled kernels on CUDA need no lock.
+_INTERPRETER_LOCK = threading.Lock()
+
+
+class _Locked:
+    """The kernels module with every call made under ``lock``."""
+
+    def __init__(self, mod, lock) -> None:
+        self._mod, self._lock = mod, lock
+
+    def __getattr__(self, name):
+        fn = getattr(self._mod, name)
+
+        def call(*a, **kw):
+            with self._lock:
+                return fn(*a, **kw)
+        return call
 
 
 def source_order(owner: int, P: int) -> list:
@@ -86,6 +111,7 @@ class OkTopk(Algorithm):
         "max_nudge": 2.0,          # largest adaptive factor per step
         "bucket_size": 4,          # peers per bucket of the split-and-reduce
         "warmup_steps": 0,         # dense allreduce steps before Ok-Topk starts
+        "global_threshold": "auto",  # histogram | topm | auto (the fewer bytes; see _global_threshold)
         "exact_thresholds": False,  # exact top-k thresholds every step (reference / calibration)
         "backend": "auto",         # kernels backend: auto | triton | torch
     }
@@ -111,6 +137,9 @@ class OkTopk(Algorithm):
         if not float(o["nudge"]) >= 1.0:
             raise ValueError(f"oktopk: nudge must be >= 1, got {o['nudge']!r}")
         self.backend = o["backend"]
+        interpreted = (torch.device(self.device).type != "cuda"
+                       and K.choose(self.backend, torch.device(self.device)) == "triton")
+        self._kern = _Locked(K, _INTERPRETER_LOCK) if interpreted else K
         dev, n, P = self.device, self.numel, self.P
         self.th_local = torch.zeros((), dtype=torch.float32, device=dev)
         self.th_global = torch.zeros((), dtype=torch.float32, device=dev)
@@ -185,7 +214,7 @@ class OkTopk(Algorithm):
             if exact or first:
                 th_l = K.exact_threshold(acc, k)
             else:
-                th_l = K.histogram_threshold(acc, k, backend=be)
+                th_l = self._kern.histogram_threshold(acc, k, backend=be)
             del acc
             if not first:
                 th_l = self._keep_if_nonfinite(th_l, self.th_local, nonfinite)
@@ -196,11 +225,11 @@ class OkTopk(Algorithm):
         msg = self._msg
         sel = K.Selection(indices=msg[:, 2:2 + cr], values=msg[:, 2 + cr:].view(torch.float32),
                           counts=msg[:, 0], nonfinite=msg[:, 1])
-        K.fused_select(grad, self.residual, th_l, offs, cr, skip=nonfinite, out=sel, backend=be)
+        self._kern.fused_select(grad, self.residual, th_l, offs, cr, skip=nonfinite, out=sel, backend=be)
 
         # 3. split-and-reduce: own row first, then buckets in rotation order
         scratch = self._scratch
-        K.scatter_add(scratch, sel.indices[r:r + 1], sel.values[r:r + 1], sel.counts[r:r + 1],
+        self._kern.scatter_add(scratch, sel.indices[r:r + 1], sel.values[r:r + 1], sel.counts[r:r + 1],
                       base=start, backend=be)
         recv = self._recv
         B = o["bucket_size"]
@@ -210,7 +239,7 @@ class OkTopk(Algorithm):
             recvs = [((r - i) % P, recv[i - 1]) for i in range(lo, hi)]
             self.comm.send_recv(sends, recvs)
             rb = recv[lo - 1:hi - 1]
-            K.scatter_add(scratch, rb[:, 2:2 + cr], rb[:, 2 + cr:].view(torch.float32),
+            self._kern.scatter_add(scratch, rb[:, 2:2 + cr], rb[:, 2 + cr:].view(torch.float32),
                           rb[:, 0], base=start, backend=be)
 
         # 4. global threshold
@@ -223,7 +252,7 @@ class OkTopk(Algorithm):
 
         # 5. owner selection into the gather slot
         slot = self._slot
-        K.region_select(scratch, start, end, th_g, cg, max_len=self.max_len, scale=self._inv_P,
+        self._kern.region_select(scratch, start, end, th_g, cg, max_len=self.max_len, scale=self._inv_P,
                         out=(slot[2:2 + cg], slot[2 + cg:].view(torch.float32), slot[0]),
                         backend=be)
         if P > 1:
@@ -254,7 +283,7 @@ class OkTopk(Algorithm):
                        accumulate=True)
 
         # 7. clear the residual at S_r ∩ I
-        K.clear_sent(self.residual, sel.indices, sel.counts, offs, gidx, gcounts, backend=be)
+        self._kern.clear_sent(self.residual, sel.indices, sel.counts, offs, gidx, gcounts, backend=be)
 
         # 8. feedback, observations, regions, stats
         counts64 = sel.counts.to(torch.int64)
@@ -327,27 +356,54 @@ class OkTopk(Algorithm):
         k, P = self.k, self.P
         if exact:
             # exact k-th largest |sum|: each owner's top-k of its region, allgathered (test mode)
-            kk = min(k, self.numel)
-            top = torch.topk(scratch.abs(), kk, sorted=False).values
-            if P > 1:
-                allv = torch.empty(P * kk, dtype=torch.float32, device=self.device)
-                self.comm.allgather(allv, top)
-            else:
-                allv = top
-            return torch.topk(allv, kk, sorted=False).values.min().reshape(())
-        h0 = self._allreduce_hist(K.abs_histogram(scratch, start=start, end=end,
+            return self._topm_threshold(scratch, min(k, self.numel))
+        if self._use_topm():
+            # the k-th largest of the union of every owner's top-m |sum| (m = min(k, 2 cap_g)):
+            # exact unless an owner holds more than m of the global top-k
+            return self._topm_threshold(scratch, self._topm_m())
+        h0 = self._allreduce_hist(self._kern.abs_histogram(scratch, start=start, end=end,
                                                   backend=self.backend))
         b0, above = K.kth_bin(h0, k)
-        h1 = self._allreduce_hist(K.abs_histogram(scratch, prefix=b0, start=start, end=end,
+        h1 = self._allreduce_hist(self._kern.abs_histogram(scratch, prefix=b0, start=start, end=end,
                                                   backend=self.backend))
         b1, _ = K.kth_bin(h1, k - above)
         return K.bin_threshold(b0, b1)
+
+    def _hist_bytes(self) -> int:
+        return 4 if self.P * self.numel < 2 ** 31 else 8
+
+    def _use_topm(self) -> bool:
+        """Static (same on every rank): the top-m allgather sends (P−1)·cap_g·4 bytes, the two
+        histogram allreduces 2·2(P−1)/P·HIST_BINS·(4|8); small k/P favours the former."""
+        mode = self.opts["global_threshold"]
+        if mode not in ("auto", "histogram", "topm"):
+            raise ValueError(f"oktopk: global_threshold must be auto|histogram|topm, got {mode!r}")
+        if mode != "auto":
+            return mode == "topm"
+        P = self.P
+        topm = (P - 1) * self._topm_m() * 4
+        hist = 2 * (2 * (P - 1) * K.HIST_BINS * self._hist_bytes() // max(P, 1))
+        return topm <= hist
+
+    def _topm_m(self) -> int:
+        return min(self.k, 2 * self.cap_g, self.numel)
+
+    def _topm_threshold(self, scratch: torch.Tensor, m: int) -> torch.Tensor:
+        k, P = self.k, self.P
+        top = torch.topk(scratch.abs(), m, sorted=False).values
+        if P > 1:
+            allv = torch.empty(P * m, dtype=torch.float32, device=self.device)
+            self.comm.allgather(allv, top)
+        else:
+            allv = top
+        kk = min(k, allv.numel())
+        return torch.topk(allv, kk, sorted=False).values.min().reshape(())
 
     def _allreduce_hist(self, h: torch.Tensor) -> torch.Tensor:
         """Sum a histogram over ranks; in int32 (half the bytes) when P·n cannot overflow it."""
         if self.P == 1:
             return h
-        if self.P * self.numel < 2 ** 31:
+        if self._hist_bytes() == 4:
             h32 = h.to(torch.int32)
             self.comm.allreduce(h32)
             return h32.to(torch.int64)
