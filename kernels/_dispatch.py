@@ -5,7 +5,9 @@
 """
 from __future__ import annotations
 
+import functools
 import os
+import threading
 from typing import Optional, Union
 
 import torch
@@ -21,6 +23,24 @@ try:  # triton is a hard dependency, but keep the torch path usable without it
     HAS_TRITON = True
 except Exception:  # pragma: no cover
     HAS_TRITON = False
+
+
+# The Triton interpreter patches triton.language module-wide while a kernel runs, so two threads
+# (the ranks of a LocalCluster) must never run interpreted kernels at once. Compiled launches
+# (no TRITON_INTERPRET) are not serialised.
+_INTERPRETER_LOCK = threading.RLock()
+
+
+def serialized_when_interpreted(launcher):
+    """Decorator for the Triton launchers: under the interpreter, one launch at a time."""
+    if not INTERPRET:
+        return launcher
+
+    @functools.wraps(launcher)
+    def locked(*args, **kwargs):
+        with _INTERPRETER_LOCK:
+            return launcher(*args, **kwargs)
+    return locked
 
 
 def choose(backend: str, device: torch.device) -> str:

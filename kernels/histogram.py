@@ -82,6 +82,7 @@ if HAS_TRITON:
 
     MAX_PROGRAMS = 1024   # programs of a histogram launch: ~8 per SM on H100/H200
 
+    @_dispatch.serialized_when_interpreted
     def _abs_histogram_triton(x, prefix, start, end, out, block=1024):
         n = x.numel()
         start_is_ptr = isinstance(start, Tensor)

@@ -94,6 +94,7 @@ if HAS_TRITON:
         tl.store(indices_ptr + slot, rel.to(tl.int32), mask=write)
         tl.store(values_ptr + slot, v * s, mask=write)
 
+    @_dispatch.serialized_when_interpreted
     def _region_select_triton(dense, start, end, threshold, capacity, max_len, scale,
                               indices, values, count, block=1024):
         if _dispatch.INTERPRET:
@@ -160,6 +161,7 @@ if HAS_TRITON:
         tl.store(residual_ptr + base + target.to(tl.int64), tl.zeros((BLOCK,), tl.float32),
                  mask=found)
 
+    @_dispatch.serialized_when_interpreted
     def _clear_sent_triton(residual, sent_indices, sent_counts, region_offsets,
                            global_indices, global_counts, block=1024):
         P, cap_sent = sent_indices.shape

@@ -48,6 +48,7 @@ if HAS_TRITON:
         old = tl.load(ptr, mask=valid, other=0.0).to(tl.float32)
         tl.store(ptr, (old + val).to(dense_ptr.dtype.element_ty), mask=valid)
 
+    @_dispatch.serialized_when_interpreted
     def _scatter_add_triton(dense, indices, values, counts, base, block=1024):
         S, cap = indices.shape
         if cap == 0:

@@ -107,6 +107,7 @@ if HAS_TRITON:
             region += 1
             region_start = region_end
 
+    @_dispatch.serialized_when_interpreted
     def _fused_select_triton(grad, residual, threshold, region_offsets, capacity, skip, out,
                              block: int = 2048):
         if _dispatch.INTERPRET:

@@ -61,7 +61,6 @@ only the entries that reached ``out``. Non-finite steps (``nonfinite > 0``) skip
 from __future__ import annotations
 
 import math
-import threading
 from typing import Any, Optional
 
 import torch
@@ -70,27 +69,6 @@ from .. import kernels as K
 from .base import Algorithm
 
 __all__ = ["OkTopk", "source_order"]
-
-# The Triton *interpreter* (CPU tensors with TRITON_INTERPRET=1) patches triton.language globally
-# while a kernel runs, so two threads (LocalCluster ranks) must not run interpreted kernels at
-# once. Compiled kernels on CUDA need no lock.
-_INTERPRETER_LOCK = threading.Lock()
-
-
-class _Locked:
-    """The kernels module with every call made under ``lock``."""
-
-    def __init__(self, mod, lock) -> None:
-        self._mod, self._lock = mod, lock
-
-    def __getattr__(self, name):
-        fn = getattr(self._mod, name)
-
-        def call(*a, **kw):
-            with self._lock:
-                return fn(*a, **kw)
-        return call
-
 
 def source_order(owner: int, P: int) -> list:
     """The fixed order in which ``owner`` adds the senders' contributions (itself first)."""
@@ -137,9 +115,6 @@ class OkTopk(Algorithm):
         if not float(o["nudge"]) >= 1.0:
             raise ValueError(f"oktopk: nudge must be >= 1, got {o['nudge']!r}")
         self.backend = o["backend"]
-        interpreted = (torch.device(self.device).type != "cuda"
-                       and K.choose(self.backend, torch.device(self.device)) == "triton")
-        self._kern = _Locked(K, _INTERPRETER_LOCK) if interpreted else K
         dev, n, P = self.device, self.numel, self.P
         self.th_local = torch.zeros((), dtype=torch.float32, device=dev)
         self.th_global = torch.zeros((), dtype=torch.float32, device=dev)
@@ -214,7 +189,7 @@ class OkTopk(Algorithm):
             if exact or first:
                 th_l = K.exact_threshold(acc, k)
             else:
-                th_l = self._kern.histogram_threshold(acc, k, backend=be)
+                th_l = K.histogram_threshold(acc, k, backend=be)
             del acc
             if not first:
                 th_l = self._keep_if_nonfinite(th_l, self.th_local, nonfinite)
@@ -225,11 +200,11 @@ class OkTopk(Algorithm):
         msg = self._msg
         sel = K.Selection(indices=msg[:, 2:2 + cr], values=msg[:, 2 + cr:].view(torch.float32),
                           counts=msg[:, 0], nonfinite=msg[:, 1])
-        self._kern.fused_select(grad, self.residual, th_l, offs, cr, skip=nonfinite, out=sel, backend=be)
+        K.fused_select(grad, self.residual, th_l, offs, cr, skip=nonfinite, out=sel, backend=be)
 
         # 3. split-and-reduce: own row first, then buckets in rotation order
         scratch = self._scratch
-        self._kern.scatter_add(scratch, sel.indices[r:r + 1], sel.values[r:r + 1], sel.counts[r:r + 1],
+        K.scatter_add(scratch, sel.indices[r:r + 1], sel.values[r:r + 1], sel.counts[r:r + 1],
                       base=start, backend=be)
         recv = self._recv
         B = o["bucket_size"]
@@ -239,7 +214,7 @@ class OkTopk(Algorithm):
             recvs = [((r - i) % P, recv[i - 1]) for i in range(lo, hi)]
             self.comm.send_recv(sends, recvs)
             rb = recv[lo - 1:hi - 1]
-            self._kern.scatter_add(scratch, rb[:, 2:2 + cr], rb[:, 2 + cr:].view(torch.float32),
+            K.scatter_add(scratch, rb[:, 2:2 + cr], rb[:, 2 + cr:].view(torch.float32),
                           rb[:, 0], base=start, backend=be)
 
         # 4. global threshold
@@ -252,7 +227,7 @@ class OkTopk(Algorithm):
 
         # 5. owner selection into the gather slot
         slot = self._slot
-        self._kern.region_select(scratch, start, end, th_g, cg, max_len=self.max_len, scale=self._inv_P,
+        K.region_select(scratch, start, end, th_g, cg, max_len=self.max_len, scale=self._inv_P,
                         out=(slot[2:2 + cg], slot[2 + cg:].view(torch.float32), slot[0]),
                         backend=be)
         if P > 1:
@@ -283,7 +258,7 @@ class OkTopk(Algorithm):
                        accumulate=True)
 
         # 7. clear the residual at S_r ∩ I
-        self._kern.clear_sent(self.residual, sel.indices, sel.counts, offs, gidx, gcounts, backend=be)
+        K.clear_sent(self.residual, sel.indices, sel.counts, offs, gidx, gcounts, backend=be)
 
         # 8. feedback, observations, regions, stats
         counts64 = sel.counts.to(torch.int64)
@@ -361,10 +336,10 @@ class OkTopk(Algorithm):
             # the k-th largest of the union of every owner's top-m |sum| (m = min(k, 2 cap_g)):
             # exact unless an owner holds more than m of the global top-k
             return self._topm_threshold(scratch, self._topm_m())
-        h0 = self._allreduce_hist(self._kern.abs_histogram(scratch, start=start, end=end,
+        h0 = self._allreduce_hist(K.abs_histogram(scratch, start=start, end=end,
                                                   backend=self.backend))
         b0, above = K.kth_bin(h0, k)
-        h1 = self._allreduce_hist(self._kern.abs_histogram(scratch, prefix=b0, start=start, end=end,
+        h1 = self._allreduce_hist(K.abs_histogram(scratch, prefix=b0, start=start, end=end,
                                                   backend=self.backend))
         b1, _ = K.kth_bin(h1, k - above)
         return K.bin_threshold(b0, b1)
