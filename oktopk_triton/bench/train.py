@@ -114,7 +114,7 @@ def main(args) -> int:
     runs, failures = launch(config, timeout=args.timeout)
     summary = summarize(runs, algos, failures)
     wall = time.time() - t0
-    report = {"config": config, "skipped": [{"algorithm": n, "why": w} for n, w in skipped],
+    report = {"config": config, "git": _git_describe(), "skipped": [{"algorithm": n, "why": w} for n, w in skipped],
               "failures": failures, "summary": summary, "runs": runs, "wall_s": wall}
     os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
     with open(json_path, "w") as f:
@@ -138,6 +138,19 @@ def main(args) -> int:
         print(f"ERROR: replicas diverged in {len(bad)} run(s)", file=sys.stderr)
         return 1
     return 1 if failures else 0
+
+
+def _git_describe() -> Optional[str]:
+    """The commit the results were produced with (algorithms change; results must say which)."""
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here,
+                             capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return (rev + ("+dirty" if dirty else "")) or None
+    except Exception:
+        return None
 
 
 def resolve_algorithms(names: List[str]):
