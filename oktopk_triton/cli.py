@@ -16,27 +16,31 @@ SUBCOMMANDS = {
     "kernels": ("kernels", "time the fused select, histogram threshold, torch.topk and an unfused torch step"),
     "collectives": ("collectives", "bytes per rank and step time of every algorithm over world sizes"),
     "train": ("train", "train a small CNN on the digits data with each algorithm and compare"),
-    "demo": ("train", "the main job: 4 ranks, dense and every sparse algorithm at density 1%"),
+    "demo": ("train", "the main job: 4 ranks, dense and every sparse algorithm at density 1%%"),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command=None) -> argparse.ArgumentParser:
+    """The parser; only ``command``'s module is imported (a missing optional dependency of one
+    benchmark never breaks the others)."""
     p = argparse.ArgumentParser(prog="oktopk-bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     for name, (mod, help_) in SUBCOMMANDS.items():
         sp = sub.add_parser(name, help=help_, description=help_)
+        if name != command:
+            continue
         m = importlib.import_module(f"oktopk_triton.bench.{mod}")
-        adder = getattr(m, "add_demo_arguments" if name == "demo" else "add_arguments", None)
-        if adder is None:
-            adder = m.add_arguments
-        adder(sp)
+        adder = getattr(m, "add_demo_arguments", None) if name == "demo" else None
+        (adder or m.add_arguments)(sp)
         sp.set_defaults(_module=m, _entry="demo_main" if name == "demo" else "main")
     return p
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command if command in SUBCOMMANDS else None).parse_args(argv)
     fn = getattr(args._module, args._entry, None) or args._module.main
     return int(fn(args) or 0)
 

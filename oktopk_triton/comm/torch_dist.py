@@ -17,6 +17,9 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+# torch >= 2.13 names it all_gather_single (all_gather_into_tensor warns on every call there)
+_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 from .base import CommAborted, CommError, CommTimeout, Communicator
 
 __all__ = ["TorchCommunicator"]
@@ -164,7 +167,7 @@ class TorchCommunicator(Communicator):
         work = None
         if self._gather_into_tensor:
             try:
-                work = self._issue("allgather", dist.all_gather_into_tensor, out, inp,
+                work = self._issue("allgather", _ALL_GATHER_SINGLE, out, inp,
                                    group=self.group, async_op=True)
             except CommError:
                 raise
