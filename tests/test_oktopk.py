@@ -213,3 +213,27 @@ def test_warmup_steps_dense():
     assert_bitwise_agreement(res)
     assert all(int((res.outs[t][0] != 0).sum()) == 2000 for t in range(3))
     assert float(res.residual_sums[2].abs().max()) == 0.0
+
+
+# -- a full gather slot keeps the largest sums, not the lowest indices --------------------------
+def _cap_body(comm, n):
+    alg = OkTopk(n, comm, 0.05, backend=BE, capacity_slack=(100.0, 0.5), volume_budget=None,
+                 adapt_capacity=False)
+    # the same gradient on every rank, |value| growing with the index: the largest sums are the
+    # highest indices
+    g = torch.Generator().manual_seed(3)
+    grad = torch.linspace(0.1, 1.0, n) * torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+    out = alg(grad)
+    return out, int(alg.stats["gather_overflow"])
+
+
+@pytest.mark.parametrize("P", [1, 2, 3])
+def test_full_gather_slot_keeps_the_largest(P):
+    n = 4000
+    for out, gat in LocalCluster(P).run(_cap_body, n):
+        assert gat > 0, "the small gather slack should overflow"
+        nz = torch.nonzero(out).flatten()
+        assert nz.numel() > 0
+        # ascending fill would keep the lowest indices of the selection; the largest are the top
+        assert torch.equal(nz, torch.arange(n - nz.numel(), n)), \
+            f"kept {nz.numel()} entries from index {int(nz.min())}, not the largest"

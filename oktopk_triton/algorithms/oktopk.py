@@ -8,6 +8,10 @@ boolean-mask indexing in a steady-state step):
    (the residuals' distribution widens fastest at the start) and every ``tau_prime`` steps (the only steps
    that form ``acc`` in an extra pass), otherwise the previous one nudged on the device by count
    feedback: ``th *= nudge`` when the local count was > 1.25k, ``/= nudge`` when < 0.75k.
+   Default ``tau_prime=1`` (every step; 3 extra passes over n): on the digits CNN (85k
+   parameters, 630 steps) the nudged threshold of ``tau_prime=32`` left the local count outside
+   [0.75k, 1.25k] on 32–64% of the steps (196–5,020 for k=851), which overflowed the reduce
+   rows; the paper's 32 remains an option for large models whose distribution drifts slowly.
 2. **fused_select** reads grad and residual once, writes ``residual = acc`` and compacts the
    selected entries straight into one packed int32 message buffer ``msg[P, 2 + 2·cap_r]``:
    row j = ``[true count, nonfinite flag, cap_r relative indices, cap_r fp32 value bits]`` for
@@ -23,17 +27,27 @@ boolean-mask indexing in a steady-state step):
    every rank, with no gathering of nonzeros. In between it is nudged by the global count (known
    to every rank from the gathered headers: no extra message).
 5. **Owner selection** with ``region_select`` (ascending indices, values × 1/P) into the owner's
-   fixed-capacity gather slot ``[count, max count received, cap_g indices, cap_g values]``.
+   fixed-capacity gather slot ``[count at th_global, max count received, cap_g indices, cap_g
+   values]``. The slot holds the LARGEST sums of the region: the owner selects with
+   ``max(th_global, the region's cap_g-th largest |sum|)`` (a histogram threshold over its
+   region), so when the region holds more than cap_g sums above th_global, the capacity does
+   not decide by index which go (ascending fill used to starve the high indices — the
+   classifier at the end of the flat vector — whenever a region overflowed). The valid slots
+   are the prefix with index >= 0 (region_select writes -1 past its count).
 6. **Balanced gather**: one allgather of the slots; every rank writes
    ``out[region_offsets[j] + idx] = value`` (regions are disjoint, so the result is bitwise
    identical everywhere).
 7. **clear_sent**: ``residual = 0`` at S_r ∩ I (entries this rank sent within capacity that
    were gathered). The scratch is zeroed back at the positions it received.
-8. **Regions** are revised after the first step and then every ``region_period`` steps from the
-   global set I just gathered (identical on every rank, so identical boundaries, no
-   communication): boundary q sits at the (q·|I|/P)-th entry of I, so each region holds about
-   |I|/P entries. **Capacities** start at ``slack · k/P`` and are adapted every ``tau`` steps
-   from the largest counts observed in the window (message headers, gathered, so identical on
+8. **Regions** are revised after the first step and then every ``region_period`` steps
+   (default: every step) from the global set I just gathered (identical on every rank, so
+   identical boundaries, no communication): boundary q sits at the q/P quantile of the global
+   count, each gathered entry of region j weighted by count_j / |I_j| (an overfull slot holds
+   fewer entries than reached th_global). With ``region_period < tau`` the region length is
+   bounded statically by n (no host read); otherwise the largest length is read at each
+   revision. Revising every step cut the reduce overflow from ~100 to ~25 entries/step (k=851)
+   on the digits CNN, whose hot spots move from step to step.
+   **Capacities** start at ``slack · k/P`` and are adapted every ``tau`` steps from the largest counts observed in the window (message headers, gathered, so identical on
    every rank), clamped to the volume budget. That adaptation (and the largest region length,
    the static grid bound of ``region_select``) is the only host read: one small ``tolist()`` per
    ``tau`` steps (and at step 0).
@@ -48,7 +62,8 @@ is the exact threshold unless an owner holds more than m of the top k; then it i
 count feedback raises it). ``global_threshold="auto"`` picks the fewer bytes (static, identical on every rank), so
 a recalibration step stays below ~8.5k(P−1)/P words at any size.
 
-Slack defaults: ``capacity_slack=(1.5, 1.25)``. The reduce rows see the local selections, whose
+Slack defaults: ``capacity_slack=(1.5, 1.25)``; when the adapted wants exceed the budget, the
+budget is split in this ratio (see ``_fit``). The reduce rows see the local selections, whose
 split over regions varies from rank to rank and step to step (hot spots move; each rank's
 selection is balanced only on average), hence more slack there; the gather slots see the global
 survivors, which the regions balance by construction, so 1.25 suffices. 1.5 + 1.25 = 2.75 < 3,
@@ -75,13 +90,19 @@ def source_order(owner: int, P: int) -> list:
     return [(owner - i) % P for i in range(P)]
 
 
+def _smallest_positive(x: torch.Tensor) -> torch.Tensor:
+    """The smallest positive finite value of x (0 when there is none), 0-dim, on the device."""
+    pos = torch.where((x > 0) & torch.isfinite(x), x, torch.full_like(x, float("inf"))).min()
+    return torch.where(torch.isinf(pos), torch.zeros_like(pos), pos).reshape(())
+
+
 class OkTopk(Algorithm):
     name = "oktopk"
     OPTIONS = {
         "tau": 32,                 # global threshold recompute period (steps)
-        "tau_prime": 32,           # local threshold recompute period (steps)
-        "region_period": 64,       # region boundaries revision period (steps)
-        "capacity_slack": (1.5, 1.25),  # (reduce rows, gather slots) or one float for both
+        "tau_prime": 1,            # local threshold recompute period (steps)
+        "region_period": 1,        # region boundaries revision period (steps)
+        "capacity_slack": (1.25, 1.5),  # (reduce rows, gather slots) or one float for both
         "volume_budget": 6.0,      # words per rank ≤ budget·k(P−1)/P + headers; None: no clamp
         "adapt_capacity": True,    # adapt capacities every tau steps (one host read)
         "nudge": 1.02,             # count-feedback factor for both thresholds (minimum step)
@@ -91,6 +112,7 @@ class OkTopk(Algorithm):
         "warmup_steps": 0,         # dense allreduce steps before Ok-Topk starts
         "global_threshold": "auto",  # histogram | topm | auto (the fewer bytes; see _global_threshold)
         "exact_thresholds": False,  # exact top-k thresholds every step (reference / calibration)
+        "magnitude_cap": True,     # owner keeps the largest cap_g sums of its region (not the lowest indices)
         "backend": "auto",         # kernels backend: auto | triton | torch
     }
     STATE = ("th_local", "th_global", "region_offsets", "cap_r", "cap_g", "max_len", "_obs",
@@ -120,7 +142,12 @@ class OkTopk(Algorithm):
         self.th_global = torch.zeros((), dtype=torch.float32, device=dev)
         self.region_offsets = torch.tensor([n * j // P for j in range(P + 1)], dtype=torch.int64,
                                            device=dev)
-        self.max_len = max(n * (j + 1) // P - n * j // P for j in range(P))
+        # regions revised more often than capacities (the default: every step) are bounded
+        # only by n, a static grid bound that needs no host read; otherwise the largest region
+        # length is read at each revision (one small host read per region_period steps)
+        self._static_len = o["region_period"] < o["tau"]
+        self.max_len = n if self._static_len else max(n * (j + 1) // P - n * j // P
+                                                      for j in range(P))
         kp = self.k / P
         self.cap_r, self.cap_g = self._fit(math.ceil(slack[0] * kp), math.ceil(slack[1] * kp))
         self._obs = torch.zeros(2, dtype=torch.int64, device=dev)  # window max: reduce, gather
@@ -131,23 +158,31 @@ class OkTopk(Algorithm):
         self._scratch = torch.zeros(n, dtype=torch.float32, device=dev)
         self._bufs_for = None
         self._inv_P = 1.0 / P
+        self._empty_i = torch.empty(0, dtype=torch.int32, device=dev)
+        self._empty_f = torch.empty(0, dtype=torch.float32, device=dev)
 
     # -- capacities -------------------------------------------------------------------------------
     def _fit(self, want_r: int, want_g: int):
         """Capacities ≥ 1 with ``cap_r + cap_g <= budget·k/(2P)`` (when a budget is set).
 
-        Over budget, the gather slots win: they bound how much of the global set reaches
-        ``out`` (their overflow delays entries every rank already paid to reduce), while a reduce
-        row's overflow only delays one rank's local entries by a step. Each keeps at least
-        ``ceil(k/P)`` while the budget allows it."""
+        Over budget, the budget is split in the ratio of the slack factors (a capacity that
+        wants less than its share gives the rest to the other): both buffers keep slack. (An
+        earlier rule gave the gather slots everything above ``k/P``; with noisy local counts it
+        left the reduce rows no slack at all and 13–20% of k overflowed every step.)"""
         cr, cg = max(1, int(want_r)), max(1, int(want_g))
         budget = self.opts["volume_budget"]
         if budget is not None:
             limit = max(2, int(math.floor(float(budget) * self.k / (2 * self.P) + 1e-9)))
             if cr + cg > limit:
-                floor_r = min(max(1, math.ceil(self.k / self.P)), limit // 2)
-                cg = min(cg, limit - floor_r)
-                cr = limit - cg
+                s_r, s_g = self.slack
+                share_r = min(limit - 1, max(1, int(limit * s_r / (s_r + s_g))))
+                share_g = limit - share_r
+                if cr <= share_r:
+                    cg = limit - cr
+                elif cg <= share_g:
+                    cr = limit - cg
+                else:
+                    cr, cg = share_r, share_g
         return cr, cg
 
     def _ensure_buffers(self) -> None:
@@ -225,11 +260,24 @@ class OkTopk(Algorithm):
         else:
             th_g = self.th_global
 
-        # 5. owner selection into the gather slot
+        # 5. owner selection into the gather slot. The slot keeps the LARGEST entries of the
+        # region: when more than cap_g sums reach th_g, the owner raises its threshold to the
+        # region's cap_g-th largest |sum| (histogram over the region, no host read), so the
+        # capacity never decides by index which entries go. Header word 0 carries the count at
+        # th_g (the count feedback of the global threshold); the valid entries are the slots
+        # with an index >= 0 (region_select writes -1 past its count), a prefix of the row.
         slot = self._slot
-        K.region_select(scratch, start, end, th_g, cg, max_len=self.max_len, scale=self._inv_P,
+        th_sel = th_g
+        if o["magnitude_cap"]:
+            t_cap = K.histogram_threshold(scratch, cg, start=start, end=end, backend=be)
+            th_sel = torch.maximum(th_g, t_cap)
+        K.region_select(scratch, start, end, th_sel, cg, max_len=self.max_len, scale=self._inv_P,
                         out=(slot[2:2 + cg], slot[2 + cg:].view(torch.float32), slot[0]),
                         backend=be)
+        if o["magnitude_cap"]:
+            # the count at th_g itself (capacity 0: a count pass over the region only)
+            K.region_select(scratch, start, end, th_g, 0, max_len=self.max_len,
+                            out=(self._empty_i, self._empty_f, slot[0]), backend=be)
         if P > 1:
             recv_counts = torch.cat([msg[r:r + 1, 0], recv[:, 0]])
         else:
@@ -249,16 +297,17 @@ class OkTopk(Algorithm):
             self.comm.allgather(gathered, slot)
         else:
             gathered[0].copy_(slot)
-        gcounts = gathered[:, 0]
+        gcounts = gathered[:, 0]                      # counts at th_g (feedback)
         gidx = gathered[:, 2:2 + cg]
         gval = gathered[:, 2 + cg:].view(torch.float32)
-        gvalid = torch.arange(cg, device=self.device) < gcounts.clamp(max=cg).to(torch.int64)[:, None]
+        gvalid = gidx >= 0                            # the written slots: a prefix of each row
+        vcounts = gvalid.sum(1, dtype=torch.int32)    # entries of I per region
         gpos = torch.where(gvalid, offs[:P, None] + gidx.to(torch.int64), 0)
         out.index_put_((gpos.reshape(-1),), torch.where(gvalid, gval, 0.0).reshape(-1),
                        accumulate=True)
 
         # 7. clear the residual at S_r ∩ I
-        K.clear_sent(self.residual, sel.indices, sel.counts, offs, gidx, gcounts, backend=be)
+        K.clear_sent(self.residual, sel.indices, sel.counts, offs, gidx, vcounts, backend=be)
 
         # 8. feedback, observations, regions, stats
         counts64 = sel.counts.to(torch.int64)
@@ -266,7 +315,7 @@ class OkTopk(Algorithm):
         sent = counts64.clamp(max=cr).sum()
         gc64 = gcounts.to(torch.int64)
         global_count = gc64.sum()
-        global_selected = gc64.clamp(max=cg).sum()
+        global_selected = vcounts.to(torch.int64).sum()
         nudge = float(o["nudge"])
         new_l, fb_l = self._nudged(th_l, local_count, self._fb[0], nudge)
         new_g, fb_g = self._nudged(th_g, global_count, self._fb[1], nudge)
@@ -277,7 +326,7 @@ class OkTopk(Algorithm):
                                                           gc64.max()]))
         revise_regions = P > 1 and (t == 0 or t % o["region_period"] == o["region_period"] - 1)
         if revise_regions:
-            new = self._balanced_offsets(gcounts, gidx, cg)
+            new = self._balanced_offsets(vcounts, gcounts, gidx, cg)
             keep = global_selected == 0
             if nonfinite is not None:
                 keep = keep | (nonfinite > 0)
@@ -294,7 +343,7 @@ class OkTopk(Algorithm):
         # the only host reads: once at the first calibration, then once per tau steps
         if first:
             self._calibrated = nonfinite is None or int(nonfinite.item()) == 0
-        if revise_regions or adapt:
+        if (revise_regions and not self._static_len) or adapt:
             self._host_update(revise_regions, adapt)
 
     # -- pieces ----------------------------------------------------------------------------------
@@ -339,6 +388,14 @@ class OkTopk(Algorithm):
         h0 = self._allreduce_hist(K.abs_histogram(scratch, start=start, end=end,
                                                   backend=self.backend))
         b0, above = K.kth_bin(h0, k)
+        # fewer than k nonzero sums over all regions: take the lowest nonempty bin instead of
+        # bin 0, so the threshold selects every nonzero yet stays > 0 (see _topm_threshold)
+        total = h0.sum()
+        lowest = torch.where(h0 > 0, torch.arange(h0.numel(), device=h0.device),
+                             h0.numel()).min().clamp(max=h0.numel() - 1)
+        short = total < k
+        b0 = torch.where(short, lowest, b0)
+        above = torch.where(short, total - h0[lowest], above)
         h1 = self._allreduce_hist(K.abs_histogram(scratch, prefix=b0, start=start, end=end,
                                                   backend=self.backend))
         b1, _ = K.kth_bin(h1, k - above)
@@ -372,7 +429,10 @@ class OkTopk(Algorithm):
         else:
             allv = top
         kk = min(k, allv.numel())
-        return torch.topk(allv, kk, sorted=False).values.min().reshape(())
+        th = torch.topk(allv, kk, sorted=False).values.min().reshape(())
+        # fewer than k nonzero sums: every nonzero goes, but the threshold must not read 0 (a
+        # zero threshold cannot be nudged back up and would leave the choice to the capacity)
+        return torch.where(th > 0, th, _smallest_positive(allv))
 
     def _allreduce_hist(self, h: torch.Tensor) -> torch.Tensor:
         """Sum a histogram over ranks; in int32 (half the bytes) when P·n cannot overflow it."""
@@ -385,18 +445,28 @@ class OkTopk(Algorithm):
         self.comm.allreduce(h)
         return h
 
-    def _balanced_offsets(self, gcounts: torch.Tensor, gidx: torch.Tensor, cg: int) -> torch.Tensor:
-        """Boundaries with about |I|/P entries of the gathered set I per region (on device)."""
+    def _balanced_offsets(self, vcounts: torch.Tensor, gcounts: torch.Tensor, gidx: torch.Tensor,
+                          cg: int) -> torch.Tensor:
+        """Boundaries with about 1/P of the global count per region (on device, no host read).
+
+        Region j holds ``vcounts[j]`` gathered entries of I but ``gcounts[j]`` sums reached th_g
+        (more when the slot was full: the owner kept the largest). Each gathered entry of region
+        j stands for ``gcounts[j] / vcounts[j]`` of them, so an overfull region is not mistaken
+        for a balanced one (boundaries from the capped set alone stayed imbalanced)."""
         P, n, dev = self.P, self.numel, self.device
-        cnt = gcounts.to(torch.int64).clamp(0, cg)
-        incl = torch.cumsum(cnt, 0)
-        excl = incl - cnt
+        v = vcounts.to(torch.int64).clamp(0, cg)
+        c = torch.maximum(gcounts.to(torch.int64), v)
+        c = torch.where(v > 0, c, torch.zeros_like(c)).to(torch.float64)   # regions with entries
+        incl = torch.cumsum(c, 0)
+        excl = incl - c
         T = incl[-1]
-        q = torch.arange(1, P, device=dev, dtype=torch.int64)
-        target = (q * T) // P                                   # entry that starts region q
+        q = torch.arange(1, P, device=dev, dtype=torch.float64)
+        target = q * T / P                                       # weight where region q starts
         j = torch.searchsorted(incl, target, right=True).clamp(max=P - 1)
-        col = (target - excl[j]).clamp(0, cg - 1)
-        idx = gidx.to(torch.int64)[j, col]
+        frac = ((target - excl[j]) / c[j].clamp(min=1.0)).clamp(0.0, 1.0)
+        col = (frac * v[j].to(torch.float64)).floor().to(torch.int64)
+        col = torch.minimum(col, (v[j] - 1).clamp(min=0)).clamp(0, cg - 1)
+        idx = gidx.to(torch.int64)[j, col].clamp(min=0)
         b = (self.region_offsets[j] + idx).clamp(0, n)
         b = torch.cummax(b, 0).values                           # monotone even if T is tiny
         return torch.cat([b.new_zeros(1), b, b.new_full((1,), n)])
@@ -405,7 +475,8 @@ class OkTopk(Algorithm):
         offs = self.region_offsets
         vals = torch.cat([self._obs, (offs[1:] - offs[:-1]).max().reshape(1)]).tolist()
         obs_r, obs_g, max_len = (int(v) for v in vals)
-        self.max_len = max(1, max_len)
+        if not self._static_len:
+            self.max_len = max(1, max_len)
         if adapt:
             want_r = math.ceil(self.slack[0] * max(obs_r, 1))
             want_g = math.ceil(self.slack[1] * max(obs_g, 1))
