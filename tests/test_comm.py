@@ -436,3 +436,24 @@ def test_nccl_primitives(P):
         assert torch.equal(t, outs[0])
     ref = LocalCluster(P).run(random_allreduce, 1_000_003, 99)[0]
     torch.testing.assert_close(outs[0], ref, rtol=1e-5, atol=1e-3)
+
+
+def _mismatched_buffers(comm):
+    P = comm.world_size
+    errors = []
+    for call in (lambda: comm.allgather(torch.zeros(P * 4, dtype=torch.int32), torch.zeros(4)),
+                 lambda: comm.alltoall(torch.zeros(P * 2, dtype=torch.int64), torch.zeros(P * 2)),
+                 lambda: comm.allgather(torch.zeros(P * 4 + 1), torch.zeros(4)),
+                 lambda: comm.alltoall(torch.zeros(P * 2 + 1), torch.zeros(P * 2 + 1))):
+        try:
+            call()
+        except (TypeError, ValueError) as e:
+            errors.append(type(e).__name__)
+    return errors
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_mismatched_buffers_raise_clear_errors_on_every_rank(P):
+    # validated before any rank communicates, so no rank waits on a peer that gave up
+    out = LocalCluster(P, timeout=10).run(_mismatched_buffers)
+    assert out == [["TypeError", "TypeError", "ValueError", "ValueError"]] * P

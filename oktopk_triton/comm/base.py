@@ -120,5 +120,45 @@ class Communicator(abc.ABC):
         if not (0 <= peer < self.world_size):
             raise ValueError(f"peer {peer} out of range for world_size {self.world_size}")
 
+    def _check_send_recv(self, sends, recvs):
+        """Validate peers; return ``(sends, recvs, self_pairs)``: the transfers to other ranks
+        and the (send, recv) pairs to oneself (local copies, matched in order)."""
+        sends, recvs = list(sends), list(recvs)
+        for peer, _ in sends + recvs:
+            self._check_peer(peer)
+        self_sends = [t for p, t in sends if p == self.rank]
+        self_recvs = [t for p, t in recvs if p == self.rank]
+        if len(self_sends) != len(self_recvs):
+            raise CommError(f"rank {self.rank}: {len(self_sends)} sends to self but "
+                            f"{len(self_recvs)} receives from self")
+        return ([(p, t) for p, t in sends if p != self.rank],
+                [(p, t) for p, t in recvs if p != self.rank],
+                list(zip(self_sends, self_recvs)))
+
+    def _check_allgather(self, output: torch.Tensor, input: torch.Tensor) -> int:
+        """Validate an allgather's buffers; return the chunk size (elements)."""
+        P, m = self.world_size, input.numel()
+        if output.numel() != P * m:
+            raise ValueError(f"allgather: output has {output.numel()} elements, expected {P}*{m}")
+        if not output.is_contiguous():
+            raise ValueError("allgather: output must be contiguous")
+        if output.dtype != input.dtype:
+            raise TypeError(f"allgather: output dtype {output.dtype} differs from input dtype "
+                            f"{input.dtype}")
+        return m
+
+    def _check_alltoall(self, output: torch.Tensor, input: torch.Tensor) -> int:
+        """Validate an alltoall's buffers; return the split size (elements)."""
+        P, b = self.world_size, input.numel()
+        if b % P or output.numel() != b:
+            raise ValueError(f"alltoall: input ({b}) and output ({output.numel()}) must have the "
+                             f"same numel, divisible by {P}")
+        if not output.is_contiguous():
+            raise ValueError("alltoall: output must be contiguous")
+        if output.dtype != input.dtype:
+            raise TypeError(f"alltoall: output dtype {output.dtype} differs from input dtype "
+                            f"{input.dtype}")
+        return b // P
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, device={self.device})"

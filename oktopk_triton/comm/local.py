@@ -232,11 +232,7 @@ class LocalCommunicator(Communicator):
 
     def allgather(self, output: torch.Tensor, input: torch.Tensor) -> None:
         P = self.world_size
-        m = input.numel()
-        if output.numel() != P * m:
-            raise ValueError(f"allgather: output has {output.numel()} elements, expected {P}*{m}")
-        if not output.is_contiguous():
-            raise ValueError("allgather: output must be contiguous")
+        m = self._check_allgather(output, input)
         rnd = self._arrive("allgather", (m, input.dtype), input)
         try:
             out = output.view(-1)
@@ -296,12 +292,7 @@ class LocalCommunicator(Communicator):
     def alltoall(self, output: torch.Tensor, input: torch.Tensor) -> None:
         P = self.world_size
         b = input.numel()
-        if b % P or output.numel() != b:
-            raise ValueError(f"alltoall: input ({b}) and output ({output.numel()}) must have the "
-                             f"same numel, divisible by {P}")
-        if not output.is_contiguous():
-            raise ValueError("alltoall: output must be contiguous")
-        m = b // P
+        m = self._check_alltoall(output, input)
         rnd = self._arrive("alltoall", (b, input.dtype), input)
         try:
             out = output.view(-1)

@@ -136,24 +136,15 @@ class NcclCommunicator(Communicator):
     # -- primitives --------------------------------------------------------------------------
     def send_recv(self, sends: Sequence[Tuple[int, torch.Tensor]],
                   recvs: Sequence[Tuple[int, torch.Tensor]]) -> None:
-        sends = list(sends)
-        recvs = list(recvs)
-        for peer, t in sends + recvs:
-            self._check_peer(peer)
+        sends, recvs, self_pairs = self._check_send_recv(sends, recvs)
+        for _, t in sends + recvs:
             self._check(t)
-        self_sends = [t for p, t in sends if p == self.rank]
-        self_recvs = [t for p, t in recvs if p == self.rank]
-        if len(self_sends) != len(self_recvs):
-            raise CommError(f"rank {self.rank}: {len(self_sends)} sends to self but "
-                            f"{len(self_recvs)} receives from self")
-        for s, r in zip(self_sends, self_recvs):
+        for s, r in self_pairs:
             r.copy_(s.reshape(r.shape))
-        send_bufs = [(p, t.contiguous()) for p, t in sends if p != self.rank]
+        send_bufs = [(p, t.contiguous()) for p, t in sends]
         recv_bufs = []
         copy_back = []
         for p, t in recvs:
-            if p == self.rank:
-                continue
             buf = t if t.is_contiguous() else torch.empty_like(
                 t, memory_format=torch.contiguous_format)
             if buf is not t:
@@ -181,14 +172,7 @@ class NcclCommunicator(Communicator):
             self._count_send(t, p)
 
     def allgather(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        P = self.world_size
-        m = input.numel()
-        if output.numel() != P * m:
-            raise ValueError(f"allgather: output has {output.numel()} elements, expected {P}*{m}")
-        if not output.is_contiguous():
-            raise ValueError("allgather: output must be contiguous")
-        if output.dtype != input.dtype:
-            raise TypeError("allgather: output and input dtypes differ")
+        self._check_allgather(output, input)
         self._check(output, input)
         inp = input.contiguous()
         count, dt = self._bytes_view(inp)
@@ -208,20 +192,12 @@ class NcclCommunicator(Communicator):
 
     def alltoall(self, output: torch.Tensor, input: torch.Tensor) -> None:
         P = self.world_size
-        b = input.numel()
-        if b % P or output.numel() != b:
-            raise ValueError(f"alltoall: input ({b}) and output ({output.numel()}) must have the "
-                             f"same numel, divisible by {P}")
-        if not output.is_contiguous():
-            raise ValueError("alltoall: output must be contiguous")
-        if output.dtype != input.dtype:
-            raise TypeError("alltoall: output and input dtypes differ")
+        m = self._check_alltoall(output, input)
         self._check(output, input)
         inp = input.reshape(-1).contiguous()
         if inp.data_ptr() == output.data_ptr():
             inp = inp.clone()
         out = output.view(-1)
-        m = b // P
         r = self.rank
         out[r * m:(r + 1) * m].copy_(inp[r * m:(r + 1) * m])
         if P > 1 and m > 0:

@@ -100,29 +100,18 @@ class TorchCommunicator(Communicator):
     # -- primitives --------------------------------------------------------------------------
     def send_recv(self, sends: Sequence[Tuple[int, torch.Tensor]],
                   recvs: Sequence[Tuple[int, torch.Tensor]]) -> None:
-        sends = list(sends)
-        recvs = list(recvs)
-        for peer, _ in sends + recvs:
-            self._check_peer(peer)
-        # transfers to oneself are local copies, matched in order
-        self_sends = [t for p, t in sends if p == self.rank]
-        self_recvs = [t for p, t in recvs if p == self.rank]
-        if len(self_sends) != len(self_recvs):
-            raise CommError(f"rank {self.rank}: {len(self_sends)} sends to self but "
-                            f"{len(self_recvs)} receives from self")
+        sends, recvs, self_pairs = self._check_send_recv(sends, recvs)
         ops: List[Tuple[str, int, torch.Tensor]] = []
         copy_back: List[Tuple[torch.Tensor, torch.Tensor]] = []
         for peer, t in sends:
-            if peer != self.rank:
-                ops.append(("send", peer, t.contiguous()))
-                self._count_send(t, peer)
+            ops.append(("send", peer, t.contiguous()))
+            self._count_send(t, peer)
         for peer, t in recvs:
-            if peer != self.rank:
-                buf = t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
-                if buf is not t:
-                    copy_back.append((t, buf))
-                ops.append(("recv", peer, buf))
-        for s, r in zip(self_sends, self_recvs):
+            buf = t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
+            if buf is not t:
+                copy_back.append((t, buf))
+            ops.append(("recv", peer, buf))
+        for s, r in self_pairs:
             if s.numel() != r.numel():
                 raise CommError(f"rank {self.rank}: send to self of {s.numel()} elements into a "
                                 f"buffer of {r.numel()}")
@@ -153,11 +142,7 @@ class TorchCommunicator(Communicator):
 
     def allgather(self, output: torch.Tensor, input: torch.Tensor) -> None:
         P = self.world_size
-        m = input.numel()
-        if output.numel() != P * m:
-            raise ValueError(f"allgather: output has {output.numel()} elements, expected {P}*{m}")
-        if not output.is_contiguous():
-            raise ValueError("allgather: output must be contiguous")
+        m = self._check_allgather(output, input)
         inp = input.reshape(-1).contiguous()
         out = output.view(-1)
         if P == 1:
@@ -197,12 +182,7 @@ class TorchCommunicator(Communicator):
 
     def alltoall(self, output: torch.Tensor, input: torch.Tensor) -> None:
         P = self.world_size
-        b = input.numel()
-        if b % P or output.numel() != b:
-            raise ValueError(f"alltoall: input ({b}) and output ({output.numel()}) must have the "
-                             f"same numel, divisible by {P}")
-        if not output.is_contiguous():
-            raise ValueError("alltoall: output must be contiguous")
+        self._check_alltoall(output, input)
         inp = input.reshape(-1).contiguous()
         out = output.view(-1)
         if P == 1:
