@@ -4,7 +4,6 @@ import json
 import subprocess
 import sys
 
-import warnings
 
 import pytest
 
@@ -28,13 +27,11 @@ def test_collectives_json(tmp_path, capsys):
     text = capsys.readouterr().out
     rep = json.loads((tmp_path / "c.json").read_text())
     assert (tmp_path / "c.png").stat().st_size > 1000
-    # an algorithm owned elsewhere may fail here (e.g. under TRITON_INTERPRET=1): that is its own
-    # test suite's business; this benchmark must report it and go on with the others
+    # every available algorithm runs (under TRITON_INTERPRET=1 too: the kernel layer serialises
+    # interpreted launches across the LocalCluster threads)
     failed = {e["algorithm"] for e in rep["errors"]}
-    assert not failed & {"dense", "spardl", "topkdsa"}, rep["errors"]
-    assert rc == (1 if failed else 0)
-    if failed:
-        warnings.warn(f"collectives: algorithms failed in the benchmark: {rep['errors']}")
+    assert not failed, rep["errors"]
+    assert rc == 0
     for key in ("date", "machine", "versions", "config", "results"):
         assert key in rep
     assert rep["versions"]["torch"]
