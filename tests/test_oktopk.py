@@ -67,6 +67,18 @@ def test_global_count_after_calibration(gen):
     assert bool((sel[1:] / k >= 0.5).all())
 
 
+@pytest.mark.parametrize("P", [1, 3, 4])
+def test_global_select_gathered(P):
+    """global_select="gathered": I = the k largest gathered |sums| every step (|I| = k when at
+    least k sums were gathered), conservation and bitwise agreement as in the threshold mode."""
+    res = run_steps("oktopk", P, 6000, 60, 0.01, mixed(P + 30), backend=BE,
+                    global_select="gathered")
+    assert_conservation(res)
+    assert_bitwise_agreement(res)
+    sel = res.stat_array("global_selected")[:, 0]
+    assert bool((sel[1:] >= res.k).all()) and bool((sel <= res.k + 2).all()), _q(sel / res.k)
+
+
 # -- volume -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("P", [2, 4, 7])
 def test_bytes_per_step_within_bound(P):
