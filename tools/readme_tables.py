@@ -1,0 +1,87 @@
+"""Print the README's results tables (markdown) from the JSON files in bench/results/.
+
+    python tools/readme_tables.py            # all tables
+The README quotes this output verbatim, so every number there comes from a recorded file.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+RES = os.path.join(ROOT, "bench", "results")
+
+
+def _load(name):
+    p = os.path.join(RES, name)
+    return json.load(open(p)) if os.path.exists(p) else None
+
+
+def train_table(name: str) -> str:
+    d = _load(name)
+    if d is None:
+        return f"(no {name})\n"
+    c = d["config"]
+    head = (f"`{name}`: {c['world_size']} ranks, density {c['density']}, {c['model']}, "
+            f"{c['epochs']} epochs, seeds {c['seeds']}\n\n")
+    rows = ["| algorithm | test accuracy % (mean ± sd) | vs dense (points) | bytes/rank/step | "
+            "vs dense bytes | time/step ms |", "|---|---|---|---|---|---|"]
+    for s in d["summary"]:
+        if s.get("status") != "ok":
+            rows.append(f"| {s['algorithm']} | {s.get('status')} | | | | |")
+            continue
+        rows.append(f"| {s['algorithm']} | {100 * s['final_test_acc']:.2f} ± "
+                    f"{100 * s['final_test_acc_std']:.2f} | {s['acc_vs_dense_points']:+.2f} | "
+                    f"{s['bytes_per_step'] / 1e3:.1f} kB | {s['bytes_vs_dense']:.4f} | "
+                    f"{s['time_per_step_ms']:.1f} |")
+    return head + "\n".join(rows) + "\n"
+
+
+def collectives_table(name: str) -> str:
+    d = _load(name)
+    if d is None:
+        return f"(no {name})\n"
+    rows = d["results"]
+    Ps = sorted({r["P"] for r in rows})
+    algs = []
+    for r in rows:
+        if r["algorithm"] not in algs:
+            algs.append(r["algorithm"])
+    c = d["config"]
+    out = [f"`{name}`: n = {c['n']}, density {c['density']}, backend {c['backend']}, "
+           f"{c['steps']} steps, {d['date'][:10]}. MB sent per rank per step (mean after the "
+           "first step); in brackets: measured / §6 formula (upper end for ranges).\n",
+           "| algorithm | " + " | ".join(f"P={p}" for p in Ps) + " |",
+           "|---|" + "---|" * len(Ps)]
+    for a in algs:
+        cells = []
+        for p in Ps:
+            r = [x for x in rows if x["algorithm"] == a and x["P"] == p]
+            if not r:
+                cells.append("—")
+                continue
+            r = r[0]
+            cells.append(f"{r['bytes_mean'] / 1e6:.3f} ({r['ratio_to_formula_high']:.2f})")
+        out.append(f"| {a} | " + " | ".join(cells) + " |")
+    lb = [2 * c["density"] * c["n"] * (p - 1) / p * 4 / 1e6 for p in Ps]
+    out.append("| lower bound 2k(P−1)/P | " + " | ".join(f"{x:.3f}" for x in lb) + " |")
+    return "\n".join(out) + "\n"
+
+
+def kernels_table(path: str) -> str:
+    d = json.load(open(path))
+    return "```\n" + json.dumps({k: d[k] for k in list(d)[:6]}, indent=1)[:2000] + "\n```\n"
+
+
+def main() -> int:
+    for name in ("train-digits-d0.01.json", "train-digits-d0.001.json", "train-digits-demo.json"):
+        print(train_table(name))
+    for p in sorted(glob.glob(os.path.join(RES, "collectives-*.json"))):
+        print(collectives_table(os.path.basename(p)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
