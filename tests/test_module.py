@@ -48,15 +48,20 @@ def test_low_precision_conserves_across_ranks(dtype):
 
 # -- reduce_gradients -------------------------------------------------------------------------
 def _model(seed):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    # LocalCluster ranks are threads and torch.manual_seed seeds the one process-wide generator,
+    # so weights come from a generator of our own (else concurrent ranks interleave their draws)
+    g = torch.Generator().manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return m
 
 
 def _grads_body(comm, alg):
     m = _model(0)                      # identical weights everywhere
     twin = _model(0)
-    torch.manual_seed(100 + comm.rank)
-    x = torch.randn(5, 8)
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(100 + comm.rank))
     m(x).pow(2).sum().backward()
     twin(x).pow(2).sum().backward()
     m[2].bias.grad = None              # a None grad counts as zeros
