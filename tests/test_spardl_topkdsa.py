@@ -103,9 +103,10 @@ def test_spardl_nonfinite_leaves_residual():
     assert_bitwise_agreement(res)
 
 
-def test_spardl_p1_is_topk():
+@pytest.mark.parametrize("cls", [SparDL, TopkDSA], ids=["spardl", "topkdsa"])
+def test_p1_is_topk(cls):
     comm = SingleCommunicator()
-    alg = SparDL(500, comm, 0.04)
+    alg = cls(500, comm, 0.04)
     g = torch.randn(500, generator=torch.Generator().manual_seed(0))
     out = alg(g)
     top = torch.topk(g.abs(), alg.k).indices
@@ -219,14 +220,3 @@ def test_topkdsa_nonfinite_and_state_dict():
     with pytest.raises(ValueError, match="tau"):
         get_algorithm("topkdsa")(100, comm, 0.1, tau=0)
 
-
-def test_topkdsa_p1_is_topk():
-    comm = SingleCommunicator()
-    alg = TopkDSA(500, comm, 0.04)
-    g = torch.randn(500, generator=torch.Generator().manual_seed(0))
-    out = alg(g)
-    top = torch.topk(g.abs(), alg.k).indices
-    want = torch.zeros(500)
-    want[top] = g[top]
-    assert torch.equal(out, want)
-    assert torch.equal(alg.residual + out, g)
