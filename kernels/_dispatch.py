@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
-from typing import Optional, Union
+from typing import Union
 
 import torch
 

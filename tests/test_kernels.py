@@ -159,7 +159,7 @@ def test_fused_select_all_regions_empty_but_one():
 @needs_triton
 @pytest.mark.parametrize("skip", [0, 1])
 def test_fused_select_skip_and_nonfinite(skip):
-    n, P = 9000, 4
+    n = 9000
     grad, residual = make_grad(n, torch.float16, seed=1)
     offsets = torch.tensor([0, 1000, 1000, 5000, n], dtype=torch.int64, device=DEV)
     residual[10] = float("nan")          # region 0

@@ -37,7 +37,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def sorted_rows(indices, values, counts, capacity):
     """Valid prefix of each row sorted by index; padding = int32 max / 0."""
-    P = indices.shape[0]
     valid = torch.arange(capacity, device=indices.device)[None, :] < counts.clamp(max=capacity)[:, None]
     big = torch.iinfo(torch.int32).max
     idx = torch.where(valid, indices, torch.full_like(indices, big))

@@ -434,7 +434,7 @@ class OkTopk(Algorithm):
 
     def _global_threshold(self, scratch: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
                           exact: bool) -> torch.Tensor:
-        k, P = self.k, self.P
+        k = self.k
         kt = self._k_target()
         if exact:
             # exact k-th largest |sum|: each owner's top-k of its region, allgathered (test mode)

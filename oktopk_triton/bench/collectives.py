@@ -37,7 +37,7 @@ import socket
 import sys
 import time
 import traceback
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 __all__ = ["add_arguments", "main", "run_benchmark", "make_grad", "formula_words",
            "lower_bound_words"]
@@ -150,7 +150,6 @@ def _rank_run(comm, name: str, n: int, density: float, steps: int, seed: int,
 
 # -- backends -------------------------------------------------------------------------------------------
 def _run_local(name, P, n, density, steps, seed, check_finite, timeout):
-    import torch
     from ..comm.local import LocalCluster
     scale = grad_scale(n, seed)
     return LocalCluster(P, timeout=timeout).run(_rank_run, name, n, density, steps, seed,
