@@ -24,16 +24,20 @@ def variants():
                "counts_ptr": "*i32", "nonfinite_ptr": "*i32", "skip_ptr": "*i32",
                "n": "i64", "P": "i32", "capacity": "i32", "idx_row_stride": "i32",
                "val_row_stride": "i32", "counts_stride": "i32", "nonfinite_stride": "i32",
-               "HAS_SKIP": "constexpr", "SEARCH_STEPS": "constexpr", "BLOCK": "constexpr"}
+               "HAS_SKIP": "constexpr", "THR_PER_REGION": "constexpr", "SEARCH_STEPS": "constexpr",
+               "BLOCK": "constexpr"}
     ptr16 = list(range(9)) + [9]          # pointers and n divisible by 16 (as the JIT specialises)
     for gd in ("*fp32", "*bf16", "*fp16"):
         for skip in (False, True):
-            yield (f"fused_select grad={gd[1:]} skip={skip}", selection._fused_select_kernel,
-                   {**sel_sig, "grad_ptr": gd},
-                   {"HAS_SKIP": skip, "SEARCH_STEPS": 4, "BLOCK": 2048}, ptr16, 8)
+            for per_region in (False, True):
+                yield (f"fused_select grad={gd[1:]} skip={skip} thr_per_region={per_region}",
+                       selection._fused_select_kernel, {**sel_sig, "grad_ptr": gd},
+                       {"HAS_SKIP": skip, "THR_PER_REGION": per_region, "SEARCH_STEPS": 4,
+                        "BLOCK": 2048}, ptr16, 8)
     # n == 1 specialised to a constexpr
     yield ("fused_select n=1", selection._fused_select_kernel, {**sel_sig, "n": "constexpr"},
-           {"n": 1, "HAS_SKIP": False, "SEARCH_STEPS": 1, "BLOCK": 2048}, list(range(9)), 8)
+           {"n": 1, "HAS_SKIP": False, "THR_PER_REGION": False, "SEARCH_STEPS": 1, "BLOCK": 2048},
+           list(range(9)), 8)
     hsig = {"x_ptr": "*fp32", "hist_ptr": "*i64", "prefix_ptr": "*i64", "start_ptr": "*i64",
             "end_ptr": "*i64", "start_int": "i32", "end_int": "i64", "LEVEL": "constexpr",
             "START_IS_PTR": "constexpr", "END_IS_PTR": "constexpr", "HIST_BINS": "constexpr",

@@ -178,6 +178,76 @@ def abs_histogram(x: Tensor, *, prefix: Optional[Tensor] = None, start: IntOrTen
     return _abs_histogram_torch(x, prefix, start, end, out)
 
 
+def abs_histogram_regions(x: Tensor, region_offsets: Tensor, *, prefix: Optional[Tensor] = None,
+                          backend: str = "auto") -> Tensor:
+    """int64 [P, HIST_BINS]: the histogram of |x| within each region
+    ``x[region_offsets[j]:region_offsets[j+1]]``; level 0, or level 1 with ``prefix`` int64 [P]
+    (region j refines its own level-0 bin ``prefix[j]``).  Level-0 rows sum to
+    ``abs_histogram(x)``.
+
+    The torch path is one bincount; the Triton path launches the range histogram once per
+    region (each over its own range, bounds read on the device: no host read).
+    """
+    if region_offsets.dtype != torch.int64:
+        raise TypeError(f"region_offsets must be int64, got {region_offsets.dtype}")
+    P = region_offsets.numel() - 1
+    if P < 1:
+        raise ValueError("region_offsets needs P + 1 >= 2 entries")
+    if prefix is not None:
+        prefix = prefix.reshape(-1).to(torch.int64)
+        if prefix.numel() != P:
+            raise ValueError(f"prefix must hold one level-0 bin per region ([{P}]), got "
+                             f"{prefix.numel()}")
+    x = x.reshape(-1)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    out = torch.zeros(P, HIST_BINS, dtype=torch.int64, device=x.device)
+    if _dispatch.choose(backend, x.device) == "triton":
+        for j in range(P):
+            abs_histogram(x, prefix=None if prefix is None else prefix[j],
+                          start=region_offsets[j], end=region_offsets[j + 1], out=out[j],
+                          backend=backend)
+        return out
+    bits = x.to(torch.float32).view(torch.int32) & _ABS_MASK
+    valid = (bits != 0) & (bits < _INF_BITS)
+    pos = torch.arange(x.numel(), device=x.device, dtype=torch.int64)
+    rid = torch.searchsorted(region_offsets[1:].contiguous(), pos, right=True)
+    if prefix is None:
+        bins = (bits >> LEVEL0_SHIFT).to(torch.int64)
+    else:
+        valid &= (bits >> LEVEL0_SHIFT).to(torch.int64) == prefix[rid.clamp(max=P - 1)]
+        bins = ((bits >> LEVEL1_SHIFT) & (HIST_BINS - 1)).to(torch.int64)
+    flat = rid * HIST_BINS + bins
+    if x.device.type == "cpu":
+        dumped = torch.where(valid, flat, torch.full_like(flat, P * HIST_BINS))
+        out.copy_(torch.bincount(dumped, minlength=P * HIST_BINS + 1)[:P * HIST_BINS]
+                  .view(P, HIST_BINS))
+    else:
+        out.view(-1).scatter_add_(0, flat.clamp(max=P * HIST_BINS - 1), valid.to(torch.int64))
+    return out
+
+
+def kth_bins(hists: Tensor, k) -> Tuple[Tensor, Tensor]:
+    """Row-wise :func:`kth_bin`: for each row of ``hists`` [R, B] the highest bin b with
+    ``sum(row[b:]) >= k`` (0 when the row's total is below k) and ``above = sum(row[b+1:])``;
+    ``k`` an int or int64 [R] (one per row).  Both int64 [R]."""
+    h = hists.to(torch.int64)
+    suffix = torch.flip(torch.cumsum(torch.flip(h, (1,)), 1), (1,))
+    kk = k.reshape(-1, 1).to(torch.int64) if isinstance(k, Tensor) else int(k)
+    b = ((suffix >= kk).to(torch.int64).sum(1) - 1).clamp_(min=0)
+    suffix_ext = torch.cat([suffix, suffix.new_zeros(suffix.shape[0], 1)], 1)
+    above = suffix_ext.gather(1, (b + 1).reshape(-1, 1)).reshape(-1)
+    return b, above
+
+
+def bin_thresholds(bins0: Tensor, bins1: Optional[Tensor] = None) -> Tensor:
+    """Element-wise :func:`bin_threshold`: fp32, the lower edge of each (refined) bin."""
+    bits = bins0.to(torch.int64) << LEVEL0_SHIFT
+    if bins1 is not None:
+        bits = bits | (bins1.to(torch.int64) << LEVEL1_SHIFT)
+    return bits.to(torch.int32).view(torch.float32)
+
+
 def kth_bin(hist: Tensor, k) -> Tuple[Tensor, Tensor]:
     """The highest bin ``b`` with ``sum(hist[b:]) >= k`` and ``above = sum(hist[b+1:])``.
 

@@ -41,7 +41,7 @@ if HAS_TRITON:
     def _fused_select_kernel(
         grad_ptr,            # *fp32|bf16|fp16 [n]  gradient of this step
         residual_ptr,        # *fp32 [n]            residual, overwritten with acc = residual + grad
-        threshold_ptr,       # *fp32 []             selection threshold (0-dim device tensor)
+        threshold_ptr,       # *fp32 [] or [P]      selection threshold: one, or one per region
         region_offsets_ptr,  # *int64 [P+1]         region boundaries, [0]=0, [P]=n, non-decreasing
         indices_ptr,         # *int32 [P, capacity] out: relative index, row stride idx_row_stride
         values_ptr,          # *fp32  [P, capacity] out: acc value, row stride val_row_stride
@@ -53,6 +53,7 @@ if HAS_TRITON:
         capacity,            # slots per region row
         idx_row_stride, val_row_stride, counts_stride, nonfinite_stride,
         HAS_SKIP: tl.constexpr,
+        THR_PER_REGION: tl.constexpr,  # threshold_ptr holds P thresholds (region j: [j])
         SEARCH_STEPS: tl.constexpr,  # ceil(log2(P + 1)): binary-search iterations for region
         BLOCK: tl.constexpr,
     ):
@@ -72,8 +73,9 @@ if HAS_TRITON:
         acc = r + g
         tl.store(residual_ptr + offs, acc, mask=live)
 
-        thr = tl.load(threshold_ptr)
-        selected = (tl.abs(acc) >= thr) & (acc != 0.0) & live
+        candidate = (acc != 0.0) & live
+        if not THR_PER_REGION:
+            thr = tl.load(threshold_ptr)
         bad = ((acc != acc) | (tl.abs(acc) == float("inf"))) & live
 
         # region holding block_start: the largest p < P with region_offsets[p] <= block_start
@@ -91,7 +93,9 @@ if HAS_TRITON:
         while region_start < block_end:
             region_end = tl.load(region_offsets_ptr + region + 1)
             in_region = (offs >= region_start) & (offs < region_end)
-            take = selected & in_region
+            if THR_PER_REGION:
+                thr = tl.load(threshold_ptr + region)
+            take = candidate & (tl.abs(acc) >= thr) & in_region
             take_i = take.to(tl.int32)
             n_take = tl.sum(take_i, axis=0)
             # one scalar atomic per (program, region): the slot base; counts end as true counts
@@ -126,7 +130,8 @@ if HAS_TRITON:
             n, P, capacity,
             out.indices.stride(0), out.values.stride(0), out.counts.stride(0),
             out.nonfinite.stride(0),
-            HAS_SKIP=skip is not None, SEARCH_STEPS=ceil_log2(P + 1), BLOCK=block,
+            HAS_SKIP=skip is not None, THR_PER_REGION=threshold.dim() == 1,
+            SEARCH_STEPS=ceil_log2(P + 1), BLOCK=block,
             num_warps=8 if block >= 2048 else 4,
         )
         return out
@@ -150,14 +155,18 @@ def _fused_select_torch_cpu(grad, residual, threshold, region_offsets, capacity,
     if skip is not None and int(skip) != 0:
         return out
     acc = residual.add_(grad)                      # acc = residual + float(grad), in place
-    thr = float(threshold)
     ends = region_offsets[1:].contiguous()
-    if thr > 0:
-        sel = acc.abs() >= thr                     # excludes 0 and NaN already
-    elif thr <= 0:
-        sel = (acc != 0) & ~torch.isnan(acc)
-    else:                                          # NaN threshold: nothing
-        sel = torch.zeros_like(acc, dtype=torch.bool)
+    if threshold.dim() == 1:                       # one threshold per region
+        thr_t = threshold[region_ids(region_offsets, acc.numel())]
+        sel = (acc.abs() >= thr_t) & (acc != 0)    # NaN (acc or threshold) compares false
+    else:
+        thr = float(threshold)
+        if thr > 0:
+            sel = acc.abs() >= thr                 # excludes 0 and NaN already
+        elif thr <= 0:
+            sel = (acc != 0) & ~torch.isnan(acc)
+        else:                                      # NaN threshold: nothing
+            sel = torch.zeros_like(acc, dtype=torch.bool)
     idx = torch.nonzero(sel).reshape(-1)           # ascending
     rid = torch.searchsorted(ends, idx, right=True)
     counts = torch.bincount(rid, minlength=P)
@@ -187,10 +196,11 @@ def _fused_select_torch_nosync(grad, residual, threshold, region_offsets, capaci
     dev = residual.device
     acc = residual + grad.to(torch.float32)
     active = torch.ones((), dtype=torch.bool, device=dev) if skip is None else (skip.reshape(()) == 0)
-    thr = threshold.reshape(()).to(torch.float32)
+    rid = region_ids(region_offsets, n)
+    thr = threshold.to(torch.float32)
+    thr = thr[rid] if thr.dim() == 1 else thr.reshape(())
     sel = (acc.abs() >= thr) & (acc != 0) & active
     bad = (~torch.isfinite(acc)) & active
-    rid = region_ids(region_offsets, n)
     counts = torch.zeros(P, dtype=torch.int64, device=dev).scatter_add_(0, rid, sel.to(torch.int64))
     nonfinite = torch.zeros(P, dtype=torch.int64, device=dev).scatter_reduce_(
         0, rid, bad.to(torch.int64), reduce="amax")
@@ -226,6 +236,10 @@ def fused_select(grad: Tensor, residual: Tensor, threshold: Tensor, region_offse
     """Form ``acc = residual + grad`` (written back to ``residual``) and compact the entries with
     ``|acc| >= threshold and acc != 0`` into the fixed-capacity slot of their region.
 
+    ``threshold``: a 0-dim fp32 tensor, or ``[P]`` (one per region: region j selects with
+    ``threshold[j]``; Ok-Topk raises the threshold of a region that would overflow its row so
+    the row keeps the largest entries instead of the lowest indices).
+
     See docs/CONTRACTS.md §1.  ``skip`` (0-dim int32): when nonzero nothing is written — the
     residual is untouched and counts and nonfinite are 0.
     """
@@ -256,8 +270,18 @@ def fused_select(grad: Tensor, residual: Tensor, threshold: Tensor, region_offse
             raise TypeError("out.indices must be int32 and out.values fp32")
         if (capacity > 1 and (out.indices.stride(1) != 1 or out.values.stride(1) != 1)):
             raise ValueError("out.indices/values need inner stride 1")
-    threshold = threshold.reshape(()) if threshold.dtype == torch.float32 else \
-        threshold.reshape(()).to(torch.float32)
+    if not isinstance(threshold, Tensor):
+        raise TypeError(f"threshold must be a tensor (0-dim, or [P] per region), got "
+                        f"{type(threshold).__name__}")
+    if threshold.dim() == 1 and threshold.numel() == P and P > 1:
+        threshold = threshold.to(torch.float32).contiguous()    # one per region
+    elif threshold.numel() == 1:
+        threshold = threshold.reshape(()).to(torch.float32)
+    else:
+        raise ValueError(f"threshold must be 0-dim or [P] = [{P}] (one per region), got shape "
+                         f"{tuple(threshold.shape)}")
+    if threshold.device != residual.device:
+        raise ValueError(f"threshold is on {threshold.device}, expected {residual.device}")
     if _dispatch.choose(backend, residual.device) == "triton":
         return _fused_select_triton(grad, residual, threshold, region_offsets, capacity, skip, out)
     return _fused_select_torch(grad, residual, threshold, region_offsets, capacity, skip, out)

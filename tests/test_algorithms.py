@@ -87,6 +87,28 @@ def test_conservation_and_bitwise_agreement(name, P):
     assert total_out > 0
 
 
+@pytest.mark.parametrize("name", ALL)
+def test_warmup_steps_are_dense_then_sparse(name):
+    """warmup_steps=3: steps 0-2 put every rank's whole acc into out (the exact average) and
+    empty the residuals; the sparse steps that follow conserve and stay sparse."""
+    require(name)
+    P, W = 3, 3
+    res = run_steps(name, P, N, W + 6, DENSITY, mixed(seed=11), warmup_steps=W)
+    assert_conservation(res)
+    assert_bitwise_agreement(res)
+    for t in range(W):
+        torch.testing.assert_close(res.outs[t][0].double(), res.acc_sums[t].double() / P,
+                                   rtol=1e-5, atol=1e-6)
+        assert float(res.residual_sums[t].abs().max()) == 0.0
+        assert all(bool(st["warmup"]) for st in res.stats[t])
+    if name != "dense":
+        for t in range(W, W + 6):
+            assert not any(bool(st["warmup"]) for st in res.stats[t])
+            assert int((res.outs[t][0] != 0).sum()) < N // 2, f"step {t} not sparse"
+    with pytest.raises(ValueError, match="warmup_steps"):
+        LocalCluster(1).run(lambda comm: require(name)(N, comm, DENSITY, warmup_steps=-1))
+
+
 @pytest.mark.parametrize("P", PS)
 @pytest.mark.parametrize("name", ALL)
 def test_bytes_per_step_within_formula(name, P):

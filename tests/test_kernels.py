@@ -196,6 +196,50 @@ def test_fused_select_out_packed_message_views(backend):
     check_selection(got, ref, ref, residual + grad.float(), offsets, cap, exact_order=not CUDA)
 
 
+@needs_triton
+@pytest.mark.parametrize("n,P", [(1, 1), (7, 3), (1000, 8), (65537, 5)])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_fused_select_per_region_thresholds(n, P, dtype):
+    """threshold [P]: region j selects |acc| >= threshold[j] (0, inf and NaN thresholds among
+    them), in every backend; equal to P scalar-threshold selections restricted to one region."""
+    grad, residual = make_grad(n, GRAD_DTYPES[dtype], seed=n + 3 * P)
+    offsets = region_layout(n, P, seed=n + P)
+    choices = torch.tensor([0.0, 0.4, 1.1, 2.5, float("inf"), float("nan")])
+    thr = choices[torch.randint(0, 6, (P,), generator=gen(P))] if P > 1 else choices[2:3]
+    thr = thr.to(DEV)
+    capacity = max(1, n // (3 * P))
+    outs = run_pair(grad, residual, thr, offsets, capacity)
+    acc = residual + grad.float()
+    ref = outs["torch"][1]
+    full = fused_select(grad, residual.clone(), thr, offsets, n, backend="torch")
+    for p in range(P):
+        lo, hi = int(offsets[p]), int(offsets[p + 1])
+        a = acc[lo:hi]
+        want = int(((a.abs() >= thr[p]) & (a != 0)).sum())
+        assert int(ref.counts[p]) == want, (p, float(thr[p]))
+        # the same entries as a scalar-threshold selection, in this region's row
+        one = fused_select(grad, residual.clone(), thr[p].reshape(()), offsets, n, backend="torch")
+        assert int(one.counts[p]) == want
+        assert torch.equal(full.indices[p, :want], one.indices[p, :want])
+    check_selection(outs["triton"][1], ref, full, acc, offsets, capacity, exact_order=not CUDA)
+    for be in outs:
+        torch.testing.assert_close(outs[be][0], acc, rtol=0, atol=0)
+    # the host-read-free torch path agrees too
+    from oktopk_triton.kernels.selection import _fused_select_torch_nosync, empty_selection
+    r = residual.clone()
+    nos = _fused_select_torch_nosync(grad, r, thr, offsets, capacity, None,
+                                     empty_selection(P, capacity, DEV))
+    for a, b in zip(nos, ref):
+        assert torch.equal(a.cpu(), b.cpu())
+
+
+def test_fused_select_threshold_shape_is_checked():
+    grad, residual = make_grad(100, torch.float32)
+    offsets = torch.tensor([0, 50, 100], dtype=torch.int64, device=DEV)
+    with pytest.raises(ValueError, match=r"\[P\] = \[2\]"):
+        fused_select(grad, residual, torch.ones(3, device=DEV), offsets, 10)
+
+
 @pytest.mark.parametrize("thr_v", [1.3, 0.0, float("inf")])
 @pytest.mark.parametrize("skip", [None, 0, 1])
 def test_fused_select_torch_paths_agree(skip, thr_v):
@@ -245,6 +289,45 @@ def test_abs_histogram_matches_reference(n, dtype):
               for be in ("torch", "triton")}
         assert torch.equal(h1["torch"], h1["triton"])
         assert int(h1["torch"].sum()) == int(h0["torch"][b])
+
+
+@needs_triton
+@pytest.mark.parametrize("n,P", [(1, 1), (7, 3), (1000, 4), (65537, 6)])
+def test_abs_histogram_regions(n, P):
+    """[P, BINS]: row j is the range histogram of region j (empty regions give zero rows), in
+    both backends; kth_bins / bin_thresholds agree with kth_bin / bin_threshold row by row."""
+    x = (torch.randn(n, generator=gen(n + 1)) * 2).to(DEV)
+    x[::7] = 0
+    if n > 10:
+        x[2], x[5] = float("nan"), float("inf")
+    offsets = region_layout(n, P, seed=n + 2)
+    hs = {be: K.abs_histogram_regions(x, offsets, backend=be) for be in ("torch", "triton")}
+    assert torch.equal(hs["torch"], hs["triton"])
+    for j in range(P):
+        want = abs_histogram(x, start=int(offsets[j]), end=int(offsets[j + 1]), backend="torch")
+        assert torch.equal(hs["torch"][j], want)
+    assert torch.equal(hs["torch"].sum(0), abs_histogram(x, backend="torch"))
+    for k in (1, 5, n):
+        bins, above = K.kth_bins(hs["torch"], k)
+        ths = K.bin_thresholds(bins)
+        for j in range(P):
+            b, a = kth_bin(hs["torch"][j], k)
+            assert int(bins[j]) == int(b) and int(above[j]) == int(a)
+            assert float(ths[j]) == float(bin_threshold(b))
+    # level 1 with one prefix per region, and per-row k
+    ks = torch.arange(1, P + 1, device=DEV) * 3
+    bins, above = K.kth_bins(hs["torch"], ks)
+    h1 = {be: K.abs_histogram_regions(x, offsets, prefix=bins, backend=be)
+          for be in ("torch", "triton")}
+    assert torch.equal(h1["torch"], h1["triton"])
+    b1, _ = K.kth_bins(h1["torch"], ks - above)
+    ths = K.bin_thresholds(bins, b1)
+    for j in range(P):
+        lo, hi = int(offsets[j]), int(offsets[j + 1])
+        want = abs_histogram(x, prefix=bins[j], start=lo, end=hi, backend="torch")
+        assert torch.equal(h1["torch"][j], want)
+        assert float(ths[j]) == float(histogram_threshold(x, int(ks[j]), start=lo, end=hi,
+                                                          backend="torch"))
 
 
 def test_kth_bin_edge_cases():

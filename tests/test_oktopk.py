@@ -249,3 +249,30 @@ def test_full_gather_slot_keeps_the_largest(P):
         # ascending fill would keep the lowest indices of the selection; the largest are the top
         assert torch.equal(nz, torch.arange(n - nz.numel(), n)), \
             f"kept {nz.numel()} entries from index {int(nz.min())}, not the largest"
+
+
+# -- a full reduce row keeps the largest local entries of its region, not the lowest indices ----
+def _row_cap_body(comm, n, region_cap):
+    alg = OkTopk(n, comm, 0.05, backend=BE, capacity_slack=(0.5, 100.0), volume_budget=None,
+                 adapt_capacity=False, region_cap=region_cap)
+    g = torch.Generator().manual_seed(3)
+    # the same gradient on every rank, |value| growing with the index (steps of 1e-3: many
+    # entries share a level-0 histogram bin, so the row threshold needs its level-1 refinement)
+    grad = torch.linspace(0.1, 1.0, n) * torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+    out = alg(grad)
+    return out, int(alg.stats["reduce_overflow"]), alg.cap_r
+
+
+@pytest.mark.parametrize("P", [2, 3])
+@pytest.mark.parametrize("region_cap", [True, False])
+def test_full_reduce_row_keeps_the_largest(P, region_cap):
+    n = 4000
+    for out, ovf, cap_r in LocalCluster(P).run(_row_cap_body, n, region_cap):
+        assert ovf > 0, "the small reduce slack should overflow"
+        nz = torch.nonzero(out).flatten()
+        assert nz.numel() == cap_r      # the top-k all lie in the last region: one full row
+        top = torch.arange(n - cap_r, n)
+        if region_cap:
+            assert torch.equal(nz, top), f"sent {nz.tolist()[:5]}..., not the largest"
+        else:   # the old rule (and the option off): the lowest indices of the selection
+            assert int(nz.max()) < n - cap_r

@@ -21,6 +21,9 @@ of the contributions), and ``residual`` afterwards holds exactly what of ``acc``
 * low-precision outputs: ``out`` is computed in fp32 and returned in the gradient's dtype; the
   rounding error times P is added to the residual, each rank taking its own 1/P slice of the
   index space, so conservation holds exactly in the output's own precision too;
+* ``warmup_steps``: the first steps are dense (:meth:`dense_step`, one allreduce of the whole
+  ``acc``) for every algorithm alike, as DDP's PowerSGD hook starts dense; the sparse steps
+  follow with the step count going on, from an empty residual;
 * ``stats`` and ``state_dict``.
 """
 from __future__ import annotations
@@ -53,7 +56,7 @@ class Algorithm(abc.ABC):
 
     def __init__(self, numel: int, comm: Communicator, density: float = 0.01, *,
                  device: Optional[torch.device] = None, check_finite: str = "skip",
-                 **options: Any) -> None:
+                 warmup_steps: int = 0, **options: Any) -> None:
         if not isinstance(numel, int) or numel < 1:
             raise ValueError(f"numel must be a positive int, got {numel!r}")
         if not isinstance(density, (int, float)) or not (0.0 < float(density) <= 1.0):
@@ -62,6 +65,8 @@ class Algorithm(abc.ABC):
             check_finite = "skip"
         elif check_finite is False or check_finite is None:
             check_finite = "off"
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
         if check_finite not in _CHECK_FINITE:
             raise ValueError(f"check_finite must be one of {_CHECK_FINITE}, got {check_finite!r}")
         unknown = sorted(set(options) - set(self.OPTIONS))
@@ -77,6 +82,7 @@ class Algorithm(abc.ABC):
         self.density = float(density)
         self.k = max(1, min(numel, int(round(self.density * numel))))
         self.check_finite = check_finite
+        self.warmup_steps = warmup_steps
         self.step_count = 0
         self.stats: Dict[str, Any] = {}
         self.residual = torch.zeros(numel, dtype=torch.float32, device=self.device)
@@ -134,7 +140,10 @@ class Algorithm(abc.ABC):
                     f"{self.P} rank(s) at step {self.step_count}; residuals are unchanged")
 
         out = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
-        self.step(flat, out, nonfinite)
+        if self.step_count < self.warmup_steps:
+            self.dense_step(flat, out, nonfinite)
+        else:
+            self.step(flat, out, nonfinite)
         self.step_count += 1
 
         if dtype != torch.float32:
@@ -148,6 +157,7 @@ class Algorithm(abc.ABC):
         if nonfinite is not None:
             out = torch.where(nonfinite > 0, torch.full_like(out, float("nan")), out)
         self.stats["bytes_sent"] = self.comm.bytes_sent - bytes_before
+        self.stats["warmup"] = self.step_count <= self.warmup_steps
         self.stats["nonfinite"] = nonfinite
         return out.reshape(shape)
 
@@ -173,6 +183,19 @@ class Algorithm(abc.ABC):
         stayed in a residual). Stats may be 0-dim device tensors: reading them is the caller's
         choice (and a host sync on a GPU).
         """
+
+    def dense_step(self, grad: torch.Tensor, out: torch.Tensor,
+                   nonfinite: Optional[torch.Tensor]) -> None:
+        """A warm-up step: ``out`` = the average of every rank's whole ``acc`` (one dense
+        allreduce) and the residual drops to zero, so the sparse steps that follow start from an
+        empty residual. Same contract as :meth:`step`."""
+        acc = self.accumulate(grad)
+        buf = acc.clone()
+        if self.P > 1:
+            self.comm.allreduce(buf)
+        out.copy_(buf.div_(self.P))
+        self.commit_residual(torch.zeros_like(acc), nonfinite)
+        self.stats.update(local_selected=self.numel, global_selected=self.numel, overflow=0)
 
     # -- helpers for subclasses ----------------------------------------------------------------
     def accumulate(self, grad: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,14 @@ boolean-mask indexing in a steady-state step):
    parameters, 630 steps) the nudged threshold of ``tau_prime=32`` left the local count outside
    [0.75k, 1.25k] on 32–64% of the steps (196–5,020 for k=851), which overflowed the reduce
    rows; the paper's 32 remains an option for large models whose distribution drifts slowly.
+   **Row thresholds** (``region_cap``, default on; on the steps that recalibrate th_local):
+   the level-0 histogram is taken per region (their sum is the global one, so no extra pass
+   for th_local), and region j selects with ``max(th_local, its cap_r-th largest |acc|)`` (two
+   histogram levels), so a reduce row that would overflow keeps the largest entries of its
+   region. Without it the capacity cut by position (lowest indices on CPU, first programs on
+   CUDA) and held the same entries back step after step: at 0.1% on the digits CNN about a
+   quarter of each rank's selection (the reduce overflow) every step, always the same
+   high indices of a hot region.
 2. **fused_select** reads grad and residual once, writes ``residual = acc`` and compacts the
    selected entries straight into one packed int32 message buffer ``msg[P, 2 + 2·cap_r]``:
    row j = ``[true count, nonfinite flag, cap_r relative indices, cap_r fp32 value bits]`` for
@@ -132,10 +140,10 @@ class OkTopk(Algorithm):
         "adaptive_nudge": True,    # grow the nudge while the count stays off, halve on a flip
         "max_nudge": 2.0,          # largest adaptive factor per step
         "bucket_size": 4,          # peers per bucket of the split-and-reduce
-        "warmup_steps": 0,         # dense allreduce steps before Ok-Topk starts
         "global_threshold": "auto",  # histogram | topm | auto (the fewer bytes; see _global_threshold)
         "exact_thresholds": False,  # exact top-k thresholds every step (reference / calibration)
         "magnitude_cap": True,     # owner keeps the largest cap_g sums of its region (not the lowest indices)
+        "region_cap": True,        # each reduce row keeps the largest of its region's local entries
         "global_select": "threshold",  # threshold (the paper's) | gathered: top-k of the gathered slots every step
         "global_feedback": "count",  # count fed back to th_global: count (at th_global) | gathered (|I|)
         "global_band": (0.75, 1.25),  # th_global is nudged while the fed-back count is outside band·k
@@ -151,8 +159,6 @@ class OkTopk(Algorithm):
         for key in ("tau", "tau_prime", "region_period", "bucket_size"):
             if not isinstance(o[key], int) or o[key] < 1:
                 raise ValueError(f"oktopk: {key} must be a positive int, got {o[key]!r}")
-        if not isinstance(o["warmup_steps"], int) or o["warmup_steps"] < 0:
-            raise ValueError(f"oktopk: warmup_steps must be an int >= 0, got {o['warmup_steps']!r}")
         slack = o["capacity_slack"]
         if isinstance(slack, (int, float)):
             slack = (float(slack), float(slack))
@@ -228,10 +234,7 @@ class OkTopk(Algorithm):
     def step(self, grad: torch.Tensor, out: torch.Tensor,
              nonfinite: Optional[torch.Tensor]) -> None:
         o = self.opts
-        t = self.step_count - o["warmup_steps"]
-        if t < 0:
-            self._dense_step(grad, out, nonfinite)
-            return
+        t = self.step_count - self.warmup_steps     # sparse steps done so far
         self._ensure_buffers()
         P, r, k, n, be = self.P, self.rank, self.k, self.numel, self.backend
         exact = bool(o["exact_thresholds"])
@@ -245,24 +248,41 @@ class OkTopk(Algorithm):
         offs = self.region_offsets
         start, end = offs[r], offs[r + 1]
 
-        # 1. local threshold
+        # 1. local threshold (and, with region_cap, one selection threshold per region: see
+        # _local_thresholds)
+        capped = cal_local and bool(o["region_cap"]) and P > 1
         if cal_local:
             acc = self.residual + grad.float()
+            hists = K.abs_histogram_regions(acc, offs, backend=be) if capped else None
             if exact or first:
                 th_l = K.exact_threshold(acc, k)
+                if capped:
+                    count_at_l = ((acc.abs() >= th_l) & (acc != 0)).sum()
+            elif capped:
+                b0, above0 = K.kth_bin(hists.sum(0), k)
+                h1 = K.abs_histogram(acc, prefix=b0, backend=be)
+                b1, _ = K.kth_bin(h1, k - above0)
+                th_l = K.bin_threshold(b0, b1)
+                bins = torch.arange(h1.numel(), device=h1.device)
+                count_at_l = above0 + torch.where(bins >= b1, h1, 0).sum()  # exact: a bin edge
             else:
                 th_l = K.histogram_threshold(acc, k, backend=be)
+            acc_for_rows = acc if capped else None
             del acc
             if not first:
                 th_l = self._keep_if_nonfinite(th_l, self.th_local, nonfinite)
         else:
             th_l = self.th_local
+        th_rows = th_l
+        if capped:
+            th_rows = torch.maximum(th_l, self._row_thresholds(acc_for_rows, hists, cr))
+            del acc_for_rows
 
         # 2. fused selection straight into the packed messages
         msg = self._msg
         sel = K.Selection(indices=msg[:, 2:2 + cr], values=msg[:, 2 + cr:].view(torch.float32),
                           counts=msg[:, 0], nonfinite=msg[:, 1])
-        K.fused_select(grad, self.residual, th_l, offs, cr, skip=nonfinite, out=sel, backend=be)
+        K.fused_select(grad, self.residual, th_rows, offs, cr, skip=nonfinite, out=sel, backend=be)
 
         # 3. split-and-reduce: own row first, then buckets in rotation order
         scratch = self._scratch
@@ -361,11 +381,18 @@ class OkTopk(Algorithm):
         counts64 = sel.counts.to(torch.int64)
         local_count = counts64.sum()
         sent = counts64.clamp(max=cr).sum()
+        if capped:   # entries at th_l (held back by a raised row threshold count as overflow)
+            local_count = torch.maximum(count_at_l, local_count)
         gc64 = gcounts.to(torch.int64)
         global_count = gc64.sum()
         global_selected = vcounts.to(torch.int64).sum()
         nudge = float(o["nudge"])
-        new_l, fb_l = self._nudged(th_l, local_count, self._fb[0], nudge)
+        if capped:
+            # the counts are at the raised row thresholds, not at th_l: no count feedback (th_l
+            # was just recalibrated from the histogram)
+            new_l, fb_l = th_l, self._fb[0]
+        else:
+            new_l, fb_l = self._nudged(th_l, local_count, self._fb[0], nudge)
         if topk_sel:
             new_g = torch.where(th_k > 0, th_k * float(P), th_g)   # in |sum| units (gval = sum/P)
             fb_g = self._fb[1]
@@ -459,6 +486,19 @@ class OkTopk(Algorithm):
         b1, _ = K.kth_bin(h1, kt - above)
         return K.bin_threshold(b0, b1)
 
+    def _row_thresholds(self, acc: torch.Tensor, hists: torch.Tensor, cap: int) -> torch.Tensor:
+        """fp32 [P]: per region, the lower edge of the (two-level) histogram bin holding its
+        ``cap``-th largest |acc| (0 when the region holds fewer): selecting with
+        ``max(th_l, this)`` fills a reduce row with the region's largest entries, and only ties
+        within one bin of relative width 2^-14 are cut by the capacity. Without it a region
+        with more than ``cap`` entries above th_l sent its lowest indices (CPU, interpreter) or
+        whichever programs came first (CUDA) and held back the rest, step after step: at density
+        0.1% on the digits CNN about a quarter of each rank's selection."""
+        b0, above0 = K.kth_bins(hists, cap)
+        h1 = K.abs_histogram_regions(acc, self.region_offsets, prefix=b0, backend=self.backend)
+        b1, _ = K.kth_bins(h1, (cap - above0).clamp(min=1))
+        return K.bin_thresholds(b0, b1)
+
     def _hist_bytes(self) -> int:
         return 4 if self.P * self.numel < 2 ** 31 else 8
 
@@ -546,14 +586,8 @@ class OkTopk(Algorithm):
             self.cap_r, self.cap_g = self._fit(want_r, want_g)
             self._obs = torch.zeros_like(self._obs)
 
-    def _dense_step(self, grad: torch.Tensor, out: torch.Tensor,
-                    nonfinite: Optional[torch.Tensor]) -> None:
-        acc = self.accumulate(grad)
-        buf = acc.clone()
-        if self.P > 1:
-            self.comm.allreduce(buf)
-        out.copy_(buf.div_(self.P))
-        self.commit_residual(torch.zeros_like(acc), nonfinite)
-        self.stats.update(local_selected=self.numel, global_selected=self.numel, overflow=0,
-                          sent=self.numel, reduce_overflow=0, gather_overflow=0,
+    def dense_step(self, grad: torch.Tensor, out: torch.Tensor,
+                   nonfinite: Optional[torch.Tensor]) -> None:
+        super().dense_step(grad, out, nonfinite)
+        self.stats.update(sent=self.numel, reduce_overflow=0, gather_overflow=0,
                           global_count=self.numel, cap_r=self.cap_r, cap_g=self.cap_g)
