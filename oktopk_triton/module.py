@@ -65,7 +65,10 @@ class SparseAllreduce(torch.nn.Module):
             device). For parameters it defaults to the first parameter's device.
         check_finite: ``"skip"`` (default: a NaN/Inf on any rank makes ``out`` NaN on every
             rank and leaves every residual unchanged), ``"raise"`` or ``"off"``.
-        **options: the algorithm's options (unknown names raise ``TypeError``).
+        **options: the algorithm's options (unknown names raise ``TypeError``), and two that
+            every algorithm takes: ``warmup_steps`` (the first steps are a dense allreduce) and
+            ``momentum`` (momentum correction: the reducer keeps the velocity
+            ``u = m·u + grad`` and sparsifies it; use the optimizer without momentum then).
     """
 
     def __init__(self, numel_or_params: Union[int, Iterable[torch.Tensor], torch.nn.Module],

@@ -113,8 +113,10 @@ def _rank_body(comm, algorithm, n, steps, density, grad_fn, dtype, nonfinite, ch
             g = g.clone()
             g[n // 2] = float("nan")
         before = alg.residual.detach().clone()
-        accs.append(before.double() + g.double())
         out = alg(g)
+        velocity = getattr(alg, "velocity", None)
+        # with momentum correction the reducer accumulates its velocity u = m·u + g, not g
+        accs.append(before.double() + (g.double() if velocity is None else velocity.double()))
         outs.append(out.detach().reshape(-1).clone())
         after = alg.residual.detach().clone()
         res.append(after.double())

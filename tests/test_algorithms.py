@@ -109,6 +109,30 @@ def test_warmup_steps_are_dense_then_sparse(name):
         LocalCluster(1).run(lambda comm: require(name)(N, comm, DENSITY, warmup_steps=-1))
 
 
+@pytest.mark.parametrize("name", ALL)
+def test_momentum_correction(name):
+    """momentum=m: the reducer accumulates u = m·u + grad (conservation holds with
+    acc = residual + u); dense gives exactly the average velocity, i.e. momentum SGD; a
+    non-finite step leaves the velocity unchanged."""
+    require(name)
+    P, m, steps = 3, 0.9, 8
+    gf = mixed(seed=5)
+    res = run_steps(name, P, N, steps, DENSITY, gf, momentum=m, nonfinite={4: 1})
+    assert_conservation(res)
+    assert_bitwise_agreement(res)
+    u = [torch.zeros(N, dtype=torch.float64) for _ in range(P)]
+    for t in range(steps):
+        if t != 4:
+            for r in range(P):
+                u[r] = m * u[r] + gf(r, t, N).double()
+        if name == "dense" and t != 4:
+            torch.testing.assert_close(res.outs[t][0].double(), sum(u) / P, rtol=1e-5, atol=1e-5)
+    for r, alg in enumerate(res.algs):
+        torch.testing.assert_close(alg.velocity.double(), u[r], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="momentum"):
+        LocalCluster(1).run(lambda comm: require(name)(N, comm, DENSITY, momentum=1.0))
+
+
 @pytest.mark.parametrize("P", PS)
 @pytest.mark.parametrize("name", ALL)
 def test_bytes_per_step_within_formula(name, P):

@@ -24,6 +24,12 @@ of the contributions), and ``residual`` afterwards holds exactly what of ``acc``
 * ``warmup_steps``: the first steps are dense (:meth:`dense_step`, one allreduce of the whole
   ``acc``) for every algorithm alike, as DDP's PowerSGD hook starts dense; the sparse steps
   follow with the step count going on, from an empty residual;
+* ``momentum`` (momentum correction, as in Deep Gradient Compression): with ``momentum=m`` the
+  reducer keeps a velocity ``u = m·u + grad`` and accumulates and sparsifies ``u`` instead of
+  ``grad``; the optimizer then runs without momentum. At density 1 this is exactly momentum
+  SGD; at high sparsity the residual holds velocities, so an entry that is sent late is sent
+  with the momentum it would have had (momentum applied after the sparse reduction only sees
+  an entry when it arrives). ``acc = residual + u`` in the contract below;
 * ``stats`` and ``state_dict``.
 """
 from __future__ import annotations
@@ -56,7 +62,7 @@ class Algorithm(abc.ABC):
 
     def __init__(self, numel: int, comm: Communicator, density: float = 0.01, *,
                  device: Optional[torch.device] = None, check_finite: str = "skip",
-                 warmup_steps: int = 0, **options: Any) -> None:
+                 warmup_steps: int = 0, momentum: float = 0.0, **options: Any) -> None:
         if not isinstance(numel, int) or numel < 1:
             raise ValueError(f"numel must be a positive int, got {numel!r}")
         if not isinstance(density, (int, float)) or not (0.0 < float(density) <= 1.0):
@@ -67,6 +73,9 @@ class Algorithm(abc.ABC):
             check_finite = "off"
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or \
+                not 0.0 <= float(momentum) < 1.0:
+            raise ValueError(f"momentum must be a float in [0, 1), got {momentum!r}")
         if check_finite not in _CHECK_FINITE:
             raise ValueError(f"check_finite must be one of {_CHECK_FINITE}, got {check_finite!r}")
         unknown = sorted(set(options) - set(self.OPTIONS))
@@ -83,6 +92,10 @@ class Algorithm(abc.ABC):
         self.k = max(1, min(numel, int(round(self.density * numel))))
         self.check_finite = check_finite
         self.warmup_steps = warmup_steps
+        self.momentum = float(momentum)
+        # momentum correction: the velocity is what gets accumulated and sparsified
+        self.velocity = (torch.zeros(numel, dtype=torch.float32, device=self.device)
+                         if self.momentum > 0 else None)
         self.step_count = 0
         self.stats: Dict[str, Any] = {}
         self.residual = torch.zeros(numel, dtype=torch.float32, device=self.device)
@@ -139,6 +152,14 @@ class Algorithm(abc.ABC):
                     f"{self.name}: non-finite gradient (NaN or Inf) on {int(nonfinite.item())} of "
                     f"{self.P} rank(s) at step {self.step_count}; residuals are unchanged")
 
+        if self.velocity is not None:
+            # u = m·u + grad (kept as it was on a non-finite step, like the residual)
+            new_v = torch.add(flat.float(), self.velocity, alpha=self.momentum)
+            if nonfinite is not None:
+                new_v = torch.where(nonfinite > 0, self.velocity, new_v)
+            self.velocity.copy_(new_v)
+            flat = torch.where(nonfinite > 0, flat.float(), new_v) if nonfinite is not None \
+                else new_v
         out = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
         if self.step_count < self.warmup_steps:
             self.dense_step(flat, out, nonfinite)
@@ -215,6 +236,8 @@ class Algorithm(abc.ABC):
         sd: Dict[str, Any] = {"algorithm": self.name, "numel": self.numel, "world_size": self.P,
                               "rank": self.rank, "density": self.density,
                               "step": self.step_count, "residual": self.residual.clone()}
+        if self.velocity is not None:
+            sd["velocity"] = self.velocity.clone()
         for key in self.STATE:
             v = getattr(self, key)
             sd[key] = v.clone() if isinstance(v, torch.Tensor) else _copy(v)
@@ -226,6 +249,11 @@ class Algorithm(abc.ABC):
                 raise ValueError(f"{self.name}: state_dict has {key}={sd.get(key)!r}, this "
                                  f"reducer has {mine!r}")
         self.residual.copy_(sd["residual"].to(self.residual.device))
+        if self.velocity is not None:
+            if "velocity" not in sd:
+                raise ValueError(f"{self.name}: this reducer has momentum={self.momentum} but the "
+                                 "state_dict holds no velocity")
+            self.velocity.copy_(sd["velocity"].to(self.velocity.device))
         self.step_count = int(sd["step"])
         for key in self.STATE:
             v = sd[key]

@@ -65,6 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"], help="per rank")
     p.add_argument("--lr", type=float, default=DEFAULTS["lr"])
     p.add_argument("--momentum", type=float, default=DEFAULTS["momentum"])
+    p.add_argument("--momentum-correction", action="store_true",
+                   help="apply the momentum in the reducer, before sparsification (Deep Gradient "
+                        "Compression's momentum correction), for every algorithm alike; the "
+                        "optimizer then runs without momentum (dense: the same momentum SGD)")
     p.add_argument("--schedule", choices=["cosine", "constant"], default=DEFAULTS["schedule"],
                    help="learning rate: linear warm-up then cosine decay to 0, or constant")
     p.add_argument("--warmup-epochs", type=float, default=DEFAULTS["warmup_epochs"])
@@ -187,6 +191,7 @@ def build_config(args, algos) -> Dict[str, Any]:
     return dict(algorithms=algos, density=args.density, world_size=args.world_size,
                 epochs=args.epochs, model=args.model, width=args.width, seeds=list(args.seeds),
                 batch_size=args.batch_size, lr=args.lr, momentum=args.momentum,
+                momentum_correction=bool(getattr(args, "momentum_correction", False)),
                 schedule=args.schedule, warmup_epochs=args.warmup_epochs,
                 weight_decay=args.weight_decay, test_fraction=args.test_fraction,
                 train_subset=args.train_subset, eval_every=args.eval_every,
@@ -466,9 +471,13 @@ def train_one(cfg, algorithm: str, seed: int, comm, device, data, log) -> Dict[s
     P, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(seed)  # the same init on every rank
     model = make_model(cfg["model"], cfg["width"]).to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=cfg["momentum"],
+    corrected = bool(cfg.get("momentum_correction"))
+    opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"],
+                          momentum=0.0 if corrected else cfg["momentum"],
                           weight_decay=cfg["weight_decay"])
     options = dict(cfg.get("options") or {}) if algorithm != "dense" else {}
+    if corrected:   # every algorithm alike, dense included
+        options["momentum"] = cfg["momentum"]
     density = cfg["density"] if algorithm != "dense" else 1.0
     sar = SparseAllreduce(model.parameters(), comm=comm, density=density, algorithm=algorithm,
                           **options)
