@@ -36,8 +36,10 @@ torch.manual_seed(0)                        # identical initial weights on every
 model = nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(),
                       nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
                       nn.Flatten(), nn.Linear(1024, 64), nn.ReLU(), nn.Linear(64, 10)).to(device)
-opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-sar = SparseAllreduce(model.parameters(), density=density, algorithm=algorithm)
+# momentum correction: the reducer applies the momentum before it sparsifies (an entry sent late
+# carries the momentum it would have had), so the optimizer itself runs without momentum
+sar = SparseAllreduce(model.parameters(), density=density, algorithm=algorithm, momentum=0.9)
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
 
 for epoch in range(10):
     for i in range(0, len(shard) - 15, 16):

@@ -65,10 +65,13 @@ class SparseAllreduce(torch.nn.Module):
             device). For parameters it defaults to the first parameter's device.
         check_finite: ``"skip"`` (default: a NaN/Inf on any rank makes ``out`` NaN on every
             rank and leaves every residual unchanged), ``"raise"`` or ``"off"``.
-        **options: the algorithm's options (unknown names raise ``TypeError``), and two that
-            every algorithm takes: ``warmup_steps`` (the first steps are a dense allreduce) and
-            ``momentum`` (momentum correction: the reducer keeps the velocity
-            ``u = m·u + grad`` and sparsifies it; use the optimizer without momentum then).
+        **options: the algorithm's options (unknown names raise ``TypeError``), and three that
+            every algorithm takes: ``warmup_steps`` (the first steps are a dense allreduce),
+            ``momentum`` (momentum correction, recommended for the sparse algorithms: the
+            reducer keeps the velocity ``u = m·u + grad`` and sparsifies it; use the optimizer
+            without momentum then) and ``momentum_masking`` (default: on for sparse
+            algorithms, off for ``dense``; zeroes the velocity of the entries a step
+            delivered, as Deep Gradient Compression does).
     """
 
     def __init__(self, numel_or_params: Union[int, Iterable[torch.Tensor], torch.nn.Module],

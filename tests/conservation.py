@@ -113,10 +113,13 @@ def _rank_body(comm, algorithm, n, steps, density, grad_fn, dtype, nonfinite, ch
             g = g.clone()
             g[n // 2] = float("nan")
         before = alg.residual.detach().clone()
-        out = alg(g)
         velocity = getattr(alg, "velocity", None)
-        # with momentum correction the reducer accumulates its velocity u = m·u + g, not g
-        accs.append(before.double() + (g.double() if velocity is None else velocity.double()))
+        if velocity is not None:
+            # with momentum correction the reducer accumulates its velocity u = m·u + g, not g
+            # (formed here as the reducer forms it: the velocity after the step may be masked)
+            u = torch.add(g.reshape(-1).float(), velocity, alpha=alg.momentum)
+        out = alg(g)
+        accs.append(before.double() + (g.double() if velocity is None else u.double()))
         outs.append(out.detach().reshape(-1).clone())
         after = alg.residual.detach().clone()
         res.append(after.double())

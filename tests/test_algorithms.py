@@ -109,28 +109,80 @@ def test_warmup_steps_are_dense_then_sparse(name):
         LocalCluster(1).run(lambda comm: require(name)(N, comm, DENSITY, warmup_steps=-1))
 
 
+@pytest.mark.parametrize("masking", [None, False, True])
 @pytest.mark.parametrize("name", ALL)
-def test_momentum_correction(name):
+def test_momentum_correction(name, masking):
     """momentum=m: the reducer accumulates u = m·u + grad (conservation holds with
-    acc = residual + u); dense gives exactly the average velocity, i.e. momentum SGD; a
-    non-finite step leaves the velocity unchanged."""
+    acc = residual + u); a non-finite step leaves the velocity unchanged. Without masking,
+    dense gives exactly the average velocity, i.e. momentum SGD. With DGC's momentum factor
+    masking (the default of the sparse algorithms; dense does not mask by default), u restarts
+    from 0 exactly where the step delivered the whole accumulated value (residual 0 after it),
+    and only there."""
     require(name)
     P, m, steps = 3, 0.9, 8
     gf = mixed(seed=5)
-    res = run_steps(name, P, N, steps, DENSITY, gf, momentum=m, nonfinite={4: 1})
+    seen = {}
+
+    def record(comm, alg, t, out):
+        seen[comm.rank, t] = (alg.residual.clone(), alg.velocity.clone())
+
+    res = run_steps(name, P, N, steps, DENSITY, gf, momentum=m, momentum_masking=masking,
+                    nonfinite={4: 1}, on_step=record)
+    assert res.algs[0].momentum_masking == (masking if masking is not None else name != "dense")
+    masking = res.algs[0].momentum_masking
     assert_conservation(res)
     assert_bitwise_agreement(res)
     u = [torch.zeros(N, dtype=torch.float64) for _ in range(P)]
+    masked_somewhere = kept_somewhere = False
     for t in range(steps):
         if t != 4:
             for r in range(P):
                 u[r] = m * u[r] + gf(r, t, N).double()
+                if masking:
+                    delivered = seen[r, t][0] == 0
+                    u[r][delivered] = 0.0
+                    masked_somewhere |= bool((delivered & (gf(r, t, N) != 0)).any())
+                    kept_somewhere |= bool((~delivered).any())
         if name == "dense" and t != 4:
-            torch.testing.assert_close(res.outs[t][0].double(), sum(u) / P, rtol=1e-5, atol=1e-5)
-    for r, alg in enumerate(res.algs):
-        torch.testing.assert_close(alg.velocity.double(), u[r], rtol=1e-5, atol=1e-5)
+            # masking: every entry is delivered every step, so no momentum is left (plain SGD)
+            want = sum(gf(r, t, N).double() for r in range(P)) / P if masking else sum(u) / P
+            torch.testing.assert_close(res.outs[t][0].double(), want, rtol=1e-5, atol=1e-5)
+        for r in range(P):
+            torch.testing.assert_close(seen[r, t][1].double(), u[r], rtol=1e-5, atol=1e-5)
+    if masking:
+        assert masked_somewhere, "the mask never zeroed a velocity"
+        if name != "dense":
+            assert kept_somewhere, "a sparse algorithm delivered everything"
     with pytest.raises(ValueError, match="momentum"):
         LocalCluster(1).run(lambda comm: require(name)(N, comm, DENSITY, momentum=1.0))
+
+
+@pytest.mark.parametrize("name", SPARSE_ALGORITHMS)
+def test_momentum_not_masked_in_dense_warmup(name):
+    """The dense warm-up steps deliver every entry; masking there would drop all momentum, so
+    the velocity stays exactly momentum SGD's (u = m·u + grad, and out its average) until the
+    first sparse step, which masks."""
+    require(name)
+    P, m, warm = 2, 0.9, 3
+    gf = mixed(seed=8)
+    seen = {}
+
+    def record(comm, alg, t, out):
+        seen[comm.rank, t] = (alg.residual.clone(), alg.velocity.clone())
+
+    res = run_steps(name, P, N, warm + 1, DENSITY, gf, momentum=m, warmup_steps=warm,
+                    on_step=record)
+    assert_conservation(res)
+    u = [torch.zeros(N, dtype=torch.float64) for _ in range(P)]
+    for t in range(warm):
+        for r in range(P):
+            u[r] = m * u[r] + gf(r, t, N).double()
+            torch.testing.assert_close(seen[r, t][1].double(), u[r], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(res.outs[t][0].double(), sum(u) / P, rtol=1e-5, atol=1e-5)
+    for r in range(P):   # the first sparse step masks what it delivered
+        residual, velocity = seen[r, warm]
+        assert bool((velocity[residual == 0] == 0).all())
+        assert bool((velocity != 0).any())
 
 
 @pytest.mark.parametrize("P", PS)

@@ -24,12 +24,19 @@ of the contributions), and ``residual`` afterwards holds exactly what of ``acc``
 * ``warmup_steps``: the first steps are dense (:meth:`dense_step`, one allreduce of the whole
   ``acc``) for every algorithm alike, as DDP's PowerSGD hook starts dense; the sparse steps
   follow with the step count going on, from an empty residual;
-* ``momentum`` (momentum correction, as in Deep Gradient Compression): with ``momentum=m`` the
-  reducer keeps a velocity ``u = m·u + grad`` and accumulates and sparsifies ``u`` instead of
-  ``grad``; the optimizer then runs without momentum. At density 1 this is exactly momentum
-  SGD; at high sparsity the residual holds velocities, so an entry that is sent late is sent
-  with the momentum it would have had (momentum applied after the sparse reduction only sees
-  an entry when it arrives). ``acc = residual + u`` in the contract below;
+* ``momentum`` (momentum correction, as in Deep Gradient Compression, Lin et al. 2018): with
+  ``momentum=m`` the reducer keeps a velocity ``u = m·u + grad`` and accumulates and sparsifies
+  ``u`` instead of ``grad``; the optimizer then runs without momentum. ``acc = residual + u``
+  in the contract below. ``momentum_masking`` (DGC's momentum factor masking; default on
+  for the sparse algorithms, off for ``dense``) zeroes ``u`` where a sparse step delivered the
+  whole accumulated value (``residual == 0`` after it). Without the mask an entry keeps its
+  velocity after it was sent, so its next sends repeat momentum that was already applied: on
+  the digits CNN at density 0.1% (4 ranks, 5 seeds) that diverged one seed in five (test
+  accuracy 23%) and cost 17 points on average. With the mask, Ok-Topk at 0.1% fit the
+  training set 10x better than with the optimizer's momentum (final loss 0.0056 against 0.055)
+  and gained 1.1 test points over 10 seeds (95.95 → 97.04; dense 98.75). The mask would remove
+  the momentum of every entry of a dense step, so ``dense`` and the dense warm-up steps do not
+  mask: there the velocity is exactly momentum SGD's;
 * ``stats`` and ``state_dict``.
 """
 from __future__ import annotations
@@ -62,7 +69,9 @@ class Algorithm(abc.ABC):
 
     def __init__(self, numel: int, comm: Communicator, density: float = 0.01, *,
                  device: Optional[torch.device] = None, check_finite: str = "skip",
-                 warmup_steps: int = 0, momentum: float = 0.0, **options: Any) -> None:
+                 warmup_steps: int = 0, momentum: float = 0.0,
+                 momentum_masking: Optional[bool] = None,
+                 **options: Any) -> None:
         if not isinstance(numel, int) or numel < 1:
             raise ValueError(f"numel must be a positive int, got {numel!r}")
         if not isinstance(density, (int, float)) or not (0.0 < float(density) <= 1.0):
@@ -93,6 +102,10 @@ class Algorithm(abc.ABC):
         self.check_finite = check_finite
         self.warmup_steps = warmup_steps
         self.momentum = float(momentum)
+        # None: mask after sparse steps (the class default; dense sends everything, so masking
+        # would leave plain SGD there)
+        self.momentum_masking = (type(self).sparse if momentum_masking is None
+                                 else bool(momentum_masking))
         # momentum correction: the velocity is what gets accumulated and sparsified
         self.velocity = (torch.zeros(numel, dtype=torch.float32, device=self.device)
                          if self.momentum > 0 else None)
@@ -162,9 +175,11 @@ class Algorithm(abc.ABC):
                 else new_v
         out = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
         if self.step_count < self.warmup_steps:
-            self.dense_step(flat, out, nonfinite)
+            self.dense_step(flat, out, nonfinite)      # momentum SGD: no masking
         else:
             self.step(flat, out, nonfinite)
+            if self.velocity is not None and self.momentum_masking:
+                self._mask_velocity(nonfinite)
         self.step_count += 1
 
         if dtype != torch.float32:
@@ -217,6 +232,17 @@ class Algorithm(abc.ABC):
         out.copy_(buf.div_(self.P))
         self.commit_residual(torch.zeros_like(acc), nonfinite)
         self.stats.update(local_selected=self.numel, global_selected=self.numel, overflow=0)
+
+    def _mask_velocity(self, nonfinite: Optional[torch.Tensor]) -> None:
+        """Momentum factor masking: stop the velocity of the entries this step delivered.
+
+        An entry whose residual is 0 after the step reached ``out`` whole (or never held
+        anything), so its velocity restarts from 0. Decided on the device; a non-finite step
+        keeps the velocity as it was."""
+        delivered = self.residual == 0
+        if nonfinite is not None:
+            delivered = delivered & (nonfinite == 0)
+        self.velocity.masked_fill_(delivered, 0.0)
 
     # -- helpers for subclasses ----------------------------------------------------------------
     def accumulate(self, grad: torch.Tensor) -> torch.Tensor:
