@@ -43,7 +43,7 @@ from typing import Any, Dict, List, Optional
 # error feedback need more steps than dense to catch up; at 15 epochs the gaps were ~2x larger.
 DEFAULTS = dict(world_size=4, density=0.01, epochs=30, model="cnn", seeds=[0], batch_size=16,
                 lr=0.1, momentum=0.9, schedule="cosine", warmup_epochs=1.0, weight_decay=0.0,
-                test_fraction=0.25, width=32, eval_every=0, tag=None)
+                test_fraction=0.25, width=32, eval_every=0, tag=None, momentum_correction=True)
 RESULTS_DIR = os.path.join("bench", "results")
 
 
@@ -65,10 +65,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"], help="per rank")
     p.add_argument("--lr", type=float, default=DEFAULTS["lr"])
     p.add_argument("--momentum", type=float, default=DEFAULTS["momentum"])
-    p.add_argument("--momentum-correction", action="store_true",
-                   help="apply the momentum in the reducer, before sparsification (Deep Gradient "
-                        "Compression's momentum correction), for every algorithm alike; the "
-                        "optimizer then runs without momentum (dense: the same momentum SGD)")
+    p.add_argument("--momentum-correction", action=argparse.BooleanOptionalAction,
+                   default=DEFAULTS["momentum_correction"],
+                   help="sparse algorithms: apply the momentum in the reducer, before "
+                        "sparsification, with momentum factor masking (Deep Gradient "
+                        "Compression); their optimizer then runs without momentum. dense always "
+                        "runs plain momentum SGD. --no-momentum-correction: every algorithm uses "
+                        "the optimizer's momentum on the reduced gradient")
     p.add_argument("--schedule", choices=["cosine", "constant"], default=DEFAULTS["schedule"],
                    help="learning rate: linear warm-up then cosine decay to 0, or constant")
     p.add_argument("--warmup-epochs", type=float, default=DEFAULTS["warmup_epochs"])
@@ -191,7 +194,8 @@ def build_config(args, algos) -> Dict[str, Any]:
     return dict(algorithms=algos, density=args.density, world_size=args.world_size,
                 epochs=args.epochs, model=args.model, width=args.width, seeds=list(args.seeds),
                 batch_size=args.batch_size, lr=args.lr, momentum=args.momentum,
-                momentum_correction=bool(getattr(args, "momentum_correction", False)),
+                momentum_correction=bool(getattr(args, "momentum_correction",
+                                                 DEFAULTS["momentum_correction"])),
                 schedule=args.schedule, warmup_epochs=args.warmup_epochs,
                 weight_decay=args.weight_decay, test_fraction=args.test_fraction,
                 train_subset=args.train_subset, eval_every=args.eval_every,
@@ -471,12 +475,15 @@ def train_one(cfg, algorithm: str, seed: int, comm, device, data, log) -> Dict[s
     P, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(seed)  # the same init on every rank
     model = make_model(cfg["model"], cfg["width"]).to(device)
-    corrected = bool(cfg.get("momentum_correction"))
+    # momentum correction: the sparse reducers keep the velocity (with DGC's masking) and the
+    # optimizer runs without momentum; dense stays the plain momentum SGD baseline (at density 1
+    # the masking would remove every entry's momentum)
+    corrected = bool(cfg.get("momentum_correction")) and algorithm != "dense"
     opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"],
                           momentum=0.0 if corrected else cfg["momentum"],
                           weight_decay=cfg["weight_decay"])
     options = dict(cfg.get("options") or {}) if algorithm != "dense" else {}
-    if corrected:   # every algorithm alike, dense included
+    if corrected:
         options["momentum"] = cfg["momentum"]
     density = cfg["density"] if algorithm != "dense" else 1.0
     sar = SparseAllreduce(model.parameters(), comm=comm, density=density, algorithm=algorithm,
