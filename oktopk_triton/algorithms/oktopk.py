@@ -40,21 +40,29 @@ boolean-mask indexing in a steady-state step):
    could keep |I| near k: on average 657 of 851 reached ``out`` (gather overflow 120/step on the
    steps with too many, too few on the others); with the per-step top-k, |I| = k on every step
    with at least k gathered sums, fewer bytes (no threshold exchange) and the reduce overflow
-   fell from ~75 to ~9 entries/step. It is NOT the default because accuracy did not follow
-   (digits CNN, P=4, seeds 0,1,2): 1% 98.44 ± 0.45 (threshold: 98.44 ± 0.22), 0.1%
-   95.40 ± 0.68 (threshold: 96.73 ± 1.56); the held-back entries were not the cause of the
-   gap to dense. ``th_global`` keeps the last k-th largest |sum| (the header count of the
-   next step is taken at it: the region balance weights and the stats). ``exact_thresholds``
-   always uses the threshold rule:
-   **Global threshold** ``th_global``: every ``tau`` steps (and at steps 0, 1, 2, 4, … < tau) the owners'
-   level-0 histograms of their reduced regions are summed by one int64 [HIST_BINS] allreduce,
-   then level 1 the same way: the k-th largest |sum| to 2^-14 relative resolution, identical on
-   every rank, with no gathering of nonzeros. In between it is nudged by the count ``global_feedback`` names (default: the count at
-   th_global; ``gathered``: |I|, aiming the entries that reach ``out`` at k) outside
-   ``global_band``·k (default [0.75, 1.25]); ``global_target`` (default 1) scales the k of the
-   recalibration. Neither variant changed accuracy on the digits CNN (1 and 3 seeds), so the
-   defaults are the paper's. The count (known
-   to every rank from the gathered headers: no extra message).
+   fell from ~75 to ~9 entries/step. Accuracy (digits CNN, P=4, momentum correction, 10
+   seeds) at 0.1%: 97.24 against 97.04 for the threshold rule with tau=32 and 97.55 for exact
+   per-step thresholds (dense 98.75): the per-step threshold below is the default.
+   ``th_global`` keeps the last k-th largest |sum| (the header count of the next step is taken
+   at it: the region balance weights and the stats). ``exact_thresholds`` always uses the
+   threshold rule:
+   **Global threshold** ``th_global``: every ``tau`` steps (default: every step; the paper's
+   tau=32 recomputes at steps 0, 1, 2, 4, … < tau and then every tau steps) the owners'
+   level-0 histograms of their reduced regions are summed by one [HIST_BINS] allreduce, then
+   level 1 the same way: the k-th largest |sum| to 2^-14 relative resolution, identical on
+   every rank, with no gathering of nonzeros (or the top-m exchange below when it is cheaper).
+   In between it is nudged by the count ``global_feedback`` names (default: the count at
+   th_global, known to every rank from the gathered headers: no extra message; ``gathered``:
+   |I|) outside ``global_band``·k (default [0.75, 1.25]); ``global_target`` (default 1)
+   scales the k of the recalibration. Why every step: with tau=32 the count of sums above
+   th_global swung between consecutive steps far outside the band (11 to 281 for k=85 at
+   density 0.1%, 72 to 2,940 for k=851 at 1%), so |I| averaged 0.80k–0.90k and fell below
+   0.75k on 33–48% of the steps, while 17–32% of the reduced sums above the threshold did not
+   fit the slots; recomputed every step, |I| = 84.9 of 85 on average. On the digits CNN at
+   0.1% (momentum correction, P=4, seeds 0–4) that raised Ok-Topk from 97.24 to 97.59 (dense
+   98.80). The price is the exchange on every step: (P−1)·m words with the top-m exchange
+   (+0.9 kB per step at k=85, P=4), or two fixed [2048]-bin allreduces (24.6 kB at P=4 in
+   int32, under 33 kB at any P), small beside 6k(P−1)/P words once k/P is in the thousands.
 5. **Owner selection** (threshold mode; in gathered mode the slot threshold is the region's
    cap_g-th largest |sum| alone) with ``region_select`` (ascending indices, values × 1/P) into the owner's
    fixed-capacity gather slot ``[count at th_global, max count received, cap_g indices, cap_g
@@ -73,19 +81,20 @@ boolean-mask indexing in a steady-state step):
    (default: every step) from the global set I just gathered (identical on every rank, so
    identical boundaries, no communication): boundary q sits at the q/P quantile of the global
    count, each gathered entry of region j weighted by count_j / |I_j| (an overfull slot holds
-   fewer entries than reached th_global). With ``region_period < tau`` the region length is
+   fewer entries than reached th_global). With ``region_period < capacity_period`` the region length is
    bounded statically by n (no host read); otherwise the largest length is read at each
    revision. Revising every step cut the reduce overflow from ~100 to ~25 entries/step (k=851)
    on the digits CNN, whose hot spots move from step to step.
-   **Capacities** start at ``slack · k/P`` and are adapted every ``tau`` steps from the largest counts observed in the window (message headers, gathered, so identical on
+   **Capacities** start at ``slack · k/P`` and are adapted every ``capacity_period`` (32) steps
+   from the largest counts observed in the window (message headers, gathered, so identical on
    every rank), clamped to the volume budget. That adaptation (and the largest region length,
    the static grid bound of ``region_select``) is the only host read: one small ``tolist()`` per
-   ``tau`` steps (and at step 0).
+   ``capacity_period`` steps (and at step 0).
 
 Volume per rank and step: the reduce sends (P−1) rows of 2+2·cap_r words, the allgather (P−1)
 slots of 2+2·cap_g words. With ``volume_budget=6`` (the paper's bound, 6k(P−1)/P words) the
 capacities satisfy ``cap_r + cap_g <= 3k/P``, so a step sends at most 6k(P−1)/P words + 4(P−1)
-header words, plus on global-threshold recalibration steps the threshold exchange: either two
+header words, plus on global-threshold recalibration steps (every step by default) the threshold exchange: either two
 [HIST_BINS] histogram allreduces (fixed size, independent of n) or, when cheaper (small k/P), an
 allgather of every owner's top-m |sums|, m = min(k, 2·cap_g) ((P−1)·m words: the k-th largest of that union
 is the exact threshold unless an owner holds more than m of the top k; then it is lower and the
@@ -130,12 +139,13 @@ def _smallest_positive(x: torch.Tensor) -> torch.Tensor:
 class OkTopk(Algorithm):
     name = "oktopk"
     OPTIONS = {
-        "tau": 32,                 # global threshold recompute period (steps)
+        "tau": 1,                  # global threshold recompute period (steps; the paper's: 32)
         "tau_prime": 1,            # local threshold recompute period (steps)
         "region_period": 1,        # region boundaries revision period (steps)
         "capacity_slack": (1.25, 1.5),  # (reduce rows, gather slots) or one float for both
         "volume_budget": 6.0,      # words per rank ≤ budget·k(P−1)/P + headers; None: no clamp
-        "adapt_capacity": True,    # adapt capacities every tau steps (one host read)
+        "adapt_capacity": True,    # adapt capacities every capacity_period steps (one host read)
+        "capacity_period": 32,     # capacity adaptation period (steps): the only host read
         "nudge": 1.02,             # count-feedback factor for both thresholds (minimum step)
         "adaptive_nudge": True,    # grow the nudge while the count stays off, halve on a flip
         "max_nudge": 2.0,          # largest adaptive factor per step
@@ -156,7 +166,7 @@ class OkTopk(Algorithm):
     def __init__(self, numel: int, comm, density: float = 0.01, **kw: Any) -> None:
         super().__init__(numel, comm, density, **kw)
         o = self.opts
-        for key in ("tau", "tau_prime", "region_period", "bucket_size"):
+        for key in ("tau", "tau_prime", "region_period", "capacity_period", "bucket_size"):
             if not isinstance(o[key], int) or o[key] < 1:
                 raise ValueError(f"oktopk: {key} must be a positive int, got {o[key]!r}")
         slack = o["capacity_slack"]
@@ -178,7 +188,7 @@ class OkTopk(Algorithm):
         # regions revised more often than capacities (the default: every step) are bounded
         # only by n, a static grid bound that needs no host read; otherwise the largest region
         # length is read at each revision (one small host read per region_period steps)
-        self._static_len = o["region_period"] < o["tau"]
+        self._static_len = o["region_period"] < o["capacity_period"]
         self.max_len = n if self._static_len else max(n * (j + 1) // P - n * j // P
                                                       for j in range(P))
         kp = self.k / P
@@ -415,7 +425,8 @@ class OkTopk(Algorithm):
             if nonfinite is not None:
                 keep = keep | (nonfinite > 0)
             self.region_offsets = torch.where(keep, offs, new)
-        adapt = bool(o["adapt_capacity"]) and t % o["tau"] == o["tau"] - 1
+        cp = o["capacity_period"]
+        adapt = bool(o["adapt_capacity"]) and t % cp == cp - 1
 
         self.stats.update(
             local_selected=local_count, sent=sent, reduce_overflow=local_count - sent,
@@ -423,7 +434,7 @@ class OkTopk(Algorithm):
             gather_overflow=gat_ovf, overflow=(local_count - sent) + gat_ovf,
             th_local=th_l, th_global=th_g, cap_r=cr, cap_g=cg, calibrated=cal_global)
 
-        # the only host reads: once at the first calibration, then once per tau steps
+        # the only host reads: once at the first calibration, then once per capacity_period steps
         if first:
             self._calibrated = nonfinite is None or int(nonfinite.item()) == 0
         if (revise_regions and not self._static_len) or adapt:
