@@ -334,8 +334,8 @@ class _HostRead(AssertionError):
     pass
 
 
-def _no_host_read_body(comm, name, n):
-    a = get_algorithm(name)(n, comm, 0.02)
+def _no_host_read_body(comm, name, n, **options):
+    a = get_algorithm(name)(n, comm, 0.02, **options)
     grad = student_t(seed=3)
     a(grad(comm.rank, 0, n))
     comm.barrier()
@@ -354,7 +354,7 @@ def _no_host_read_body(comm, name, n):
             setattr(torch.Tensor, attr, forbid(attr))
     comm.barrier()
     try:
-        for t in range(1, 3):
+        for t in range(1, 4):
             a(grad(comm.rank, t, n))
     finally:
         try:
@@ -365,8 +365,13 @@ def _no_host_read_body(comm, name, n):
     return True
 
 
-@pytest.mark.parametrize("name", ["topka", "gtopk", "gaussiank"])
-def test_no_host_read_in_steady_step(name):
-    # LocalCluster's primitives read no tensor values either, so the whole step is covered
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+@pytest.mark.parametrize("name", ["topka", "gtopk", "gaussiank", "oktopk", "spardl"])
+def test_no_host_read_in_steady_step(name, momentum):
+    # LocalCluster's primitives read no tensor values either, so the whole step is covered.
+    # Ok-Topk: steps 1-3 recompute both thresholds and revise the regions (its defaults) and
+    # read nothing; its one host read is the capacity adaptation every capacity_period steps.
+    # momentum=0.9 adds the velocity update and its masking.
     for P in (1, 3, 4):
-        assert LocalCluster(P).run(_no_host_read_body, name, 3000) == [True] * P
+        assert LocalCluster(P).run(_no_host_read_body, name, 3000,
+                                   momentum=momentum) == [True] * P

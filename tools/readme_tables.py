@@ -75,7 +75,35 @@ def kernels_table(path: str) -> str:
     return "```\n" + json.dumps({k: d[k] for k in list(d)[:6]}, indent=1)[:2000] + "\n```\n"
 
 
+def goal_table(pairs) -> str:
+    """Ok-Topk against dense over the 10-seed files: one row per (density, file, label)."""
+    rows = ["| density | momentum | seeds | dense % | Ok-Topk % | gap (points) | goal | "
+            "Ok-Topk bytes/rank/step | file |", "|---|---|---|---|---|---|---|---|---|"]
+    for dens, name, label, goal in pairs:
+        d = _load(name)
+        if d is None:
+            rows.append(f"| {dens} | {label} | (no {name}) | | | | | | |")
+            continue
+        by = {s["algorithm"]: s for s in d["summary"] if s.get("status") == "ok"}
+        if "dense" not in by or "oktopk" not in by:
+            continue
+        de, ok = by["dense"], by["oktopk"]
+        gap = 100 * (ok["final_test_acc"] - de["final_test_acc"])
+        met = "met" if gap >= -goal else "missed"
+        rows.append(f"| {dens} | {label} | {len(d['config']['seeds'])} | "
+                    f"{100 * de['final_test_acc']:.2f} ± {100 * de['final_test_acc_std']:.2f} | "
+                    f"{100 * ok['final_test_acc']:.2f} ± {100 * ok['final_test_acc_std']:.2f} | "
+                    f"{gap:+.2f} | −{goal} ({met}) | {ok['bytes_per_step'] / 1e3:.1f} kB | "
+                    f"`{name}` |")
+    return "\n".join(rows) + "\n"
+
+
 def main() -> int:
+    print(goal_table([
+        ("1%", "train-digits-d0.01-seeds10-nomc.json", "optimizer, tau=32 (before)", 0.5),
+        ("1%", "train-digits-d0.01-seeds10.json", "corrected + masked, tau=1", 0.5),
+        ("0.1%", "train-digits-d0.001-seeds10-nomc.json", "optimizer, tau=32 (before)", 1.5),
+        ("0.1%", "train-digits-d0.001-seeds10.json", "corrected + masked, tau=1", 1.5)]))
     for name in ("train-digits-d0.01.json", "train-digits-d0.001.json", "train-digits-demo.json"):
         print(train_table(name))
     for p in sorted(glob.glob(os.path.join(RES, "collectives-*.json"))):
