@@ -109,6 +109,16 @@ def test_warmup_steps_are_dense_then_sparse(name):
         LocalCluster(1).run(lambda comm: require(name)(N, comm, DENSITY, warmup_steps=-1))
 
 
+def _velocity_recorder():
+    """``(seen, on_step)``: ``seen[rank, t]`` = (residual, velocity) after step t."""
+    seen = {}
+
+    def record(comm, alg, t, out):
+        seen[comm.rank, t] = (alg.residual.clone(), alg.velocity.clone())
+
+    return seen, record
+
+
 @pytest.mark.parametrize("masking", [None, False, True])
 @pytest.mark.parametrize("name", ALL)
 def test_momentum_correction(name, masking):
@@ -121,11 +131,7 @@ def test_momentum_correction(name, masking):
     require(name)
     P, m, steps = 3, 0.9, 8
     gf = mixed(seed=5)
-    seen = {}
-
-    def record(comm, alg, t, out):
-        seen[comm.rank, t] = (alg.residual.clone(), alg.velocity.clone())
-
+    seen, record = _velocity_recorder()
     res = run_steps(name, P, N, steps, DENSITY, gf, momentum=m, momentum_masking=masking,
                     nonfinite={4: 1}, on_step=record)
     assert res.algs[0].momentum_masking == (masking if masking is not None else name != "dense")
@@ -165,11 +171,7 @@ def test_momentum_not_masked_in_dense_warmup(name):
     require(name)
     P, m, warm = 2, 0.9, 3
     gf = mixed(seed=8)
-    seen = {}
-
-    def record(comm, alg, t, out):
-        seen[comm.rank, t] = (alg.residual.clone(), alg.velocity.clone())
-
+    seen, record = _velocity_recorder()
     res = run_steps(name, P, N, warm + 1, DENSITY, gf, momentum=m, warmup_steps=warm,
                     on_step=record)
     assert_conservation(res)
