@@ -2,13 +2,18 @@
 
 Every public function takes ``backend="auto" | "triton" | "torch"`` (docs/CONTRACTS.md §1).
 """
-from ._dispatch import BACKENDS, INTERPRET, choose
+from ._dispatch import BACKENDS, INTERPRET, choose, counters
+from .dense import dense_zeros, fill_if, nonfinite_flag
 from .histogram import (HIST_BINS, abs_histogram, abs_histogram_regions, bin_threshold,
                         bin_thresholds, exact_threshold, histogram_threshold, kth_bin, kth_bins)
 from .region import clear_sent, region_select
-from .scatter import scatter_add
-from .selection import Selection, empty_selection, fused_select
+from .scatter import scatter_add, scatter_rows
+from .selection import (SELECT_HIST_BINS, SELECT_HIST_SHIFT, Selection, empty_selection,
+                        fused_select, select_hist_edges)
+from .threshold import magnitude_threshold, window_pass
 
 __all__ = ["Selection", "fused_select", "empty_selection", "HIST_BINS", "abs_histogram",
            "kth_bin", "bin_threshold", "abs_histogram_regions", "kth_bins", "bin_thresholds", "histogram_threshold", "exact_threshold", "scatter_add",
-           "region_select", "clear_sent", "BACKENDS", "INTERPRET", "choose"]
+           "region_select", "clear_sent", "BACKENDS", "INTERPRET", "choose", "counters",
+           "scatter_rows", "SELECT_HIST_BINS", "SELECT_HIST_SHIFT", "select_hist_edges",
+           "magnitude_threshold", "window_pass", "nonfinite_flag", "dense_zeros", "fill_if"]

@@ -18,49 +18,63 @@ import traceback
 
 
 def variants():
-    from . import histogram, region, scatter, selection
-    sel_sig = {"grad_ptr": "*fp32", "residual_ptr": "*fp32", "threshold_ptr": "*fp32",
-               "region_offsets_ptr": "*i64", "indices_ptr": "*i32", "values_ptr": "*fp32",
-               "counts_ptr": "*i32", "nonfinite_ptr": "*i32", "skip_ptr": "*i32",
-               "n": "i64", "P": "i32", "capacity": "i32", "idx_row_stride": "i32",
-               "val_row_stride": "i32", "counts_stride": "i32", "nonfinite_stride": "i32",
-               "HAS_SKIP": "constexpr", "THR_PER_REGION": "constexpr", "SEARCH_STEPS": "constexpr",
-               "BLOCK": "constexpr"}
-    ptr16 = list(range(9)) + [9]          # pointers and n divisible by 16 (as the JIT specialises)
+    """(name, kernel, signature, constexprs, divisible-by-16 args, num_warps) per variant."""
+    from . import dense, histogram, region, scatter, selection, threshold
+    sel_sig = {"grad_ptr": "*fp32", "residual_ptr": "*fp32", "velocity_ptr": "*fp32",
+               "threshold_ptr": "*fp32", "region_offsets_ptr": "*i64", "indices_ptr": "*i32",
+               "values_ptr": "*fp32", "counts_ptr": "*i32", "nonfinite_ptr": "*i32",
+               "hist_ptr": "*i32", "skip_ptr": "*i32",
+               "n": "i64", "P": "i32", "capacity": "i32", "momentum": "fp32",
+               "idx_row_stride": "i32", "val_row_stride": "i32", "counts_stride": "i32",
+               "nonfinite_stride": "i32",
+               "HAS_SKIP": "constexpr", "HAS_VELOCITY": "constexpr", "MASK_VELOCITY": "constexpr",
+               "HAS_HIST": "constexpr", "THR_PER_REGION": "constexpr", "HIST_BINS": "constexpr",
+               "HIST_SHIFT": "constexpr", "SEARCH_STEPS": "constexpr", "BLOCK": "constexpr"}
+    sel_const = {"HIST_BINS": selection.SELECT_HIST_BINS, "HIST_SHIFT": selection.SELECT_HIST_SHIFT,
+                 "SEARCH_STEPS": 4, "BLOCK": 2048}
+    ptr16 = list(range(11)) + [11]        # pointers and n divisible by 16 (as the JIT specialises)
     for gd in ("*fp32", "*bf16", "*fp16"):
-        for skip in (False, True):
-            for per_region in (False, True):
-                yield (f"fused_select grad={gd[1:]} skip={skip} thr_per_region={per_region}",
-                       selection._fused_select_kernel, {**sel_sig, "grad_ptr": gd},
-                       {"HAS_SKIP": skip, "THR_PER_REGION": per_region, "SEARCH_STEPS": 4,
-                        "BLOCK": 2048}, ptr16, 8)
+        for skip, vel, hist, per_region in ((False, False, False, False), (True, False, False, True),
+                                            (False, True, True, True), (True, True, False, False),
+                                            (False, False, True, True)):
+            yield (f"fused_select grad={gd[1:]} skip={skip} velocity={vel} hist={hist} "
+                   f"thr_per_region={per_region}", selection._fused_select_kernel,
+                   {**sel_sig, "grad_ptr": gd},
+                   {**sel_const, "HAS_SKIP": skip, "HAS_VELOCITY": vel, "MASK_VELOCITY": vel,
+                    "HAS_HIST": hist, "THR_PER_REGION": per_region}, ptr16, 4)
     # n == 1 specialised to a constexpr
     yield ("fused_select n=1", selection._fused_select_kernel, {**sel_sig, "n": "constexpr"},
-           {"n": 1, "HAS_SKIP": False, "THR_PER_REGION": False, "SEARCH_STEPS": 1, "BLOCK": 2048},
-           list(range(9)), 8)
+           {**sel_const, "n": 1, "HAS_SKIP": False, "HAS_VELOCITY": False, "MASK_VELOCITY": False,
+            "HAS_HIST": False, "THR_PER_REGION": False, "SEARCH_STEPS": 1},
+           list(range(11)), 4)
     hsig = {"x_ptr": "*fp32", "hist_ptr": "*i64", "prefix_ptr": "*i64", "start_ptr": "*i64",
-            "end_ptr": "*i64", "start_int": "i32", "end_int": "i64", "LEVEL": "constexpr",
+            "end_ptr": "*i64", "skip_ptr": "*i32", "start_int": "i32", "end_int": "i64",
+            "blocks_per_program": "i32", "HAS_SKIP": "constexpr", "LEVEL": "constexpr",
             "START_IS_PTR": "constexpr", "END_IS_PTR": "constexpr", "HIST_BINS": "constexpr",
-            "blocks_per_program": "i32", "SHIFT": "constexpr", "BLOCK": "constexpr"}
+            "SHIFT": "constexpr", "BLOCK": "constexpr"}
+    hconst = {"HIST_BINS": histogram.HIST_BINS, "BLOCK": 1024}
     for lvl in (0, 1):
         for x in ("*fp32", "*bf16"):
             yield (f"abs_histogram level={lvl} x={x[1:]}", histogram._abs_histogram_kernel,
                    {**hsig, "x_ptr": x, "start_int": "constexpr"},
-                   {"start_int": 0, "LEVEL": lvl, "START_IS_PTR": False, "END_IS_PTR": False,
-                    "HIST_BINS": histogram.HIST_BINS, "SHIFT": 20 if lvl == 0 else 9,
-                    "BLOCK": 1024}, [0, 1, 2, 3, 4, 6], 8)
+                   {**hconst, "start_int": 0, "HAS_SKIP": lvl == 1, "LEVEL": lvl,
+                    "START_IS_PTR": False, "END_IS_PTR": False, "SHIFT": 20 if lvl == 0 else 9},
+                   [0, 1, 2, 3, 4, 5, 7], 8)
     yield ("abs_histogram device range", histogram._abs_histogram_kernel, hsig,
-           {"LEVEL": 1, "START_IS_PTR": True, "END_IS_PTR": True, "HIST_BINS": histogram.HIST_BINS,
-            "SHIFT": 9, "BLOCK": 1024}, [0, 1, 2, 3, 4], 8)
-    yield ("abs_histogram start=1", histogram._abs_histogram_kernel, {**hsig, "start_int": "constexpr"},
-           {"start_int": 1, "LEVEL": 0, "START_IS_PTR": False, "END_IS_PTR": False,
-            "HIST_BINS": histogram.HIST_BINS, "SHIFT": 20, "BLOCK": 1024},
-           [0, 1], 8)
+           {**hconst, "HAS_SKIP": True, "LEVEL": 1, "START_IS_PTR": True, "END_IS_PTR": True,
+            "SHIFT": 9}, [0, 1, 2, 3, 4, 5], 8)
     for base_ptr in (False, True):
         yield (f"scatter_add base_ptr={base_ptr}", scatter._scatter_add_kernel,
                {"dense_ptr": "*fp32", "indices_ptr": "*i32", "values_ptr": "*fp32", "count_ptr": "*i32",
                 "base_ptr": "*i64", "base_int": "i64", "capacity": "i32", "BASE_IS_PTR": "constexpr",
                 "BLOCK": "constexpr"}, {"BASE_IS_PTR": base_ptr, "BLOCK": 1024}, [0, 1, 2, 3, 4], 4)
+    for add in (False, True):
+        yield (f"scatter_rows add={add}", scatter._scatter_rows_kernel,
+               {"dense_ptr": "*fp32", "indices_ptr": "*i32", "values_ptr": "*fp32",
+                "counts_ptr": "*i32", "row_base_ptr": "*i64", "capacity": "i32",
+                "idx_row_stride": "i32", "val_row_stride": "i32", "counts_stride": "i32",
+                "row_base_stride": "i32", "ADD": "constexpr", "BLOCK": "constexpr"},
+               {"ADD": add, "BLOCK": 1024}, [0, 1, 2, 3, 4], 4)
     rsig = {"dense_ptr": "*fp32", "threshold_ptr": "*fp32", "start_ptr": "*i64", "end_ptr": "*i64",
             "start_int": "i32", "end_int": "i32"}
     for sp in (False, True):
@@ -75,13 +89,28 @@ def variants():
                 "BLOCK": "constexpr"},
                {"START_IS_PTR": sp, "END_IS_PTR": not sp, "SCALE_IS_PTR": sp, "BLOCK": 1024},
                [0, 1, 2, 3, 6, 7, 8, 9], 4)
-    yield ("clear_sent", region._clear_sent_kernel,
-           {"residual_ptr": "*fp32", "sent_indices_ptr": "*i32", "sent_counts_ptr": "*i32",
-            "region_offsets_ptr": "*i64", "global_indices_ptr": "*i32", "global_counts_ptr": "*i32",
-            "cap_sent": "i32", "cap_global": "i32", "sent_row_stride": "i32",
-            "sent_counts_stride": "i32", "global_row_stride": "i32", "global_counts_stride": "i32",
-            "SEARCH_STEPS": "constexpr", "BLOCK": "constexpr"},
-           {"SEARCH_STEPS": 7, "BLOCK": 1024}, [0, 1, 2, 3, 4, 5], 4)
+    for vel in (False, True):
+        yield (f"clear_sent velocity={vel}", region._clear_sent_kernel,
+               {"residual_ptr": "*fp32", "velocity_ptr": "*fp32", "sent_indices_ptr": "*i32",
+                "sent_counts_ptr": "*i32", "region_offsets_ptr": "*i64",
+                "global_indices_ptr": "*i32", "global_counts_ptr": "*i32",
+                "cap_sent": "i32", "cap_global": "i32", "sent_row_stride": "i32",
+                "sent_counts_stride": "i32", "global_row_stride": "i32",
+                "global_counts_stride": "i32", "SEARCH_STEPS": "constexpr",
+                "HAS_VELOCITY": "constexpr", "BLOCK": "constexpr"},
+               {"SEARCH_STEPS": 7, "HAS_VELOCITY": vel, "BLOCK": 1024}, [0, 1, 2, 3, 4, 5, 6], 4)
+    for x in ("*fp32", "*bf16", "*fp16"):
+        for ranged in (False, True):
+            yield (f"window_pass x={x[1:]} range_ptr={ranged}", threshold._window_pass_kernel,
+                   {"x_ptr": x, "bounds_ptr": "*fp32", "start_ptr": "*i64", "end_ptr": "*i64",
+                    "cand_ptr": "*fp32", "seg_count_ptr": "*i32", "stats_ptr": "*i32",
+                    "start_int": "i64", "end_int": "i64", "seg_cap": "i32",
+                    "RANGE_IS_PTR": "constexpr", "NSEG": "constexpr", "BLOCK": "constexpr"},
+                   {"RANGE_IS_PTR": ranged, "NSEG": 32, "BLOCK": 4096},
+                   [0, 1, 2, 3, 4, 5, 6], 8)
+    yield ("fill_if", dense._fill_if_kernel,
+           {"out_ptr": "*fp32", "flag_ptr": "*i32", "value": "fp32", "n": "i64",
+            "BLOCK": "constexpr"}, {"BLOCK": 1024}, [0, 1, 3], 4)
 
 
 def main(argv=None) -> int:

@@ -5,10 +5,11 @@
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
-from typing import Union
+from typing import Dict, Union
 
 import torch
 
@@ -80,3 +81,45 @@ def next_pow2(x: int) -> int:
 def ceil_log2(x: int) -> int:
     """Iterations of a binary search over ``x`` candidates (>= 1)."""
     return max(1, (max(int(x), 1)).bit_length())
+
+
+# ----------------------------------------------------------------------------------------------
+# Step accounting: every public kernel function records the launches it makes and the bytes it
+# moves through device memory by its formula (reads + writes of the big operands; the tiny
+# bookkeeping tensors are not counted).  Per thread, because the ranks of a LocalCluster are
+# threads.  ``inside_kernel()`` marks the torch-reference body of a kernel, so a test that
+# watches the aten ops of a step can tell kernel work from glue.
+# ----------------------------------------------------------------------------------------------
+_STATE = threading.local()
+
+
+def _counters() -> Dict[str, int]:
+    c = getattr(_STATE, "counters", None)
+    if c is None:
+        c = _STATE.counters = {"launches": 0, "bytes": 0}
+    return c
+
+
+def record(launches: int = 1, bytes: int = 0) -> None:   # noqa: A002 - the natural name
+    """Count ``launches`` device launches and ``bytes`` of device-memory traffic (formula)."""
+    c = _counters()
+    c["launches"] += int(launches)
+    c["bytes"] += int(bytes)
+
+
+def counters() -> Dict[str, int]:
+    """A snapshot of this thread's totals: ``{"launches", "bytes"}``."""
+    return dict(_counters())
+
+
+def in_kernel() -> bool:
+    return getattr(_STATE, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def inside_kernel():
+    _STATE.depth = getattr(_STATE, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _STATE.depth -= 1

@@ -45,8 +45,10 @@ if HAS_TRITON:
         prefix_ptr,     # *int64 []           level-0 bin to refine (if LEVEL == 1)
         start_ptr,      # *int64 []           first index (if START_IS_PTR)
         end_ptr,        # *int64 []           one past the last index (if END_IS_PTR)
+        skip_ptr,       # *int32 []           when nonzero count nothing (if HAS_SKIP)
         start_int, end_int,                  # the same as Python ints otherwise
         blocks_per_program,                  # runtime loop count: the grid stays ~MAX_PROGRAMS
+        HAS_SKIP: tl.constexpr,
         LEVEL: tl.constexpr,
         START_IS_PTR: tl.constexpr, END_IS_PTR: tl.constexpr,
         HIST_BINS: tl.constexpr, SHIFT: tl.constexpr,
@@ -66,7 +68,10 @@ if HAS_TRITON:
             prefix = tl.load(prefix_ptr).to(tl.int32)
         hist = tl.zeros((HIST_BINS,), dtype=tl.int32)
         base = start + pid * blocks_per_program * BLOCK
-        for b in range(0, blocks_per_program):
+        n_blocks = blocks_per_program
+        if HAS_SKIP:
+            n_blocks = tl.where(tl.load(skip_ptr) != 0, 0, blocks_per_program)
+        for b in range(0, n_blocks):
             offs = base + b * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
             in_range = offs < end
             x = tl.load(x_ptr + offs, mask=in_range, other=0.0).to(tl.float32)
@@ -83,7 +88,7 @@ if HAS_TRITON:
     MAX_PROGRAMS = 1024   # programs of a histogram launch: ~8 per SM on H100/H200
 
     @_dispatch.serialized_when_interpreted
-    def _abs_histogram_triton(x, prefix, start, end, out, block=1024):
+    def _abs_histogram_triton(x, prefix, start, end, out, skip=None, block=1024):
         n = x.numel()
         start_is_ptr = isinstance(start, Tensor)
         end_is_ptr = isinstance(end, Tensor)
@@ -107,7 +112,9 @@ if HAS_TRITON:
             x, out,
             prefix if prefix is not None else dummy,
             start if start_is_ptr else dummy, end if end_is_ptr else dummy,
+            skip if skip is not None else dummy,
             s_int, e_int, blocks_per_program,
+            HAS_SKIP=skip is not None,
             LEVEL=0 if prefix is None else 1,
             START_IS_PTR=start_is_ptr, END_IS_PTR=end_is_ptr,
             HIST_BINS=HIST_BINS, SHIFT=LEVEL0_SHIFT if prefix is None else LEVEL1_SHIFT,
@@ -126,10 +133,12 @@ def _range_mask(n: int, start: IntOrTensor, end: IntOrTensor, device) -> Tensor:
     return (pos >= s) & (pos < e)
 
 
-def _abs_histogram_torch(x, prefix, start, end, out):
+def _abs_histogram_torch(x, prefix, start, end, out, skip=None):
     n = x.numel()
     bits = x.reshape(-1).to(torch.float32).view(torch.int32) & _ABS_MASK
     valid = (bits != 0) & (bits < _INF_BITS)
+    if skip is not None:
+        valid &= skip.reshape(()) == 0
     if start is not None or end is not None:
         valid &= _range_mask(n, start, end, x.device)
     if prefix is None:
@@ -151,12 +160,13 @@ def _abs_histogram_torch(x, prefix, start, end, out):
 # ----------------------------------------------------------------------------------------------
 def abs_histogram(x: Tensor, *, prefix: Optional[Tensor] = None, start: IntOrTensor = None,
                   end: IntOrTensor = None, out: Optional[Tensor] = None,
-                  backend: str = "auto") -> Tensor:
+                  skip: Optional[Tensor] = None, backend: str = "auto") -> Tensor:
     """int64 [HIST_BINS] histogram of |x| (nonzero, finite) over fp32 bit-pattern bins.
 
     Level 0 (``prefix`` None) bins by bits 30..20 of |x|; level 1 bins the elements of level-0
     bin ``prefix`` (0-dim int64 tensor) by bits 19..9.  ``start``/``end`` restrict to
-    ``x[start:end]`` (ints or 0-dim int64 tensors).  ``out`` is overwritten.
+    ``x[start:end]`` (ints or 0-dim int64 tensors).  ``out`` is overwritten.  ``skip`` (0-dim
+    int32 device tensor): when nonzero the histogram is all zeros and (Triton) no element is read.
     """
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"x must be fp32/bf16/fp16, got {x.dtype}")
@@ -173,9 +183,13 @@ def abs_histogram(x: Tensor, *, prefix: Optional[Tensor] = None, start: IntOrTen
         start = start.reshape(()).to(torch.int64)
     if isinstance(end, Tensor):
         end = end.reshape(()).to(torch.int64)
+    if skip is not None:
+        skip = skip.reshape(()).to(torch.int32)
+    _dispatch.record(launches=2, bytes=x.element_size() * x.numel())
     if _dispatch.choose(backend, x.device) == "triton":
-        return _abs_histogram_triton(x, prefix, start, end, out)
-    return _abs_histogram_torch(x, prefix, start, end, out)
+        return _abs_histogram_triton(x, prefix, start, end, out, skip)
+    with _dispatch.inside_kernel():
+        return _abs_histogram_torch(x, prefix, start, end, out, skip)
 
 
 def abs_histogram_regions(x: Tensor, region_offsets: Tensor, *, prefix: Optional[Tensor] = None,
@@ -272,7 +286,7 @@ def bin_threshold(bin0: Tensor, bin1: Optional[Tensor] = None) -> Tensor:
 
 
 def histogram_threshold(x: Tensor, k, *, start: IntOrTensor = None, end: IntOrTensor = None,
-                        backend: str = "auto") -> Tensor:
+                        skip: Optional[Tensor] = None, backend: str = "auto") -> Tensor:
     """fp32 0-dim threshold t with ``count(|x| >= t, x != 0)`` close to ``k``.
 
     Level 0 -> kth_bin -> level 1 in that bin -> kth_bin(k - above) -> bin_threshold.  t is the
@@ -281,9 +295,9 @@ def histogram_threshold(x: Tensor, k, *, start: IntOrTensor = None, end: IntOrTe
     2^-14; tested in tests/test_kernels.py).  With fewer than k nonzero finite entries t = 0,
     which selects every nonzero.
     """
-    h0 = abs_histogram(x, start=start, end=end, backend=backend)
+    h0 = abs_histogram(x, start=start, end=end, skip=skip, backend=backend)
     b0, above0 = kth_bin(h0, k)
-    h1 = abs_histogram(x, prefix=b0, start=start, end=end, backend=backend)
+    h1 = abs_histogram(x, prefix=b0, start=start, end=end, skip=skip, backend=backend)
     k1 = (k - above0) if isinstance(k, Tensor) else (int(k) - above0)
     b1, _ = kth_bin(h1, k1)
     return bin_threshold(b0, b1)

@@ -127,6 +127,7 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["cap_sent", "cap_global"])
     def _clear_sent_kernel(
         residual_ptr,        # *fp32 [n]              updated: zeroed at sent ∩ global
+        velocity_ptr,        # *fp32 [n]              zeroed there too (if HAS_VELOCITY)
         sent_indices_ptr,    # *int32 [P, cap_sent]   relative indices this rank sent to region j
         sent_counts_ptr,     # *int32 [P]             true counts of the sent rows
         region_offsets_ptr,  # *int64 [P+1]           region boundaries
@@ -135,6 +136,7 @@ if HAS_TRITON:
         cap_sent, cap_global,
         sent_row_stride, sent_counts_stride, global_row_stride, global_counts_stride,
         SEARCH_STEPS: tl.constexpr,   # ceil(log2(cap_global + 1))
+        HAS_VELOCITY: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         j = tl.program_id(0).to(tl.int64)            # region
@@ -160,21 +162,25 @@ if HAS_TRITON:
         base = tl.load(region_offsets_ptr + j)
         tl.store(residual_ptr + base + target.to(tl.int64), tl.zeros((BLOCK,), tl.float32),
                  mask=found)
+        if HAS_VELOCITY:
+            tl.store(velocity_ptr + base + target.to(tl.int64), tl.zeros((BLOCK,), tl.float32),
+                     mask=found)
 
     @_dispatch.serialized_when_interpreted
     def _clear_sent_triton(residual, sent_indices, sent_counts, region_offsets,
-                           global_indices, global_counts, block=1024):
+                           global_indices, global_counts, velocity=None, block=1024):
         P, cap_sent = sent_indices.shape
         cap_global = global_indices.shape[1]
         if cap_sent == 0 or cap_global == 0 or P == 0:
             return
         grid = (P, triton.cdiv(cap_sent, block))
         _clear_sent_kernel[grid](
-            residual, sent_indices, sent_counts, region_offsets, global_indices, global_counts,
+            residual, velocity if velocity is not None else residual, sent_indices, sent_counts, region_offsets, global_indices, global_counts,
             cap_sent, cap_global,
             sent_indices.stride(0), sent_counts.stride(0), global_indices.stride(0),
             global_counts.stride(0),
-            SEARCH_STEPS=ceil_log2(cap_global + 1), BLOCK=block, num_warps=4)
+            SEARCH_STEPS=ceil_log2(cap_global + 1), HAS_VELOCITY=velocity is not None,
+            BLOCK=block, num_warps=4)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -206,7 +212,7 @@ def _region_select_torch(dense, start, end, threshold, capacity, max_len, scale,
 
 
 def _clear_sent_torch(residual, sent_indices, sent_counts, region_offsets, global_indices,
-                      global_counts):
+                      global_counts, velocity=None):
     P, cap_sent = sent_indices.shape
     cap_global = global_indices.shape[1]
     if cap_sent == 0 or cap_global == 0:
@@ -223,9 +229,13 @@ def _clear_sent_torch(residual, sent_indices, sent_counts, region_offsets, globa
     found = s_valid & (g.gather(1, pos) == t)
     tgt = torch.where(found, region_offsets[:P].reshape(P, 1).to(torch.int64) + t,
                       torch.full_like(t, n))
-    ext = torch.cat([residual, residual.new_zeros(1)])
-    ext.scatter_(0, tgt.reshape(-1), torch.zeros(tgt.numel(), dtype=residual.dtype, device=dev))
-    residual.copy_(ext[:n])
+    zeros = torch.zeros(tgt.numel(), dtype=residual.dtype, device=dev)
+    for buf in (residual, velocity):
+        if buf is None:
+            continue
+        ext = torch.cat([buf, buf.new_zeros(1)])
+        ext.scatter_(0, tgt.reshape(-1), zeros)
+        buf.copy_(ext[:n])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -269,29 +279,36 @@ def region_select(dense: Tensor, start: IntOrTensor, end: IntOrTensor, threshold
                torch.empty(capacity, dtype=torch.float32, device=dense.device),
                torch.empty((), dtype=torch.int32, device=dense.device))
     indices, values, count = out
+    _dispatch.record(launches=5, bytes=2 * dense.element_size() * max_len)
     if _dispatch.choose(backend, dense.device) == "triton":
         _region_select_triton(dense, start, end, threshold, capacity, max_len, scale,
                               indices, values, count)
     else:
-        _region_select_torch(dense, start, end, threshold, capacity, max_len, scale,
-                             indices, values, count)
+        with _dispatch.inside_kernel():
+            _region_select_torch(dense, start, end, threshold, capacity, max_len, scale,
+                                 indices, values, count)
     return indices, values, count
 
 
 def clear_sent(residual: Tensor, sent_indices: Tensor, sent_counts: Tensor, region_offsets: Tensor,
-               global_indices: Tensor, global_counts: Tensor, *, backend: str = "auto") -> None:
+               global_indices: Tensor, global_counts: Tensor, *,
+               velocity: Optional[Tensor] = None, backend: str = "auto") -> None:
     """Zero ``residual[region_offsets[j] + sent_indices[j, s]]`` for every valid sent entry that
     is among the first ``min(global_counts[j], capg)`` (ascending) entries of
-    ``global_indices[j]``."""
+    ``global_indices[j]``; ``velocity`` (optional, fp32 [n]) is zeroed at the same positions
+    (momentum factor masking of the delivered entries)."""
     if sent_indices.dim() != 2 or global_indices.dim() != 2:
         raise ValueError("sent_indices and global_indices must be [P, cap]")
     if sent_indices.shape[0] != global_indices.shape[0]:
         raise ValueError("sent and global rows differ")
     if region_offsets.dtype != torch.int64:
         raise TypeError("region_offsets must be int64")
+    v = velocity.view(-1) if velocity is not None else None
+    _dispatch.record(launches=1, bytes=8 * sent_indices.numel())
     if _dispatch.choose(backend, residual.device) == "triton":
         _clear_sent_triton(residual.view(-1), sent_indices, sent_counts, region_offsets.contiguous(),
-                           global_indices, global_counts)
+                           global_indices, global_counts, v)
     else:
-        _clear_sent_torch(residual.view(-1), sent_indices, sent_counts, region_offsets,
-                          global_indices, global_counts)
+        with _dispatch.inside_kernel():
+            _clear_sent_torch(residual.view(-1), sent_indices, sent_counts, region_offsets,
+                              global_indices, global_counts, v)

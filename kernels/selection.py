@@ -1,13 +1,22 @@
-"""fused_select: the hot kernel of a sparse-allreduce step.
+"""fused_select: the hot kernel of a sparse-allreduce step (select and count in one pass).
 
-Why it is shaped so: the step is memory bound, so one pass reads grad + residual, writes
-residual = acc, and compacts the few selected (index, value) pairs straight into the
-fixed-capacity slot of their destination region (no mask tensor, no nonzero, no second pass):
-~ (s_grad + 8) * n bytes plus the selected entries.  Compaction inside a block is a tl.cumsum of
-the selection mask; the slot base comes from one scalar atomic_add per (program, region) on the
-region's count, which therefore ends as the TRUE count.  A block of BLOCK elements usually lies
-inside one region; when it spans several the kernel walks them (a binary search finds the first,
-empty regions fall out of the walk), so any layout works, P = 1 included.
+Why it is shaped so: the step is memory bound, so one pass reads grad + residual (+ the velocity
+with momentum correction), writes residual = acc (and the velocity), and compacts the few selected
+(index, value) pairs straight into the fixed-capacity row of their destination region: no mask
+tensor, no nonzero, no second pass; (s_grad + 8) * n bytes (+ 8n with a velocity) plus the
+selected entries.  Compaction inside a block is a tl.cumsum of the selection mask; the slot base
+comes from one scalar atomic_add per (program, region) on the region's count, which therefore
+ends as the TRUE count.  A block usually lies inside one region; when it spans several the kernel
+walks them (a binary search finds the first), so any layout works, P = 1 included.
+
+Counting for the next step rides in the same pass (``hist``): per region, a histogram of |acc|
+in bins relative to the region's threshold (1/8 of a binade in fp32 bit space, 64 bins: from 1/16
+to 16 times the threshold, the two end bins open), so the caller can place next step's
+threshold at any count between those edges without a threshold pass.  Measured on an H100
+(GPU-MEASURED.md): a separate two-level 2048-bin histogram threshold cost 10x the selection
+itself (37.8 ms against 3.6 ms at n = 2^28); a 64-bin ``tl.histogram`` costs about 20 integer
+instructions per element, hidden under the loads.  See bench/NOTES-kernels.md for this kernel's
+measured bandwidth.
 """
 from __future__ import annotations
 
@@ -32,51 +41,77 @@ class Selection(NamedTuple):
     nonfinite: Tensor  # int32 [P]: 1 if any acc in the region is NaN/Inf
 
 
+SELECT_HIST_BINS = 64      # bins of the per-region count histogram of fused_select
+SELECT_HIST_SHIFT = 20     # bin width: 2^20 in fp32 bit space = 1/8 binade
+_ABS_MASK = 0x7FFFFFFF
+_INF_BITS = 0x7F800000
+
+
 # ----------------------------------------------------------------------------------------------
 # Triton kernel
 # ----------------------------------------------------------------------------------------------
 if HAS_TRITON:
 
-    @triton.jit(do_not_specialize=["P", "capacity"])   # n stays specialised (n % 16: vector loads)
+    @triton.jit(do_not_specialize=["P", "capacity", "momentum"])   # n stays specialised (n % 16)
     def _fused_select_kernel(
         grad_ptr,            # *fp32|bf16|fp16 [n]  gradient of this step
-        residual_ptr,        # *fp32 [n]            residual, overwritten with acc = residual + grad
+        residual_ptr,        # *fp32 [n]            residual, overwritten with acc
+        velocity_ptr,        # *fp32 [n]            velocity u := momentum*u + grad (if HAS_VELOCITY)
         threshold_ptr,       # *fp32 [] or [P]      selection threshold: one, or one per region
         region_offsets_ptr,  # *int64 [P+1]         region boundaries, [0]=0, [P]=n, non-decreasing
         indices_ptr,         # *int32 [P, capacity] out: relative index, row stride idx_row_stride
         values_ptr,          # *fp32  [P, capacity] out: acc value, row stride val_row_stride
         counts_ptr,          # *int32 [P]           out (zeroed by the launcher): true counts
         nonfinite_ptr,       # *int32 [P]           out (zeroed by the launcher): NaN/Inf flag
+        hist_ptr,            # *int32 [P, HIST_BINS] out, ADDED to: |acc| bins relative to the
+                             #                      region's threshold (if HAS_HIST)
         skip_ptr,            # *int32 []            when nonzero write nothing (if HAS_SKIP)
         n,                   # number of elements
         P,                   # number of regions
         capacity,            # slots per region row
+        momentum,            # fp32 momentum factor (if HAS_VELOCITY)
         idx_row_stride, val_row_stride, counts_stride, nonfinite_stride,
         HAS_SKIP: tl.constexpr,
+        HAS_VELOCITY: tl.constexpr,
+        MASK_VELOCITY: tl.constexpr,   # u := 0 where acc == 0 (momentum factor masking)
+        HAS_HIST: tl.constexpr,
         THR_PER_REGION: tl.constexpr,  # threshold_ptr holds P thresholds (region j: [j])
-        SEARCH_STEPS: tl.constexpr,  # ceil(log2(P + 1)): binary-search iterations for region
+        HIST_BINS: tl.constexpr,
+        HIST_SHIFT: tl.constexpr,
+        SEARCH_STEPS: tl.constexpr,    # ceil(log2(P + 1)): binary-search iterations for region
         BLOCK: tl.constexpr,
     ):
         pid = tl.program_id(0).to(tl.int64)
-        block_start = pid * BLOCK
-        offs = block_start + tl.arange(0, BLOCK).to(tl.int64)
-        in_range = offs < n
-        block_end = tl.minimum(block_start + BLOCK, n)
+        block_start = pid * BLOCK                 # int64 scalar; per-element math stays int32
+        lane = tl.arange(0, BLOCK)
+        n_here = tl.minimum(n - block_start, BLOCK).to(tl.int32)   # elements of this block
+        in_range = lane < n_here
 
         live = in_range      # in range and not skipped
         if HAS_SKIP:
             skip_vec = tl.zeros((BLOCK,), dtype=tl.int32) + tl.load(skip_ptr)
             live = in_range & (skip_vec == 0)
 
-        g = tl.load(grad_ptr + offs, mask=in_range, other=0.0).to(tl.float32)
-        r = tl.load(residual_ptr + offs, mask=in_range, other=0.0)
-        acc = r + g
-        tl.store(residual_ptr + offs, acc, mask=live)
+        g = tl.load(grad_ptr + block_start + lane, mask=in_range, other=0.0).to(tl.float32)
+        r = tl.load(residual_ptr + block_start + lane, mask=in_range, other=0.0)
+        if HAS_VELOCITY:
+            u = tl.load(velocity_ptr + block_start + lane, mask=in_range, other=0.0)
+            u = u * momentum + g           # two roundings (no FMA: enable_fp_fusion=False)
+            acc = r + u
+            if MASK_VELOCITY:
+                u = tl.where(acc == 0.0, 0.0, u)
+            tl.store(velocity_ptr + block_start + lane, u, mask=live)
+        else:
+            acc = r + g
+        tl.store(residual_ptr + block_start + lane, acc, mask=live)
 
         candidate = (acc != 0.0) & live
         if not THR_PER_REGION:
             thr = tl.load(threshold_ptr)
         bad = ((acc != acc) | (tl.abs(acc) == float("inf"))) & live
+        if HAS_HIST:
+            bits = acc.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+            counted = live & (bits != 0) & (bits < 0x7F800000)
 
         # region holding block_start: the largest p < P with region_offsets[p] <= block_start
         lo = P * 0          # int32 tensors (loop-carried)
@@ -89,10 +124,14 @@ if HAS_TRITON:
             hi = tl.where(shrink, mid, hi)
         region = lo.to(tl.int64)
         region_start = tl.load(region_offsets_ptr + region)
+        block_end = block_start + n_here
         # walk the regions that start before the block ends (usually exactly one)
         while region_start < block_end:
             region_end = tl.load(region_offsets_ptr + region + 1)
-            in_region = (offs >= region_start) & (offs < region_end)
+            # the region as lane bounds of this block (clamped: int32)
+            first = tl.maximum(region_start - block_start, 0).to(tl.int32)
+            last = tl.minimum(region_end - block_start, BLOCK).to(tl.int32)
+            in_region = (lane >= first) & (lane < last)
             if THR_PER_REGION:
                 thr = tl.load(threshold_ptr + region)
             take = candidate & (tl.abs(acc) >= thr) & in_region
@@ -103,17 +142,25 @@ if HAS_TRITON:
                                       sem="relaxed")
             slot = slot_base + tl.cumsum(take_i, axis=0) - 1
             write = take & (slot < capacity)
-            rel = (offs - region_start).to(tl.int32)
+            rel = lane + (block_start - region_start).to(tl.int32)   # index relative to region
             tl.store(indices_ptr + region * idx_row_stride + slot, rel, mask=write)
             tl.store(values_ptr + region * val_row_stride + slot, acc, mask=write)
             n_bad = tl.sum((bad & in_region).to(tl.int32), axis=0)
             tl.atomic_max(nonfinite_ptr + region * nonfinite_stride, 1, mask=n_bad > 0, sem="relaxed")
+            if HAS_HIST:
+                thr_bits = thr.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+                hbin = ((bits - thr_bits) >> HIST_SHIFT) + HIST_BINS // 2
+                hbin = tl.minimum(tl.maximum(hbin, 0), HIST_BINS - 1)
+                h = tl.histogram(hbin, HIST_BINS, mask=counted & in_region)
+                hb = tl.arange(0, HIST_BINS)
+                tl.atomic_add(hist_ptr + region * HIST_BINS + hb, h, mask=h != 0, sem="relaxed")
             region += 1
             region_start = region_end
 
     @_dispatch.serialized_when_interpreted
     def _fused_select_triton(grad, residual, threshold, region_offsets, capacity, skip, out,
-                             block: int = 2048):
+                             velocity, momentum, mask_velocity, hist, block: int = 2048,
+                             num_warps: Optional[int] = None):
         if _dispatch.INTERPRET:
             block = 4096   # the interpreter pays per program: fewer, bigger programs
         n = residual.numel()
@@ -124,22 +171,29 @@ if HAS_TRITON:
             return out
         grid = (triton.cdiv(n, block),)
         _fused_select_kernel[grid](
-            grad, residual, threshold, region_offsets,
+            grad, residual, velocity if velocity is not None else residual,
+            threshold, region_offsets,
             out.indices, out.values, out.counts, out.nonfinite,
+            hist if hist is not None else out.counts,
             skip if skip is not None else out.counts,
-            n, P, capacity,
+            n, P, capacity, float(momentum),
             out.indices.stride(0), out.values.stride(0), out.counts.stride(0),
             out.nonfinite.stride(0),
-            HAS_SKIP=skip is not None, THR_PER_REGION=threshold.dim() == 1,
+            HAS_SKIP=skip is not None, HAS_VELOCITY=velocity is not None,
+            MASK_VELOCITY=bool(mask_velocity), HAS_HIST=hist is not None,
+            THR_PER_REGION=threshold.dim() == 1,
+            HIST_BINS=SELECT_HIST_BINS, HIST_SHIFT=SELECT_HIST_SHIFT,
             SEARCH_STEPS=ceil_log2(P + 1), BLOCK=block,
-            num_warps=8 if block >= 2048 else 4,
+            num_warps=num_warps or (8 if block >= 2048 else 4),
+            enable_fp_fusion=False,
         )
         return out
 
 
 # ----------------------------------------------------------------------------------------------
-# torch reference (same semantics; the CPU path).  On CUDA tensors it stays free of host reads
-# (scatter into a dump slot instead of boolean indexing); on CPU it may read, and is O(selected).
+# torch reference (same semantics; the CPU path).  Nothing here reads a tensor value on the host
+# (no .item(), int(), float(), .tolist(), nonzero): the same code runs for CPU tensors on a CUDA
+# machine as on a CPU-only one, and a steady step stays free of host reads either way.
 # ----------------------------------------------------------------------------------------------
 def region_ids(region_offsets: Tensor, n: int) -> Tensor:
     """int64 [n]: the region of every element (empty regions hold none)."""
@@ -147,59 +201,39 @@ def region_ids(region_offsets: Tensor, n: int) -> Tensor:
     return torch.searchsorted(region_offsets[1:].contiguous(), pos, right=True)
 
 
-def _fused_select_torch_cpu(grad, residual, threshold, region_offsets, capacity, skip, out):
-    """CPU tensors: host reads are allowed, so work on the selected entries only."""
-    P = region_offsets.numel() - 1
-    out.counts.zero_()
-    out.nonfinite.zero_()
-    if skip is not None and int(skip) != 0:
-        return out
-    acc = residual.add_(grad)                      # acc = residual + float(grad), in place
-    ends = region_offsets[1:].contiguous()
-    if threshold.dim() == 1:                       # one threshold per region
-        thr_t = threshold[region_ids(region_offsets, acc.numel())]
-        sel = (acc.abs() >= thr_t) & (acc != 0)    # NaN (acc or threshold) compares false
-    else:
-        thr = float(threshold)
-        if thr > 0:
-            sel = acc.abs() >= thr                 # excludes 0 and NaN already
-        elif thr <= 0:
-            sel = (acc != 0) & ~torch.isnan(acc)
-        else:                                      # NaN threshold: nothing
-            sel = torch.zeros_like(acc, dtype=torch.bool)
-    idx = torch.nonzero(sel).reshape(-1)           # ascending
-    rid = torch.searchsorted(ends, idx, right=True)
-    counts = torch.bincount(rid, minlength=P)
-    first = torch.cumsum(counts, 0) - counts
-    slot = torch.arange(idx.numel(), dtype=torch.int64) - first[rid]
-    keep = slot < capacity
-    rid_k, slot_k, idx_k = rid[keep], slot[keep], idx[keep]
-    out.indices[rid_k, slot_k] = (idx_k - region_offsets[rid_k]).to(torch.int32)
-    out.values[rid_k, slot_k] = acc[idx_k]
-    out.counts.copy_(counts)
-    if not math.isfinite(float(acc.sum())):       # cheap filter; overflow only costs a pass
-        bad = torch.nonzero(~torch.isfinite(acc)).reshape(-1)
-        out.nonfinite[torch.searchsorted(ends, bad, right=True)] = 1
-    return out
+def _accumulate_torch(grad, residual, velocity, momentum, mask_velocity):
+    """(acc, new velocity or None): acc = residual + grad, or with a velocity
+    u' = (u * momentum) + grad (two roundings, as the kernel) and acc = residual + u'."""
+    g = grad.to(torch.float32)
+    if velocity is None:
+        return residual + g, None
+    u = velocity * float(momentum) + g
+    acc = residual + u
+    if mask_velocity:
+        u = torch.where(acc == 0, torch.zeros_like(u), u)
+    return acc, u
 
 
-def _fused_select_torch(grad, residual, threshold, region_offsets, capacity, skip, out):
-    if residual.device.type == "cpu":
-        return _fused_select_torch_cpu(grad, residual, threshold, region_offsets, capacity, skip, out)
-    return _fused_select_torch_nosync(grad, residual, threshold, region_offsets, capacity, skip, out)
+def select_hist_bins(acc: Tensor, thr_bits: Tensor) -> Tensor:
+    """int64: the fused_select histogram bin of every |acc| relative to ``thr_bits``
+    (int32 bit pattern of the threshold, broadcastable)."""
+    bits = acc.view(torch.int32) & _ABS_MASK
+    rel = (bits.to(torch.int64) - thr_bits.to(torch.int64)) >> SELECT_HIST_SHIFT
+    return (rel + SELECT_HIST_BINS // 2).clamp_(0, SELECT_HIST_BINS - 1)
 
 
-def _fused_select_torch_nosync(grad, residual, threshold, region_offsets, capacity, skip, out):
-    """No host read: the torch path for CUDA tensors (tested on CPU too)."""
+def _fused_select_torch(grad, residual, threshold, region_offsets, capacity, skip, out,
+                        velocity, momentum, mask_velocity, hist):
+    """No host read (CPU or CUDA tensors alike)."""
     n = residual.numel()
     P = region_offsets.numel() - 1
     dev = residual.device
-    acc = residual + grad.to(torch.float32)
+    acc, new_u = _accumulate_torch(grad, residual, velocity, momentum, mask_velocity)
     active = torch.ones((), dtype=torch.bool, device=dev) if skip is None else (skip.reshape(()) == 0)
     rid = region_ids(region_offsets, n)
     thr = threshold.to(torch.float32)
-    thr = thr[rid] if thr.dim() == 1 else thr.reshape(())
-    sel = (acc.abs() >= thr) & (acc != 0) & active
+    thr_e = thr[rid] if thr.dim() == 1 else thr.reshape(())
+    sel = (acc.abs() >= thr_e) & (acc != 0) & active
     bad = (~torch.isfinite(acc)) & active
     counts = torch.zeros(P, dtype=torch.int64, device=dev).scatter_add_(0, rid, sel.to(torch.int64))
     nonfinite = torch.zeros(P, dtype=torch.int64, device=dev).scatter_reduce_(
@@ -210,13 +244,30 @@ def _fused_select_torch_nosync(grad, residual, threshold, region_offsets, capaci
     dump = P * capacity
     target = torch.where(write, rid * capacity + slot, torch.full_like(slot, dump))
     rel = (torch.arange(n, device=dev, dtype=torch.int64) - region_offsets[rid]).to(torch.int32)
-    idx_buf = torch.cat([out.indices.reshape(-1), out.indices.new_zeros(1)]).scatter_(0, target, rel)
-    val_buf = torch.cat([out.values.reshape(-1), out.values.new_zeros(1)]).scatter_(0, target, acc)
+    idx_buf = torch.cat([out.indices.reshape(-1) if out.indices.is_contiguous() else
+                         out.indices.contiguous().reshape(-1), out.indices.new_zeros(1)])
+    val_buf = torch.cat([out.values.contiguous().reshape(-1), out.values.new_zeros(1)])
+    idx_buf.scatter_(0, target, rel)
+    val_buf.scatter_(0, target, acc)
     out.indices.copy_(idx_buf[:dump].view(P, capacity))
     out.values.copy_(val_buf[:dump].view(P, capacity))
     out.counts.copy_(counts)
     out.nonfinite.copy_(nonfinite)
+    if hist is not None:
+        bits = acc.view(torch.int32) & _ABS_MASK
+        counted = (bits != 0) & (bits < _INF_BITS) & active
+        thr_bits = (thr.view(torch.int32) & _ABS_MASK)
+        thr_bits = thr_bits[rid] if thr.dim() == 1 else thr_bits.reshape(())
+        flat = rid * SELECT_HIST_BINS + select_hist_bins(acc, thr_bits)
+        add = torch.bincount(torch.where(counted, flat, torch.full_like(flat, P * SELECT_HIST_BINS)),
+                             minlength=P * SELECT_HIST_BINS + 1)[:P * SELECT_HIST_BINS] \
+            if dev.type == "cpu" else \
+            torch.zeros(P * SELECT_HIST_BINS, dtype=torch.int64, device=dev).scatter_add_(
+                0, flat, counted.to(torch.int64))
+        hist.view(-1).add_(add.to(hist.dtype))
     residual.copy_(torch.where(active, acc, residual))
+    if velocity is not None:
+        velocity.copy_(torch.where(active, new_u, velocity))
     return out
 
 
@@ -232,16 +283,26 @@ def empty_selection(P: int, capacity: int, device) -> Selection:
 
 def fused_select(grad: Tensor, residual: Tensor, threshold: Tensor, region_offsets: Tensor,
                  capacity: int, *, skip: Optional[Tensor] = None, out: Optional[Selection] = None,
+                 velocity: Optional[Tensor] = None, momentum: float = 0.0,
+                 mask_velocity: bool = False, hist: Optional[Tensor] = None,
                  backend: str = "auto") -> Selection:
     """Form ``acc = residual + grad`` (written back to ``residual``) and compact the entries with
     ``|acc| >= threshold and acc != 0`` into the fixed-capacity slot of their region.
 
     ``threshold``: a 0-dim fp32 tensor, or ``[P]`` (one per region: region j selects with
-    ``threshold[j]``; Ok-Topk raises the threshold of a region that would overflow its row so
-    the row keeps the largest entries instead of the lowest indices).
+    ``threshold[j]``).
 
     See docs/CONTRACTS.md §1.  ``skip`` (0-dim int32): when nonzero nothing is written — the
-    residual is untouched and counts and nonfinite are 0.
+    residual (and velocity) are untouched and counts and nonfinite are 0.
+
+    ``velocity`` (fp32 [n], momentum correction): ``u := (u * momentum) + grad`` (two
+    roundings) and ``acc = residual + u``; with ``mask_velocity`` u is also zeroed where acc is
+    exactly 0 (the delivered entries are zeroed later, by :func:`clear_sent`).
+
+    ``hist`` (int32 [P, SELECT_HIST_BINS], ADDED to): per region, the count of nonzero finite
+    |acc| in bins relative to the region's threshold t: bin b >= 1 (b <= 62) holds the bit
+    patterns in ``[bits(t) + (b - 32)·2^20, bits(t) + (b - 31)·2^20)``; bin 0 everything below,
+    bin 63 everything above (see :func:`select_hist_edges`).
     """
     n = residual.numel()
     if grad.numel() != n:
@@ -252,6 +313,9 @@ def fused_select(grad: Tensor, residual: Tensor, threshold: Tensor, region_offse
         raise TypeError(f"grad must be fp32/bf16/fp16, got {grad.dtype}")
     if not (residual.is_contiguous() and grad.is_contiguous()):
         raise ValueError("grad and residual must be contiguous")
+    if velocity is not None:
+        if velocity.dtype != torch.float32 or velocity.numel() != n or not velocity.is_contiguous():
+            raise ValueError(f"velocity must be a contiguous fp32 tensor of {n} elements")
     capacity = int(capacity)
     if capacity < 0:
         raise ValueError("capacity must be >= 0")
@@ -270,6 +334,10 @@ def fused_select(grad: Tensor, residual: Tensor, threshold: Tensor, region_offse
             raise TypeError("out.indices must be int32 and out.values fp32")
         if (capacity > 1 and (out.indices.stride(1) != 1 or out.values.stride(1) != 1)):
             raise ValueError("out.indices/values need inner stride 1")
+    if hist is not None:
+        if tuple(hist.shape) != (P, SELECT_HIST_BINS) or hist.dtype != torch.int32 \
+                or not hist.is_contiguous():
+            raise ValueError(f"hist must be a contiguous int32 [{P}, {SELECT_HIST_BINS}] tensor")
     if not isinstance(threshold, Tensor):
         raise TypeError(f"threshold must be a tensor (0-dim, or [P] per region), got "
                         f"{type(threshold).__name__}")
@@ -282,6 +350,24 @@ def fused_select(grad: Tensor, residual: Tensor, threshold: Tensor, region_offse
                          f"{tuple(threshold.shape)}")
     if threshold.device != residual.device:
         raise ValueError(f"threshold is on {threshold.device}, expected {residual.device}")
+    gbytes = grad.element_size() * n
+    _dispatch.record(launches=3, bytes=gbytes + 8 * n + (8 * n if velocity is not None else 0))
     if _dispatch.choose(backend, residual.device) == "triton":
-        return _fused_select_triton(grad, residual, threshold, region_offsets, capacity, skip, out)
-    return _fused_select_torch(grad, residual, threshold, region_offsets, capacity, skip, out)
+        return _fused_select_triton(grad, residual, threshold, region_offsets, capacity, skip, out,
+                                    velocity, momentum, mask_velocity, hist)
+    with _dispatch.inside_kernel():
+        return _fused_select_torch(grad, residual, threshold, region_offsets, capacity, skip, out,
+                                   velocity, momentum, mask_velocity, hist)
+
+
+def select_hist_edges(threshold: Tensor) -> Tensor:
+    """fp32 [..., SELECT_HIST_BINS + 1]: the lower edges of the fused_select histogram bins for
+    each threshold (edge 0 = 0, edge 64 = +inf), as fp32 values; ``count(|acc| >= edge[b])`` is
+    the sum of bins b.. of the histogram."""
+    tb = (threshold.to(torch.float32).contiguous().view(torch.int32) & _ABS_MASK).to(torch.int64)
+    b = torch.arange(SELECT_HIST_BINS + 1, device=threshold.device, dtype=torch.int64)
+    e = tb.unsqueeze(-1) + ((b - SELECT_HIST_BINS // 2) << SELECT_HIST_SHIFT)
+    e = e.clamp(0, _INF_BITS)
+    e[..., 0] = 0
+    e[..., -1] = _INF_BITS
+    return e.to(torch.int32).view(torch.float32)

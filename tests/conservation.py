@@ -117,7 +117,7 @@ def _rank_body(comm, algorithm, n, steps, density, grad_fn, dtype, nonfinite, ch
         if velocity is not None:
             # with momentum correction the reducer accumulates its velocity u = m·u + g, not g
             # (formed here as the reducer forms it: the velocity after the step may be masked)
-            u = torch.add(g.reshape(-1).float(), velocity, alpha=alg.momentum)
+            u = velocity * alg.momentum + g.reshape(-1).float()   # two roundings, no FMA
         out = alg(g)
         accs.append(before.double() + (g.double() if velocity is None else u.double()))
         outs.append(out.detach().reshape(-1).clone())

@@ -143,7 +143,8 @@ def test_momentum_correction(name, masking):
     for t in range(steps):
         if t != 4:
             for r in range(P):
-                u[r] = m * u[r] + gf(r, t, N).double()
+                # in fp32 with two roundings, as the reducers form it (u·m, then + g)
+                u[r] = (u[r].float() * m + gf(r, t, N).float()).double()
                 if masking:
                     delivered = seen[r, t][0] == 0
                     u[r][delivered] = 0.0

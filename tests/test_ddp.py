@@ -51,7 +51,10 @@ def _flat(model):
 
 
 def _body(comm, algorithm, density, steps, bucket_cap_mb):
-    os.environ.pop("TRITON_INTERPRET", None)  # the torch reference path: fast on CPU
+    # the torch reference path (fast on CPU): the kernels may already be decorated as
+    # interpreted in this worker, so tell the dispatch, not the environment
+    from oktopk_triton.kernels import _dispatch
+    _dispatch.INTERPRET = False
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from oktopk_triton.ddp import SparseAllreduceState, sparse_allreduce_hook

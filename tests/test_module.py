@@ -161,7 +161,7 @@ def test_numel_differing_across_ranks_raises_everywhere():
 # -- state ------------------------------------------------------------------------------------
 def _state_body(comm, steps, cut):
     fn = mixed(9)
-    opts = dict(tau=4, tau_prime=4, region_period=4, **BE)
+    opts = dict(momentum=0.9, **BE)
     a = SparseAllreduce(2000, comm=comm, density=0.02, **opts)
     outs, blob = [], None
     for t in range(steps):

@@ -369,8 +369,8 @@ def _no_host_read_body(comm, name, n, **options):
 @pytest.mark.parametrize("name", ["topka", "gtopk", "gaussiank", "oktopk", "spardl"])
 def test_no_host_read_in_steady_step(name, momentum):
     # LocalCluster's primitives read no tensor values either, so the whole step is covered.
-    # Ok-Topk: steps 1-3 recompute both thresholds and revise the regions (its defaults) and
-    # read nothing; its one host read is the capacity adaptation every capacity_period steps.
+    # Ok-Topk: steps 1-3 place the row thresholds from the select pass's histogram, revise the
+    # regions and the global threshold on the device, and read nothing.
     # momentum=0.9 adds the velocity update and its masking.
     for P in (1, 3, 4):
         assert LocalCluster(P).run(_no_host_read_body, name, 3000,

@@ -46,6 +46,7 @@ from typing import Any, ClassVar, Dict, Optional
 
 import torch
 
+from .. import kernels as K
 from ..comm.base import Communicator
 
 __all__ = ["Algorithm", "FLOAT_DTYPES"]
@@ -66,6 +67,9 @@ class Algorithm(abc.ABC):
     OPTIONS: ClassVar[Dict[str, Any]] = {}
     STATE: ClassVar[tuple] = ()
     sparse: ClassVar[bool] = True
+    # True: step() receives the raw gradient and updates self.velocity itself (fused into its
+    # selection pass), masking included; the dense warm-up steps still use the base's update
+    fuses_velocity: ClassVar[bool] = False
 
     def __init__(self, numel: int, comm: Communicator, density: float = 0.01, *,
                  device: Optional[torch.device] = None, check_finite: str = "skip",
@@ -153,10 +157,12 @@ class Algorithm(abc.ABC):
         if not flat.is_contiguous():
             flat = flat.contiguous()
         bytes_before = self.comm.bytes_sent
+        kernels_before = K.counters()
+        colls_before = getattr(self.comm, "collectives_issued", None)
 
         nonfinite = None
         if self.check_finite != "off":
-            nonfinite = (~torch.isfinite(flat)).any().to(torch.int32).reshape(1)
+            nonfinite = K.nonfinite_flag(flat)         # one read of grad, no temporary
             if self.P > 1:
                 self.comm.allreduce(nonfinite)
             nonfinite = nonfinite.reshape(())
@@ -165,20 +171,27 @@ class Algorithm(abc.ABC):
                     f"{self.name}: non-finite gradient (NaN or Inf) on {int(nonfinite.item())} of "
                     f"{self.P} rank(s) at step {self.step_count}; residuals are unchanged")
 
-        if self.velocity is not None:
-            # u = m·u + grad (kept as it was on a non-finite step, like the residual)
-            new_v = torch.add(flat.float(), self.velocity, alpha=self.momentum)
+        warmup = self.step_count < self.warmup_steps
+        # density 1 (k = n): every entry is sent, and the dense allreduce is the cheapest way to
+        # send them all (it is also exactly DDP's average)
+        dense_now = warmup or self.k >= self.numel
+        # an algorithm that fuses the velocity into its selection pass (fuses_velocity) gets the
+        # raw gradient; dense steps always take the velocity here
+        velocity_here = self.velocity is not None and (dense_now or not self.fuses_velocity)
+        if velocity_here:
+            # u = m·u + grad (two roundings; kept as it was on a non-finite step, like the residual)
+            new_v = self.velocity * self.momentum + flat.float()
             if nonfinite is not None:
                 new_v = torch.where(nonfinite > 0, self.velocity, new_v)
             self.velocity.copy_(new_v)
             flat = torch.where(nonfinite > 0, flat.float(), new_v) if nonfinite is not None \
                 else new_v
-        out = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
-        if self.step_count < self.warmup_steps:
+        out = K.dense_zeros(self.numel, self.device)
+        if dense_now:
             self.dense_step(flat, out, nonfinite)      # momentum SGD: no masking
         else:
             self.step(flat, out, nonfinite)
-            if self.velocity is not None and self.momentum_masking:
+            if velocity_here and self.momentum_masking:
                 self._mask_velocity(nonfinite)
         self.step_count += 1
 
@@ -191,10 +204,15 @@ class Algorithm(abc.ABC):
             self.residual[s] += err
             out = out_lp
         if nonfinite is not None:
-            out = torch.where(nonfinite > 0, torch.full_like(out, float("nan")), out)
+            K.fill_if(out, nonfinite, float("nan"))   # NaN everywhere only on a non-finite step
         self.stats["bytes_sent"] = self.comm.bytes_sent - bytes_before
         self.stats["warmup"] = self.step_count <= self.warmup_steps
         self.stats["nonfinite"] = nonfinite
+        after = K.counters()
+        self.stats["kernel_launches"] = after["launches"] - kernels_before["launches"]
+        self.stats["kernel_bytes"] = after["bytes"] - kernels_before["bytes"]
+        if colls_before is not None:
+            self.stats["collectives"] = self.comm.collectives_issued - colls_before
         return out.reshape(shape)
 
     @abc.abstractmethod

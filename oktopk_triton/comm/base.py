@@ -21,6 +21,7 @@ barrier                0
 from __future__ import annotations
 
 import abc
+import functools
 from typing import Sequence, Tuple
 
 import torch
@@ -44,6 +45,27 @@ def tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+_PRIMITIVES = ("send_recv", "allgather", "allreduce", "alltoall", "broadcast")
+
+
+def _counted(primitive):
+    """Wrap a primitive so that each outermost call with P > 1 adds 1 to ``collectives_issued``
+    (a backend that builds one primitive from another counts once)."""
+    @functools.wraps(primitive)
+    def call(self, *args, **kwargs):
+        if self.__dict__.get("_in_primitive", False):
+            return primitive(self, *args, **kwargs)
+        if self.world_size > 1:
+            self.collectives_issued = self.__dict__.get("collectives_issued", 0) + 1
+        self._in_primitive = True
+        try:
+            return primitive(self, *args, **kwargs)
+        finally:
+            self._in_primitive = False
+    call._counted = True
+    return call
+
+
 class Communicator(abc.ABC):
     """A group of ``world_size`` ranks; this object is rank ``rank`` of it.
 
@@ -51,6 +73,8 @@ class Communicator(abc.ABC):
         rank, world_size: this rank and the group size.
         device: where this rank's tensors live (``cpu`` or ``cuda:i``).
         bytes_sent: cumulative bytes this rank has put on the wire (see the module docstring).
+        collectives_issued: cumulative number of primitives issued with P > 1 (a grouped
+            ``send_recv`` batch counts as one; ``barrier`` is not counted).
     """
 
     rank: int
@@ -59,6 +83,14 @@ class Communicator(abc.ABC):
 
     def __init__(self) -> None:
         self.bytes_sent = 0
+        self.collectives_issued = 0
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in _PRIMITIVES:
+            f = cls.__dict__.get(name)
+            if f is not None and not getattr(f, "_counted", False):
+                setattr(cls, name, _counted(f))
 
     # -- primitives -------------------------------------------------------------------------
     @abc.abstractmethod
