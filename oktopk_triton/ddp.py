@@ -18,6 +18,15 @@ How it works (cf. ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook``)
   so a reducer built in iteration 0 would be built for the wrong bucket. Until
   ``state.start_iter`` iterations have completed (default 1, the smallest safe value), the hook
   does a plain dense allreduce (``buffer / world_size`` then a sum, as DDP's default hook does).
+* ``mode="flat"`` (the default): the buckets of an iteration are collected and, when the last
+  one arrives, the whole iteration's gradient is reduced as ONE flat vector by one reducer (k =
+  density · all parameters: the top entries of the whole model, not of each bucket); the earlier
+  buckets' futures complete then. ``mode="bucket"``: one reducer per bucket, each reduced as it
+  arrives. Why flat is the default: a sparse step has a fixed cost per call that a bucket pays
+  again and again (3 collectives, each a network latency, and ~20 small kernel launches of
+  15-60 µs each on a GPU), while the hook is synchronous either way (it does not overlap with the
+  backward pass the way DDP's asynchronous allreduce does). Measured on CPU gloo (P=2, see
+  ``oktopk-bench ddp``); the GPU comparison is owed (README).
 * Iterations are counted on the bucket for which ``bucket.is_last()`` is true.
 * The sparse result (``out``: the average over ranks, bitwise identical on every rank) is
   returned as an already completed ``torch.futures.Future`` of the bucket buffer's shape: the
@@ -29,7 +38,7 @@ launched in index order). Unused parameters (``find_unused_parameters=True``) ar
 slots in the bucket hold zeros.
 """
 import warnings
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -47,6 +56,8 @@ class SparseAllreduceState:
             ``"spardl"``, ``"topkdsa"``, ``"gaussiank"``, ``"dense"``).
         start_iter: iterations reduced densely before the sparse reducers start (at least 1,
             because DDP rebuilds its buckets after the first iteration).
+        mode: ``"flat"`` (default: one reducer over the whole iteration's gradient, run when the
+            last bucket arrives) or ``"bucket"`` (one reducer per bucket).
         comm: a :class:`~oktopk_triton.comm.Communicator` over ``process_group``; ``None``
             builds one on first use (``TorchCommunicator(process_group)`` for a non-default
             group or gloo, else ``default_communicator(device)``, i.e. CuPy NCCL when
@@ -55,7 +66,8 @@ class SparseAllreduceState:
 
     Attributes:
         iter: completed iterations (counted on the last bucket).
-        reducers: ``{bucket index: Algorithm}``, created lazily.
+        reducers: ``{bucket index: Algorithm}`` (``{-1: Algorithm}`` in flat mode), created
+            lazily.
         bytes_sent: bytes this rank sent in the last completed iteration (all buckets; the
             dense iterations are counted as a ring allreduce, 2(P-1)/P * bucket bytes).
         total_bytes_sent: bytes this rank sent since the state was created.
@@ -63,11 +75,16 @@ class SparseAllreduceState:
 
     __slots__ = ("process_group", "density", "algorithm", "start_iter", "options", "comm",
                  "iter", "reducers", "bytes_sent", "total_bytes_sent", "_iter_bytes",
-                 "_pending_state")
+                 "_pending_state", "mode", "_pending")
+
+    MODES = ("flat", "bucket")
+    FLAT = -1   # the reducers key of the flat reducer
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, density: float = 0.01,
                  algorithm: str = "oktopk", start_iter: int = 1, comm: Any = None,
-                 **options: Any) -> None:
+                 mode: str = "flat", **options: Any) -> None:
+        if mode not in self.MODES:
+            raise ValueError(f"mode must be one of {self.MODES}, got {mode!r}")
         from .algorithms import get_algorithm
         get_algorithm(algorithm)  # a clear error now for an unknown name
         if not (0.0 < float(density) <= 1.0):
@@ -88,6 +105,8 @@ class SparseAllreduceState:
         self.total_bytes_sent = 0
         self._iter_bytes = 0
         self._pending_state: Dict[int, Dict[str, Any]] = {}
+        self.mode = mode
+        self._pending: List[Tuple[torch.Tensor, "torch.futures.Future[torch.Tensor]"]] = []
 
     # -- helpers -----------------------------------------------------------------------------
     def _world_size(self) -> int:
@@ -140,7 +159,8 @@ class SparseAllreduceState:
 
     def __repr__(self) -> str:
         return (f"SparseAllreduceState(algorithm={self.algorithm!r}, density={self.density:g}, "
-                f"start_iter={self.start_iter}, iter={self.iter}, buckets={len(self.reducers)})")
+                f"mode={self.mode!r}, start_iter={self.start_iter}, iter={self.iter}, "
+                f"reducers={len(self.reducers)})")
 
 
 def _completed(t: torch.Tensor) -> "torch.futures.Future[torch.Tensor]":
@@ -161,14 +181,45 @@ def sparse_allreduce_hook(state: SparseAllreduceState,
         fut = dist.all_reduce(t, group=state.process_group, async_op=True).get_future()
         state._iter_bytes += 2 * (P - 1) * t.numel() * t.element_size() // P
         result = fut.then(lambda f: f.value()[0])
-    else:
+    elif state.mode == "bucket":
         red = state.reducer(bucket.index(), buf)
         out = red(buf)
         state._iter_bytes += int(red.stats.get("bytes_sent", 0))
         result = _completed(out.reshape(buf.shape))
+    else:
+        result = _flat_step(state, buf, bucket.is_last())
     if bucket.is_last():
         state.bytes_sent = state._iter_bytes
         state.total_bytes_sent += state._iter_bytes
         state._iter_bytes = 0
         state.iter += 1
     return result
+
+
+def _flat_step(state: SparseAllreduceState, buf: torch.Tensor,
+               last: bool) -> "torch.futures.Future[torch.Tensor]":
+    """Flat mode: hold the bucket until the last one arrives, then reduce them all as one
+    vector and complete every held future with its slice of the result."""
+    fut: torch.futures.Future = torch.futures.Future()
+    state._pending.append((buf, fut))
+    if not last:
+        return fut
+    pending, state._pending = state._pending, []
+    try:
+        flat = torch.cat([b.reshape(-1) for b, _ in pending])
+        red = state.reducer(SparseAllreduceState.FLAT, flat)
+        out = red(flat)
+        state._iter_bytes += int(red.stats.get("bytes_sent", 0))
+        # each bucket's result goes back into the bucket's own buffer: DDP re-points its views
+        # into the future's tensor with as_strided, which ignores a slice's storage offset
+        offset = 0
+        for b, f in pending:
+            b.copy_(out[offset:offset + b.numel()].view(b.shape))
+            f.set_result(b)
+            offset += b.numel()
+    except BaseException as e:   # every held bucket fails, none is left waiting
+        for _, f in pending:
+            if not f.done():
+                f.set_exception(e)
+        raise
+    return fut

@@ -50,7 +50,7 @@ def _flat(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def _body(comm, algorithm, density, steps, bucket_cap_mb):
+def _body(comm, algorithm, density, steps, bucket_cap_mb, mode="flat"):
     # the torch reference path (fast on CPU): the kernels may already be decorated as
     # interpreted in this worker, so tell the dispatch, not the environment
     from oktopk_triton.kernels import _dispatch
@@ -65,7 +65,7 @@ def _body(comm, algorithm, density, steps, bucket_cap_mb):
     ref_losses = _train(ref, x, y, steps)
     # the same with the hook
     m = DDP(_model(), bucket_cap_mb=bucket_cap_mb)
-    state = SparseAllreduceState(density=density, algorithm=algorithm, comm=comm)
+    state = SparseAllreduceState(density=density, algorithm=algorithm, comm=comm, mode=mode)
     m.register_comm_hook(state, sparse_allreduce_hook)
     losses = _train(m, x, y, steps)
     return {"ref": _flat(ref.module), "hook": _flat(m.module), "ref_losses": ref_losses,
@@ -75,19 +75,24 @@ def _body(comm, algorithm, density, steps, bucket_cap_mb):
             "residual_norm": sum(float(r.residual.norm()) for r in state.reducers.values())}
 
 
-def test_hook_density_one_equals_ddp():
+@pytest.mark.parametrize("mode", ["bucket", "flat"])
+def test_hook_density_one_equals_ddp(mode):
     alg = _sparse_name()
-    res = run_gloo(2, _body, alg, 1.0, 6, 0.01)
+    res = run_gloo(2, _body, alg, 1.0, 6, 0.01, mode)
     for r in res:
         assert r["iter"] == 6
-        assert r["buckets"] >= 2                       # small buckets: several reducers
+        if mode == "bucket":
+            assert r["buckets"] >= 2                   # small buckets: several reducers
+        else:
+            assert r["buckets"] == 1                   # one reducer over the whole gradient
         assert sum(r["numels"]) == r["ref"].numel()    # every parameter in some bucket
         torch.testing.assert_close(r["hook"], r["ref"], rtol=1e-5, atol=1e-6)
     assert torch.equal(res[0]["hook"], res[1]["hook"])  # replicas bitwise identical
 
 
-@pytest.mark.parametrize("alg", ["oktopk", "other"])
-def test_hook_sparse_trains(alg):
+@pytest.mark.parametrize("alg,mode", [("oktopk", "flat"), ("oktopk", "bucket"),
+                                      ("other", "flat")])
+def test_hook_sparse_trains(alg, mode):
     if alg == "oktopk":
         if "oktopk" not in available_algorithms():
             pytest.skip("oktopk not implemented yet")
@@ -96,7 +101,7 @@ def test_hook_sparse_trains(alg):
         if alg is None:
             pytest.skip("no other sparse algorithm implemented yet")
     steps = 40
-    res = run_gloo(2, _body, alg, 0.01, steps, 0.01)
+    res = run_gloo(2, _body, alg, 0.01, steps, 0.01, mode)
     for r in res:
         first = sum(r["losses"][:4]) / 4
         last = sum(r["losses"][-4:]) / 4
@@ -117,5 +122,7 @@ def test_state_validation():
         SparseAllreduceState(start_iter=0)
     with pytest.raises(ValueError):
         SparseAllreduceState(density=0.0)
+    with pytest.raises(ValueError, match="mode"):
+        SparseAllreduceState(mode="per-layer")
     s = SparseAllreduceState(density=0.05, algorithm="dense")
     assert "dense" in repr(s) and s.iter == 0
