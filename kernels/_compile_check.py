@@ -89,16 +89,17 @@ def variants():
                 "BLOCK": "constexpr"},
                {"START_IS_PTR": sp, "END_IS_PTR": not sp, "SCALE_IS_PTR": sp, "BLOCK": 1024},
                [0, 1, 2, 3, 6, 7, 8, 9], 4)
-    for vel in (False, True):
-        yield (f"clear_sent velocity={vel}", region._clear_sent_kernel,
+    for vel, bf in ((False, False), (True, False), (True, True)):
+        yield (f"clear_sent velocity={vel} keep_bf16={bf}", region._clear_sent_kernel,
                {"residual_ptr": "*fp32", "velocity_ptr": "*fp32", "sent_indices_ptr": "*i32",
                 "sent_counts_ptr": "*i32", "region_offsets_ptr": "*i64",
                 "global_indices_ptr": "*i32", "global_counts_ptr": "*i32",
                 "cap_sent": "i32", "cap_global": "i32", "sent_row_stride": "i32",
                 "sent_counts_stride": "i32", "global_row_stride": "i32",
                 "global_counts_stride": "i32", "SEARCH_STEPS": "constexpr",
-                "HAS_VELOCITY": "constexpr", "BLOCK": "constexpr"},
-               {"SEARCH_STEPS": 7, "HAS_VELOCITY": vel, "BLOCK": 1024}, [0, 1, 2, 3, 4, 5, 6], 4)
+                "HAS_VELOCITY": "constexpr", "KEEP_BF16_ROUNDING": "constexpr",
+                "BLOCK": "constexpr"},
+               {"SEARCH_STEPS": 7, "HAS_VELOCITY": vel, "KEEP_BF16_ROUNDING": bf, "BLOCK": 1024}, [0, 1, 2, 3, 4, 5, 6], 4)
     for x in ("*fp32", "*bf16", "*fp16"):
         for ranged in (False, True):
             yield (f"window_pass x={x[1:]} range_ptr={ranged}", threshold._window_pass_kernel,

@@ -137,6 +137,7 @@ if HAS_TRITON:
         sent_row_stride, sent_counts_stride, global_row_stride, global_counts_stride,
         SEARCH_STEPS: tl.constexpr,   # ceil(log2(cap_global + 1))
         HAS_VELOCITY: tl.constexpr,
+        KEEP_BF16_ROUNDING: tl.constexpr,  # residual := r - bf16(r) (what a bf16 wire dropped)
         BLOCK: tl.constexpr,
     ):
         j = tl.program_id(0).to(tl.int64)            # region
@@ -160,15 +161,25 @@ if HAS_TRITON:
         g = tl.load(row + lo, mask=hit_possible, other=-1)
         found = hit_possible & (g == target)
         base = tl.load(region_offsets_ptr + j)
-        tl.store(residual_ptr + base + target.to(tl.int64), tl.zeros((BLOCK,), tl.float32),
-                 mask=found)
+        if KEEP_BF16_ROUNDING:
+            r = tl.load(residual_ptr + base + target.to(tl.int64), mask=found, other=0.0)
+            # bf16(r) by round-to-nearest-even in the bits (as torch's .to(bfloat16); the
+            # interpreter's own fp32 -> bf16 conversion truncates)
+            b = r.to(tl.int32, bitcast=True)
+            mag = b & 0x7FFFFFFF
+            rmag = (mag + 0x7FFF + ((mag >> 16) & 1)) & 0x7FFF0000
+            left = r - (rmag | (b ^ mag)).to(tl.float32, bitcast=True)
+        else:
+            left = tl.zeros((BLOCK,), tl.float32)
+        tl.store(residual_ptr + base + target.to(tl.int64), left, mask=found)
         if HAS_VELOCITY:
             tl.store(velocity_ptr + base + target.to(tl.int64), tl.zeros((BLOCK,), tl.float32),
                      mask=found)
 
     @_dispatch.serialized_when_interpreted
     def _clear_sent_triton(residual, sent_indices, sent_counts, region_offsets,
-                           global_indices, global_counts, velocity=None, block=1024):
+                           global_indices, global_counts, velocity=None, keep_bf16=False,
+                           block=1024):
         P, cap_sent = sent_indices.shape
         cap_global = global_indices.shape[1]
         if cap_sent == 0 or cap_global == 0 or P == 0:
@@ -180,6 +191,7 @@ if HAS_TRITON:
             sent_indices.stride(0), sent_counts.stride(0), global_indices.stride(0),
             global_counts.stride(0),
             SEARCH_STEPS=ceil_log2(cap_global + 1), HAS_VELOCITY=velocity is not None,
+            KEEP_BF16_ROUNDING=bool(keep_bf16),
             BLOCK=block, num_warps=4)
 
 
@@ -212,7 +224,7 @@ def _region_select_torch(dense, start, end, threshold, capacity, max_len, scale,
 
 
 def _clear_sent_torch(residual, sent_indices, sent_counts, region_offsets, global_indices,
-                      global_counts, velocity=None):
+                      global_counts, velocity=None, keep_bf16=False):
     P, cap_sent = sent_indices.shape
     cap_global = global_indices.shape[1]
     if cap_sent == 0 or cap_global == 0:
@@ -234,7 +246,11 @@ def _clear_sent_torch(residual, sent_indices, sent_counts, region_offsets, globa
         if buf is None:
             continue
         ext = torch.cat([buf, buf.new_zeros(1)])
-        ext.scatter_(0, tgt.reshape(-1), zeros)
+        left = zeros
+        if keep_bf16 and buf is residual:
+            r = ext.gather(0, tgt.reshape(-1))
+            left = r - r.to(torch.bfloat16).to(torch.float32)
+        ext.scatter_(0, tgt.reshape(-1), left)
         buf.copy_(ext[:n])
 
 
@@ -292,11 +308,14 @@ def region_select(dense: Tensor, start: IntOrTensor, end: IntOrTensor, threshold
 
 def clear_sent(residual: Tensor, sent_indices: Tensor, sent_counts: Tensor, region_offsets: Tensor,
                global_indices: Tensor, global_counts: Tensor, *,
-               velocity: Optional[Tensor] = None, backend: str = "auto") -> None:
+               velocity: Optional[Tensor] = None, keep_bf16_rounding: bool = False,
+               backend: str = "auto") -> None:
     """Zero ``residual[region_offsets[j] + sent_indices[j, s]]`` for every valid sent entry that
     is among the first ``min(global_counts[j], capg)`` (ascending) entries of
     ``global_indices[j]``; ``velocity`` (optional, fp32 [n]) is zeroed at the same positions
-    (momentum factor masking of the delivered entries)."""
+    (momentum factor masking of the delivered entries). ``keep_bf16_rounding``: the entries
+    were sent as bf16, so the residual keeps what the rounding dropped, ``r - bf16(r)``,
+    instead of 0 (nothing is lost to the wire format)."""
     if sent_indices.dim() != 2 or global_indices.dim() != 2:
         raise ValueError("sent_indices and global_indices must be [P, cap]")
     if sent_indices.shape[0] != global_indices.shape[0]:
@@ -307,8 +326,8 @@ def clear_sent(residual: Tensor, sent_indices: Tensor, sent_counts: Tensor, regi
     _dispatch.record(launches=1, bytes=8 * sent_indices.numel())
     if _dispatch.choose(backend, residual.device) == "triton":
         _clear_sent_triton(residual.view(-1), sent_indices, sent_counts, region_offsets.contiguous(),
-                           global_indices, global_counts, v)
+                           global_indices, global_counts, v, keep_bf16_rounding)
     else:
         with _dispatch.inside_kernel():
             _clear_sent_torch(residual.view(-1), sent_indices, sent_counts, region_offsets,
-                              global_indices, global_counts, v)
+                              global_indices, global_counts, v, keep_bf16_rounding)

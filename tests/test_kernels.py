@@ -664,3 +664,32 @@ def test_scatter_rows_shared_base_expanded(add):
         want[pos] = (want[pos] + vals[s, :c]) if add else vals[s, :c]
     assert torch.equal(outs["torch"], want)
     assert torch.equal(outs["triton"], want)
+
+
+@needs_triton
+def test_clear_sent_keeps_bf16_rounding_and_zeroes_velocity():
+    """keep_bf16_rounding: a delivered entry keeps r - bf16(r) (what a bf16 wire dropped);
+    the velocity is zeroed there; everything else is untouched, in both backends."""
+    n = 3000
+    offsets = torch.tensor([0, 1000, 3000], dtype=torch.int64, device=DEV)
+    r0 = (torch.randn(n, generator=gen(9)) * 3).to(DEV)
+    sent = torch.tensor([[5, 17, 600, 999], [0, 44, 1999, 7]], dtype=torch.int32, device=DEV)
+    cnt = torch.tensor([4, 3], dtype=torch.int32, device=DEV)          # [1, 3] = 7 not counted
+    glob = torch.tensor([[5, 600, 998], [0, 7, 1999]], dtype=torch.int32, device=DEV)
+    gcnt = torch.tensor([3, 3], dtype=torch.int32, device=DEV)
+    hit = torch.tensor([5, 600, 1000, 2999])
+    res = {}
+    for be in ("torch", "triton"):
+        r, v = r0.clone(), torch.ones(n, device=DEV)
+        clear_sent(r, sent, cnt, offsets, glob, gcnt, velocity=v, keep_bf16_rounding=True,
+                   backend=be)
+        res[be] = (r.cpu(), v.cpu())
+    r0 = r0.cpu()
+    want = r0.clone()
+    want[hit] = r0[hit] - r0[hit].to(torch.bfloat16).float()
+    vwant = torch.ones(n)
+    vwant[hit] = 0
+    for be in res:
+        assert torch.equal(res[be][0], want), be
+        assert torch.equal(res[be][1], vwant), be
+    assert bool((want[hit] != 0).any())

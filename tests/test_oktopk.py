@@ -286,3 +286,46 @@ def test_rows_and_slots_keep_the_largest(P, budget):
             assert got.numel() <= min(cap_r, cap_g)
             assert torch.equal(got, torch.arange(hi - got.numel(), hi)), \
                 f"region {j}: kept {got.numel()} entries from {int(got.min())}, not the largest"
+
+
+# -- bf16 values on the wire -------------------------------------------------------------------
+def _wire_body(comm, n, wire):
+    alg = OkTopk(n, comm, 0.02, backend=BE, wire_dtype=wire)
+    fn = mixed(8)
+    rows = []
+    for t in range(8):
+        acc = alg.residual + fn(comm.rank, t, n)
+        out = alg(fn(comm.rank, t, n)).clone()
+        rows.append((acc, out, alg.residual.clone(), int(alg.stats["bytes_sent"])))
+    return rows, alg.cap_r, alg.cap_g
+
+
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_bf16_wire_keeps_the_rounding_in_the_residual(P):
+    """wire_dtype='bf16': the rows carry bf16 values (4/3 as many entries in the same budget);
+    what the rounding dropped stays in the sender's residual, so conservation still holds
+    (sum of acc = P·out + sum of residuals, to fp32 rounding), out agrees bitwise, and a
+    delivered entry's residual is its rounding error, not 0."""
+    n = 6000
+    b16 = LocalCluster(P).run(_wire_body, n, "bf16")
+    f32 = LocalCluster(P).run(_wire_body, n, "fp32")
+    assert b16[0][1] > f32[0][1], "bf16 rows should hold more entries"
+    assert b16[0][2] == f32[0][2]
+    k = round(0.02 * n)
+    for t in range(8):
+        outs = [b16[p][0][t][1] for p in range(P)]
+        assert all(torch.equal(outs[0], o) for o in outs)
+        lhs = sum(b16[p][0][t][0].double() for p in range(P))
+        rhs = P * outs[0].double() + sum(b16[p][0][t][2].double() for p in range(P))
+        torch.testing.assert_close(lhs, rhs, rtol=1e-5, atol=1e-4)
+        for p in range(P):
+            assert b16[p][0][t][3] <= 4 * k * (P - 1) / P * 4
+    # delivered entries: residual = acc - bf16(acc) (nonzero for most)
+    leftover = 0
+    for p in range(P):
+        acc, out, res, _ = b16[p][0][-1]
+        hit = (out != 0) & (res != acc)
+        want = acc[hit] - acc[hit].to(torch.bfloat16).float()
+        assert torch.equal(res[hit], want)
+        leftover += int((res[hit] != 0).sum())
+    assert leftover > 0

@@ -46,6 +46,11 @@ by ``capacity_split`` (default: half each). An entry that does not fit a row sta
 the row thresholds aim at ``row_fill`` (0.9) of a row so that overflow is rare (a full row keeps
 whichever entries its programs reached first: the lowest indices on CPU).
 
+``wire_dtype="bf16"`` sends the reduce rows' values as bf16 (two per int32 word: a row entry
+costs 1.5 words instead of 2, so the rows hold 4/3 as many in the same budget). Nothing is lost:
+``clear_sent`` leaves ``r - bf16(r)`` in the sender's residual at a delivered entry instead of 0.
+The gathered slots stay fp32 (they are the output itself).
+
 Conservation holds exactly: fused_select leaves ``residual = acc``; only clear_sent zeroes, and
 only the entries that reached ``out``. Non-finite steps (``nonfinite > 0``) skip fused_select
 (residual untouched bit for bit, nothing sent) and keep thresholds and regions as they were.
@@ -77,6 +82,7 @@ class OkTopk(Algorithm):
         "capacity_split": 0.5,     # fraction of the budget's entries given to the reduce rows
         "stage_factor": 4.0,       # staging rows hold stage_factor·cap_r candidates
         "exact_thresholds": False,  # reference mode: every row at this rank's exact k-th largest
+        "wire_dtype": "fp32",      # reduce rows' values on the wire: fp32 | bf16 (rounding kept)
         "backend": "auto",         # kernels backend: auto | triton | torch
     }
     STATE = ("th_rows", "row_target", "th_global", "region_offsets", "_calibrated")
@@ -94,10 +100,13 @@ class OkTopk(Algorithm):
                              f"{o['capacity_split']!r}")
         if not (isinstance(o["stage_factor"], (int, float)) and o["stage_factor"] >= 1):
             raise ValueError(f"oktopk: stage_factor must be >= 1, got {o['stage_factor']!r}")
+        if o["wire_dtype"] not in ("fp32", "bf16"):
+            raise ValueError(f"oktopk: wire_dtype must be 'fp32' or 'bf16', got {o['wire_dtype']!r}")
+        self.bf16_wire = o["wire_dtype"] == "bf16"
         self.backend = o["backend"]
         dev, n, P = self.device, self.numel, self.P
         self.cap_r, self.cap_g = self.capacities(n, self.k, P, budget, o["capacity_split"],
-                                                 self.check_finite != "off")
+                                                 self.check_finite != "off", o["wire_dtype"])
         self.region_offsets = torch.tensor([n * j // P for j in range(P + 1)], dtype=torch.int64,
                                            device=dev)
         # staging rows: the select pass compacts every entry at or above the row threshold (aimed
@@ -110,14 +119,17 @@ class OkTopk(Algorithm):
         self.th_global = torch.zeros((), dtype=torch.float32, device=dev)
         self._calibrated = False
         cr, cg = self.cap_r, self.cap_g
-        self._msg = torch.zeros(P, _HEADER + 2 * cr, dtype=torch.int32, device=dev)
-        self._recv = torch.zeros(max(P - 1, 1), _HEADER + 2 * cr, dtype=torch.int32, device=dev)
+        row = self.row_words(cr, o["wire_dtype"])
+        self._msg = torch.zeros(P, row, dtype=torch.int32, device=dev)
+        self._recv = torch.zeros(max(P - 1, 1), row, dtype=torch.int32, device=dev)
         self._slot = torch.zeros(_HEADER + 2 * cg, dtype=torch.int32, device=dev)
         self._gathered = torch.zeros(P, _HEADER + 2 * cg, dtype=torch.int32, device=dev)
         self._hist = torch.zeros(P, K.SELECT_HIST_BINS, dtype=torch.int32, device=dev)
         self._stage = K.empty_selection(P, self.cap_s, dev)
         self._stage_slots = torch.arange(self.cap_s, device=dev)
         self._row_slots = torch.arange(self.cap_r, device=dev).reshape(1, -1)
+        if self.bf16_wire:   # cap_r values padded to an even count: whole int32 words
+            self._wire_vals = torch.zeros(P, 2 * ((cr + 1) // 2), dtype=torch.bfloat16, device=dev)
         self._scratch = torch.zeros(n, dtype=torch.float32, device=dev)
         self._zeros_r = torch.zeros(P, cr, dtype=torch.float32, device=dev)
         self._inv_P = 1.0 / P
@@ -125,20 +137,32 @@ class OkTopk(Algorithm):
 
     # -- capacities -------------------------------------------------------------------------------
     @staticmethod
+    def row_words(cap_r: int, wire_dtype: str = "fp32") -> int:
+        """int32 words of one reduce row: header, cap_r indices, cap_r values (fp32: one word
+        each; bf16: two per word)."""
+        return _HEADER + cap_r + (cap_r if wire_dtype == "fp32" else (cap_r + 1) // 2)
+
+    @staticmethod
     def capacities(n: int, k: int, P: int, budget: Optional[float] = 4.0, split: float = 0.5,
-                   flag: bool = True):
+                   flag: bool = True, wire_dtype: str = "fp32"):
         """(cap_r, cap_g): row and slot capacities (entries) for a step of at most
-        ``budget·k(P−1)/P`` words per rank: (P−1) rows of ``2 + 2·cap_r`` words, an allgather of
-        (P−1) slots of ``2 + 2·cap_g`` words and (``flag``) the 4-byte non-finite allreduce,
-        2(P−1)/P words. Each at least 1 and at most n; ``budget=None``: ``cap_r = cap_g = k``."""
+        ``budget·k(P−1)/P`` words per rank: (P−1) rows (``row_words``), an allgather of (P−1)
+        slots of ``2 + 2·cap_g`` words and (``flag``) the 4-byte non-finite allreduce,
+        2(P−1)/P words. ``split`` of the entry budget goes to the rows; a bf16 row entry costs
+        1.5 words instead of 2, so the rows hold 4/3 as many. Each at least 1 and at most n;
+        ``budget=None``: ``cap_r = cap_g = k``."""
         if budget is None or P == 1:
             c = max(1, min(n, k))
             return c, c
         words = float(budget) * k / P - 2 * _HEADER - (2.0 / P if flag else 0.0)
         total = max(2, int(math.floor(words / 2 + 1e-9)))
-        cr = min(n, max(1, int(round(total * float(split)))))
-        cg = min(n, max(1, total - cr))
-        return cr, cg
+        cr_fp32 = max(1, int(round(total * float(split))))
+        cg = min(n, max(1, total - cr_fp32))
+        if wire_dtype == "fp32":
+            cr = cr_fp32
+        else:   # the rows' share of words, at 1.5 words per entry (+1 for an odd count's pad)
+            cr = max(1, int(math.floor((2 * cr_fp32 - 1) / 1.5 + 1e-9)))
+        return min(n, cr), cg
 
     # -- the step --------------------------------------------------------------------------------
     def step(self, grad: torch.Tensor, out: torch.Tensor,
@@ -153,7 +177,7 @@ class OkTopk(Algorithm):
         K.scatter_rows(out, irow_idx, irow_val, irow_cnt, offs[:self.P], backend=self.backend)
         K.clear_sent(self.residual, sel.indices, sel.counts, offs, irow_idx, irow_cnt,
                      velocity=self.velocity if self.momentum_masking else None,
-                     backend=self.backend)
+                     keep_bf16_rounding=self.bf16_wire, backend=self.backend)
         self._prepare_next(sel, keep, irow_idx, irow_cnt, nonfinite)
         self._calibrated = True
 
@@ -198,9 +222,13 @@ class OkTopk(Algorithm):
         msg[:, 0] = stg.counts.clamp(max=cr)
         msg[:, 1] = stg.nonfinite
         msg[:, _HEADER:_HEADER + cr] = stg.indices.gather(1, pos)
-        msg[:, _HEADER + cr:] = stg.values.gather(1, pos).view(torch.int32)
-        return K.Selection(indices=msg[:, _HEADER:_HEADER + cr],
-                           values=msg[:, _HEADER + cr:].view(torch.float32),
+        vals = stg.values.gather(1, pos)
+        if self.bf16_wire:   # rounded on the wire; clear_sent keeps the rounding in the residual
+            self._wire_vals[:, :cr] = vals
+            msg[:, _HEADER + cr:] = self._wire_vals.view(torch.int32)
+        else:
+            msg[:, _HEADER + cr:] = vals.view(torch.int32)
+        return K.Selection(indices=msg[:, _HEADER:_HEADER + cr], values=vals,
                            counts=msg[:, 0], nonfinite=msg[:, 1])
 
     def _reduce(self, sel: K.Selection) -> None:
@@ -214,8 +242,9 @@ class OkTopk(Algorithm):
         rows = torch.cat([msg[r:r + 1], recv[:P - 1]]) if P > 1 else msg
         self._rows = rows
         start = self.region_offsets[r]
-        K.scatter_add(self._scratch, rows[:, _HEADER:_HEADER + cr],
-                      rows[:, _HEADER + cr:].view(torch.float32), rows[:, 0], base=start,
+        vals = rows[:, _HEADER + cr:]
+        vals = vals.view(torch.bfloat16)[:, :cr].float() if self.bf16_wire else vals.view(torch.float32)
+        K.scatter_add(self._scratch, rows[:, _HEADER:_HEADER + cr], vals, rows[:, 0], base=start,
                       backend=self.backend)
 
     def _owner_select(self, offs: torch.Tensor) -> None:
