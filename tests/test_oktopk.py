@@ -329,3 +329,36 @@ def test_bf16_wire_keeps_the_rounding_in_the_residual(P):
         assert torch.equal(res[hit], want)
         leftover += int((res[hit] != 0).sum())
     assert leftover > 0
+
+
+# -- CUDA: a steady step never synchronises with the host -------------------------------------
+def _sync_body(comm, n, momentum, wire):
+    alg = OkTopk(n, comm, 0.01, momentum=momentum, wire_dtype=wire, device=comm.device)
+    fn = mixed(2)
+    for t in range(2):                         # calibration + one steady step, syncs allowed
+        alg(fn(comm.rank, t, n).to(comm.device))
+    torch.cuda.synchronize()
+    grads = [fn(comm.rank, t, n).to(comm.device) for t in range(2, 5)]
+    torch.cuda.synchronize()
+    comm.barrier()
+    if comm.rank == 0:
+        torch.cuda.set_sync_debug_mode("error")
+    comm.barrier()
+    try:
+        for g in grads:
+            alg(g)
+    finally:
+        comm.barrier()
+        if comm.rank == 0:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return True
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("P", [1, 2, 4])
+@pytest.mark.parametrize("momentum,wire", [(0.0, "fp32"), (0.9, "bf16")])
+def test_cuda_steady_step_never_syncs(P, momentum, wire):
+    """Issue 16.1: compiled kernels on CUDA tensors, steps 2-4 under
+    torch.cuda.set_sync_debug_mode('error') (any synchronising CUDA call raises)."""
+    assert LocalCluster(P, device="cuda").run(_sync_body, 1 << 20, momentum, wire) == [True] * P
