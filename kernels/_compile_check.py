@@ -4,7 +4,10 @@
 
 Catches errors of the compiled path (types, loop-carried values, constexpr specialisation)
 that the interpreter does not see, and reports whether the streaming loads of the fused select
-and the histogram are vectorised.  Must run in a process WITHOUT ``TRITON_INTERPRET=1`` (the
+and the histogram are vectorised.  Lengths and offsets are compiled as i64 (n > 2^31: the
+interpreter tests cannot allocate such n).  fused_select is compiled as its launcher launches it
+(``enable_fp_fusion=False``), and a variant with a velocity FAILS if its PTX holds an fma: the
+velocity update ``u * momentum + grad`` must round twice, bitwise like the torch reference.  Must run in a process WITHOUT ``TRITON_INTERPRET=1`` (the
 kernels are then decorated as compiled JIT functions); tests/test_kernels.py runs it in a
 subprocess.  Exit status 1 when a variant fails to compile.
 """
@@ -103,8 +106,8 @@ def variants():
     for x in ("*fp32", "*bf16", "*fp16"):
         for ranged in (False, True):
             yield (f"window_pass x={x[1:]} range_ptr={ranged}", threshold._window_pass_kernel,
-                   {"x_ptr": x, "bounds_ptr": "*fp32", "start_ptr": "*i64", "end_ptr": "*i64",
-                    "cand_ptr": "*fp32", "seg_count_ptr": "*i32", "stats_ptr": "*i32",
+                   {"x_ptr": x, "bounds_ptr": "*i32", "start_ptr": "*i64", "end_ptr": "*i64",
+                    "cand_ptr": "*i32", "seg_count_ptr": "*i64", "stats_ptr": "*i64",
                     "start_int": "i64", "end_int": "i64", "seg_cap": "i32",
                     "RANGE_IS_PTR": "constexpr", "NSEG": "constexpr", "BLOCK": "constexpr"},
                    {"RANGE_IS_PTR": ranged, "NSEG": 32, "BLOCK": 4096},
@@ -124,6 +127,8 @@ def main(argv=None) -> int:
         return 2
     import triton
     from triton.backends.compiler import GPUTarget
+
+    from . import selection
     from triton.compiler import ASTSource
     target = GPUTarget("cuda", args.arch, 32)
     failed = 0
@@ -131,13 +136,20 @@ def main(argv=None) -> int:
         names = list(sig)
         attrs = {(names.index(a) if isinstance(a, str) else a,): [["tt.divisibility", 16]]
                  for a in div16}
+        options = {"num_warps": warps}
+        if fn is selection._fused_select_kernel:
+            options["enable_fp_fusion"] = False          # as _fused_select_triton launches it
         try:
             k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                               target=target, options={"num_warps": warps})
+                               target=target, options=options)
             ptx = k.asm["ptx"]
             loads = sorted(set(re.findall(r"ld\.global[\.\w]*", ptx)))
             atomics = sorted(set(re.findall(r"(?:atom|red)\.global[\.\w]*", ptx)))
-            print(f"ok    {name:<40} loads {loads} atomics {atomics}")
+            fma = len(re.findall(r"\bfma\.rn\.f32", ptx))
+            if consts.get("HAS_VELOCITY") and fma:
+                raise AssertionError(f"{fma} fma.rn.f32 in the velocity update: it must round "
+                                     "twice (u * momentum, then + grad) like the torch reference")
+            print(f"ok    {name:<40} loads {loads} atomics {atomics} fma {fma}")
         except Exception:
             failed += 1
             print(f"FAIL  {name}")
