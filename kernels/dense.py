@@ -45,6 +45,8 @@ if HAS_TRITON:
 def nonfinite_flag(x: Tensor) -> Tensor:
     """int32 [1] on x's device: 1 if x holds a NaN or an Inf, else 0 (one read of x)."""
     _dispatch.record(launches=3, bytes=x.element_size() * x.numel())
+    if x.numel() == 0:      # aminmax has no identity: an empty x holds no NaN/Inf
+        return torch.zeros(1, dtype=torch.int32, device=x.device)
     with _dispatch.inside_kernel():
         lo, hi = torch.aminmax(x.reshape(-1))
         return (~(torch.isfinite(lo) & torch.isfinite(hi))).to(torch.int32).reshape(1)

@@ -475,3 +475,214 @@ def test_window_pass_empty():
         K.window_pass(torch.zeros(0), bounds, cand, seg_count, stats, backend=be)
         K.window_pass(torch.ones(9), bounds, cand, seg_count, stats, start=3, end=3, backend=be)
         assert stats.tolist() == [0, 0] and seg_count.tolist() == [0, 0] and (cand == -1).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# scatter_rows
+# ----------------------------------------------------------------------------------------------
+def scatter_expected(dense, indices, values, counts, row_base, add):
+    """Plain Python: rows in order, valid slots i < min(count, cap) with index >= 0."""
+    out = dense.clone().cpu()
+    S, cap = indices.shape
+    for s in range(S):
+        for i in range(min(int(counts[s]), cap)):
+            j = int(indices[s, i])
+            if j < 0:
+                continue
+            p = int(row_base[s]) + j
+            out[p] = (out[p] + values[s, i]) if add else values[s, i]
+    return out
+
+
+@needs_triton
+@pytest.mark.parametrize("add", [False, True])
+@pytest.mark.parametrize("S,cap", [(1, 1), (3, 7), (4, 1500)])
+def test_scatter_rows_packed_rows(add, S, cap):
+    """Rows as views of packed messages (row stride > cap, counts a strided column), -1 slots
+    inside the valid prefix, counts past capacity, zero counts.  Without ``add`` rows are disjoint
+    regions; with ``add`` they overlap and are summed in row order (bitwise)."""
+    g = gen(S * cap)
+    region = 2 * cap + 5
+    n = S * region + 3
+    row_base = torch.arange(S, dtype=torch.int64) * (region if not add else 1) + 1
+    span = region if not add else n - S - 1
+    idx_msg = torch.full((S, cap + 3), 99, dtype=torch.int32)        # [count, pad, idx..., pad]
+    val_msg = torch.randn(S, cap + 2, generator=g)
+    for s in range(S):
+        idx_msg[s, 2:2 + cap] = torch.randperm(span, generator=g)[:cap].to(torch.int32)
+    idx_msg[:, 2 + cap // 2] = -1                                      # an empty slot
+    counts_full = torch.tensor([cap, cap + 9, 0, max(cap - 1, 0)], dtype=torch.int32)[:S]
+    idx_msg[:, 0] = counts_full
+    indices, values, counts = idx_msg[:, 2:2 + cap], val_msg[:, 1:1 + cap], idx_msg[:, 0]
+    assert indices.stride(0) == cap + 3 and counts.stride(0) == cap + 3
+    dense0 = torch.randn(n, generator=g)
+    want = scatter_expected(dense0, indices, values, counts, row_base, add)
+    assert not torch.equal(want, dense0) or S == 1 and cap == 1
+    idx_msg, val_msg, rb = idx_msg.to(DEV), val_msg.to(DEV), row_base.to(DEV)
+    for be in BACKENDS:
+        dense = dense0.clone().to(DEV)
+        K.scatter_rows(dense, idx_msg[:, 2:2 + cap], val_msg[:, 1:1 + cap], idx_msg[:, 0], rb,
+                       add=add, backend=be)
+        assert same_bits(dense, want), be
+
+
+@needs_triton
+def test_scatter_rows_empty():
+    for be in BACKENDS:
+        dense = torch.arange(10, dtype=torch.float32, device=DEV)
+        for S, cap in ((0, 5), (3, 0)):
+            K.scatter_rows(dense, torch.zeros(S, cap, dtype=torch.int32, device=DEV),
+                           torch.ones(S, cap, device=DEV), torch.full((S,), 9, dtype=torch.int32,
+                                                                      device=DEV),
+                           torch.zeros(S, dtype=torch.int64, device=DEV), backend=be)
+        K.scatter_rows(dense, torch.full((2, 4), -1, dtype=torch.int32, device=DEV),
+                       torch.ones(2, 4, device=DEV), torch.full((2,), 4, dtype=torch.int32,
+                                                                device=DEV),
+                       torch.zeros(2, dtype=torch.int64, device=DEV), add=True, backend=be)
+        assert dense.tolist() == list(range(10)), be
+    with pytest.raises(TypeError):
+        K.scatter_rows(torch.zeros(4), torch.zeros(1, 2, dtype=torch.int64), torch.zeros(1, 2),
+                       torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64))
+
+
+# ----------------------------------------------------------------------------------------------
+# the dense step kernels: nonfinite_flag, dense_zeros, fill_if
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", list(GRAD_DTYPES))
+def test_nonfinite_flag(dtype):
+    dt = GRAD_DTYPES[dtype]
+    x = torch.randn(1001, generator=gen(1)).to(dt).to(DEV)
+    f = K.nonfinite_flag(x)
+    assert f.dtype == torch.int32 and f.shape == (1,) and f.device == x.device and int(f) == 0
+    big = torch.tensor(torch.finfo(dt).max, dtype=dt)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for pos in (0, 500, 1000):
+            y = x.clone()
+            y[pos] = bad
+            assert int(K.nonfinite_flag(y)) == 1, (bad, pos)
+    y = x.clone()
+    y[3] = big
+    y[4] = -big
+    assert int(K.nonfinite_flag(y)) == 0
+    assert int(K.nonfinite_flag(x[:1])) == 0 and int(K.nonfinite_flag(x.view(7, 143))) == 0
+    assert int(K.nonfinite_flag(x[:0])) == 0            # empty: holds no NaN/Inf
+
+
+def test_dense_zeros_and_counters():
+    for n in (0, 1, 4097):
+        before = K.counters()
+        z = K.dense_zeros(n, DEV)
+        after = K.counters()
+        assert z.shape == (n,) and z.dtype == torch.float32 and z.device.type == DEV.type
+        assert (z == 0).all() and not torch.signbit(z).any()
+        assert after["launches"] - before["launches"] == 1
+        assert after["bytes"] - before["bytes"] == 4 * n
+
+
+@needs_triton
+@pytest.mark.parametrize("n", [0, 1, 7, 4096, 9001])
+@pytest.mark.parametrize("dtype", list(GRAD_DTYPES))
+def test_fill_if(n, dtype):
+    dt = GRAD_DTYPES[dtype]
+    out0 = torch.randn(n, generator=gen(n)).to(dt)
+    if n >= 4:   # special bit patterns must survive a flag of 0 unchanged
+        out0[0], out0[1], out0[2], out0[3] = -0.0, float("nan"), float("inf"), -float("inf")
+    out0 = out0.to(DEV)
+    for be in BACKENDS:
+        for flag in (torch.zeros((), dtype=torch.int32), torch.zeros(1, dtype=torch.int32)):
+            out = out0.clone()
+            K.fill_if(out, flag.to(DEV), float("nan"), backend=be)
+            assert torch.equal(out.view(torch.int16 if dt != torch.float32 else torch.int32),
+                               out0.view(torch.int16 if dt != torch.float32 else torch.int32)), be
+        for flag, value in ((torch.ones((), dtype=torch.int32), float("nan")),
+                            (torch.full((1,), 7, dtype=torch.int32), -2.5)):
+            out = out0.clone()
+            K.fill_if(out, flag.to(DEV), value, backend=be)
+            want = torch.full((n,), value, dtype=dt)
+            assert torch.equal(out.cpu().float().nan_to_num(1234.0), want.float().nan_to_num(1234.0)), be
+    before = K.counters()
+    K.fill_if(out0.clone(), torch.zeros((), dtype=torch.int32, device=DEV), 0.0)
+    assert K.counters()["launches"] - before["launches"] == 1
+    assert K.counters()["bytes"] == before["bytes"]
+    with pytest.raises(ValueError):
+        K.fill_if(torch.zeros(4, 4).t(), torch.zeros((), dtype=torch.int32), 0.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# histogram skip
+# ----------------------------------------------------------------------------------------------
+@needs_triton
+@pytest.mark.parametrize("device_range", [False, True])
+def test_abs_histogram_skip(device_range):
+    n = 9001
+    x = (torch.randn(n, generator=gen(14)) * 5).to(DEV)
+    kw = dict(start=100, end=n - 7)
+    if device_range:
+        kw = dict(start=torch.tensor(100, device=DEV), end=torch.tensor(n - 7, device=DEV))
+    prefix = torch.tensor(int(abs_bits(torch.tensor([1.5]))) >> 20, device=DEV)
+    for be in BACKENDS:
+        for pre in (None, prefix):
+            plain = K.abs_histogram(x, prefix=pre, backend=be, **kw)
+            assert int(plain.sum()) > 0
+            on = torch.zeros((), dtype=torch.int32, device=DEV)
+            off = torch.ones((), dtype=torch.int32, device=DEV)
+            assert torch.equal(K.abs_histogram(x, prefix=pre, skip=on, backend=be, **kw), plain)
+            stale = torch.ones(K.HIST_BINS, dtype=torch.int64, device=DEV)
+            skipped = K.abs_histogram(x, prefix=pre, skip=off, out=stale, backend=be, **kw)
+            assert int(skipped.abs().sum()) == 0 and skipped.data_ptr() == stale.data_ptr(), be
+        k = 500
+        t_on = K.histogram_threshold(x, k, skip=torch.zeros((), dtype=torch.int32, device=DEV),
+                                     backend=be)
+        assert float(t_on) == float(K.histogram_threshold(x, k, backend=be))
+        t_off = K.histogram_threshold(x, k, skip=torch.ones((), dtype=torch.int32, device=DEV),
+                                      backend=be)
+        assert float(t_off) == 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# clear_sent with a velocity
+# ----------------------------------------------------------------------------------------------
+@needs_triton
+@pytest.mark.parametrize("P", [1, 3, 5])
+def test_clear_sent_with_velocity(P):
+    """residual and velocity are zeroed at the same positions (sent ∩ the first global_counts of
+    the global row); everything else is bitwise unchanged; without a velocity only the residual
+    changes."""
+    n = 3001
+    g = gen(P)
+    offsets = region_layout(n, P, seed=P).cpu()
+    cap_s, cap_g = 40, 30
+    sent = torch.zeros(P, cap_s, dtype=torch.int32)
+    glob = torch.zeros(P, cap_g, dtype=torch.int32)
+    sent_counts = torch.zeros(P, dtype=torch.int32)
+    glob_counts = torch.zeros(P, dtype=torch.int32)
+    want = torch.zeros(n, dtype=torch.bool)
+    for j in range(P):
+        a, b = int(offsets[j]), int(offsets[j + 1])
+        L = b - a
+        if L == 0:
+            continue
+        s_idx = torch.randperm(L, generator=g)[:cap_s]
+        g_idx = torch.cat([s_idx[: len(s_idx) // 2], torch.randperm(L, generator=g)[:cap_g]])
+        g_idx = g_idx.unique()[:cap_g].sort().values
+        sent[j, :len(s_idx)] = s_idx.to(torch.int32)
+        glob[j, :len(g_idx)] = g_idx.to(torch.int32)
+        sent_counts[j] = min(len(s_idx), cap_s - 3)              # the last few sent are stale
+        glob_counts[j] = len(g_idx) + (5 if j % 2 else 0)          # past capacity: clamped
+        valid_g = set(g_idx.tolist()[:min(int(glob_counts[j]), cap_g)])
+        for i in s_idx.tolist()[:int(sent_counts[j])]:
+            if i in valid_g:
+                want[a + i] = True
+    assert want.any()
+    r0 = torch.randn(n, generator=g) + 3.0          # nonzero everywhere
+    u0 = torch.randn(n, generator=g) + 3.0
+    args = [t.to(DEV) for t in (sent, sent_counts, offsets, glob, glob_counts)]
+    for be in BACKENDS:
+        r, u = r0.clone().to(DEV), u0.clone().to(DEV)
+        K.clear_sent(r, *args, velocity=u, backend=be)
+        r, u = r.cpu(), u.cpu()
+        assert torch.equal(r == 0, want) and torch.equal(u == 0, want), be
+        assert same_bits(r[~want], r0[~want]) and same_bits(u[~want], u0[~want]), be
+        r = r0.clone().to(DEV)
+        K.clear_sent(r, *args, backend=be)
+        assert torch.equal(r.cpu() == 0, want), be
