@@ -1,19 +1,31 @@
-"""``oktopk-bench kernels``: the selection step against torch.topk and an unfused torch step.
+"""``oktopk-bench kernels``: every selection kernel, and the whole selection against torch.topk.
 
-Times on the same input (acc = residual + grad, k = density * n):
+For each n (default 2^24, 2^26, 2^28 on CUDA; 2^16 on CPU), on the same input (acc = residual +
+grad, k = density * n, P regions), it times:
 
-* fused select   — ``kernels.fused_select`` (one pass; Triton on CUDA).
-* hist threshold — ``kernels.histogram_threshold`` (two histogram passes over acc).
-* torch.topk     — ``torch.topk(acc.abs(), k)`` (what a plain top-k step does).
-* unfused torch  — acc = r + g; mask; nonzero; gather; residual copy.
-* copy           — ``dst.copy_(src)`` of n fp32: the device copy bandwidth of this run.
+* copy            ``y.copy_(x)`` of n fp32: the reference bandwidth of this run (8n bytes).
+* read            ``x.amax()``: the read bandwidth of this run (4n).
+* torch.topk      ``torch.topk(acc.abs(), k)`` (4n).
+* topk + gather   torch.topk, then ``acc.gather(0, idx)``: what the selection replaces
+                  (4n + 24k: read acc; fp32 values and int64 indices out; gather).
+* hist threshold  the two-level 2048-bin histogram threshold, now only the fallback (2 * 4n).
+* magnitude_threshold  sample + one window pass + candidate sort (4n + 4S + 8·candidates).
+* window_pass     that one pass alone (4n + 4·candidates).
+* fused select    per grad dtype (fp32, bf16): plain; + hist (the 64-bin count histogram, one
+                  threshold per region); + velocity; + velocity + hist (the Ok-Topk step)
+                  ((s_g + 8)n + 8·selected, + 8n with a velocity).
+* unfused torch   acc = r + g; mask; nonzero; gather; residual copy (same bytes as fused select).
+* scatter_rows    the P selection rows into a dense out (12·written).
+* index_put_      ``out.index_put_(..., accumulate=True)`` over every padded slot (the way the
+                  scatter was done before; 12·P·capacity).
+* selection       magnitude_threshold + fused select compaction (both formulas), against
+                  topk + gather.
 
-Bytes formulas (effective GB/s = bytes / median time):
-  fused select, unfused torch: (s_g + 8) * n + 8 * selected   (read grad + read residual +
-                               write residual, plus the (int32 index, fp32 value) pairs)
-  hist threshold: 2 * 4 * n   (two reads of fp32 acc)
-  torch.topk: 4 * n           (one read of fp32 acc; the abs pass is inside the time)
-  copy: 8 * n                 (read + write fp32)
+Every row has ``kernel`` (a stable id), ``n``, ``ms`` (median), its bytes formula, GB/s and
+the % of the copy bandwidth of the same run.  CUDA: CUDA events after warm-up, median of >= 10
+repeats; JSON to ``bench/results/gpu-kernels-<date>.json`` unless ``--json`` says otherwise.  CPU:
+the torch path (or the Triton interpreter) at small n, a functionality check and no performance
+claim.  The goals of issue 15 are printed (and stored under ``goals``) against the rows.
 """
 from __future__ import annotations
 
@@ -24,34 +36,46 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 import time
 from typing import Callable, Dict, List, Optional
 
 import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-CPU_DEFAULT_N = 1 << 22
-GPU_DEFAULT_N = 1 << 27
+CPU_DEFAULT_SIZES = [1 << 16]
+GPU_DEFAULT_SIZES = [1 << 24, 1 << 26, 1 << 28]
+MIN_CUDA_REPEATS = 10
+
+# Issue 15's goals (H100): threshold <= 0.8 ms at 2^28 and >= 7x torch.topk there, >= 5x at
+# 2^24 and 2^26; the fused select >= 80% of the copy bandwidth on its bytes at 2^28.
+THRESHOLD_MS_GOAL = {1 << 28: 0.8}
+THRESHOLD_SPEEDUP_GOAL = {1 << 24: 5.0, 1 << 26: 5.0, 1 << 28: 7.0}
+FUSED_PCT_COPY_GOAL = {1 << 28: 80.0}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--n", type=int, default=None,
-                   help=f"elements (default {GPU_DEFAULT_N} on CUDA, {CPU_DEFAULT_N} on CPU)")
+    p.add_argument("--n", type=int, nargs="+", default=None,
+                   help="elements, one or more (default 2^24 2^26 2^28 on CUDA, 2^16 on CPU)")
     p.add_argument("--density", type=float, default=0.01, help="k / n (default 0.01)")
-    p.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="gradient dtype")
+    p.add_argument("--dtype", choices=list(DTYPES), nargs="+", default=["fp32", "bf16"],
+                   help="gradient dtypes of the fused select rows (default fp32 bf16)")
     p.add_argument("--regions", type=int, default=8, help="regions P of the fused select (default 8)")
-    p.add_argument("--repeats", type=int, default=None, help="timed repeats (default 20 CUDA, 5 CPU)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed warm-up runs (default 2)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help=f"timed repeats (default 20 on CUDA, at least {MIN_CUDA_REPEATS}; 5 on CPU)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed warm-up runs (default 3)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--backend", choices=["auto", "triton", "torch"], default=None,
                    help="kernel backend (default: auto on CUDA, torch on CPU)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON here")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="write the results as JSON here (default on CUDA: "
+                        "bench/results/gpu-kernels-<date>.json; none on CPU)")
 
 
 def _timer(device: torch.device, fn: Callable[[], object], repeats: int, warmup: int,
            setup: Optional[Callable[[], object]] = None) -> List[float]:
-    """Seconds per call; ``setup`` runs untimed before each call."""
+    """Seconds per call; ``setup`` runs untimed before each call (CUDA: synchronised first)."""
     for _ in range(warmup):
         if setup:
             setup()
@@ -83,79 +107,196 @@ def device_name(device: torch.device) -> str:
            f"torch threads {torch.get_num_threads()})"
 
 
-def run(n: int, density: float, dtype: str = "fp32", regions: int = 8, repeats: int = 5,
+def git_commit() -> Optional[str]:
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        r = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                           timeout=10)
+        return r.stdout.strip() or None
+    except Exception:
+        return None
+
+
+def _abs_bits(v: float) -> int:
+    return int(torch.tensor([abs(v)], dtype=torch.float32).view(torch.int32))
+
+
+def run(n: int, density: float, dtype="fp32", regions: int = 8, repeats: int = 5,
         warmup: int = 2, device: Optional[str] = None, backend: Optional[str] = None,
         seed: int = 0) -> Dict:
-    """Run the benchmark and return the result dictionary (also used by tools/)."""
+    """Time every kernel at one n; return that run's dictionary (also used by tools/).
+
+    ``dtype``: one gradient dtype name or a list of them (the fused select rows per dtype; the
+    unfused torch row uses the first)."""
     from oktopk_triton import kernels as K
+    from oktopk_triton.kernels import threshold as T
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = dev.type == "cuda"
     if backend is None:
-        backend = "auto" if dev.type == "cuda" else "torch"
+        backend = "auto" if cuda else "torch"
     used_backend = K.choose(backend, dev)
-    gdt = DTYPES[dtype]
-    s_g = torch.tensor([], dtype=gdt).element_size()
+    grad_dtypes = [dtype] if isinstance(dtype, str) else list(dtype)
     gen = torch.Generator(device=dev).manual_seed(seed)
-    grad = torch.randn(n, device=dev, generator=gen, dtype=torch.float32).to(gdt)
+    grad32 = torch.randn(n, device=dev, generator=gen, dtype=torch.float32)
+    grads = {gd: grad32 if gd == "fp32" else grad32.to(DTYPES[gd]) for gd in grad_dtypes}
     residual0 = torch.randn(n, device=dev, generator=gen, dtype=torch.float32) * 0.5
-    residual = residual0.clone()
-    acc = residual0 + grad.float()
+    velocity0 = torch.randn(n, device=dev, generator=gen, dtype=torch.float32) * 0.1
+    residual, velocity = residual0.clone(), velocity0.clone()
+    acc = residual0 + grads[grad_dtypes[0]].float()
     k = max(1, int(round(density * n)))
     P = max(1, int(regions))
-    region_offsets = torch.tensor([(n * p) // P for p in range(P + 1)], dtype=torch.int64, device=dev)
-    threshold = K.histogram_threshold(acc, k, backend=backend)
+    region_offsets = torch.tensor([(n * p) // P for p in range(P + 1)], dtype=torch.int64,
+                                  device=dev)
+    info: Dict = {}
+    threshold = K.magnitude_threshold(acc, k, backend=backend, info=info)
+    thr_rows = threshold.reshape(1).expand(P).contiguous()
     capacity = int(math.ceil(1.5 * k / P)) + 16
     sel_out = K.empty_selection(P, capacity, dev)
-    selected = int(((acc.abs() >= threshold) & (acc != 0)).sum())   # one host read, untimed
+    hist = torch.zeros(P, K.SELECT_HIST_BINS, dtype=torch.int32, device=dev)
+    # untimed host reads: the selected count and the threshold's own statistics
+    selected = int(((acc.abs() >= threshold) & (acc != 0)).sum())
+    window_ok = bool(info["window_ok"]) if "window_ok" in info else None
+    cand_count = int(info["stats"][1]) if "stats" in info else 0
+    S = int(info.get("S", 0))
 
     def reset():
         residual.copy_(residual0)
 
-    def fused():
-        K.fused_select(grad, residual, threshold, region_offsets, capacity, out=sel_out,
-                       backend=backend)
+    def reset_all():
+        residual.copy_(residual0)
+        velocity.copy_(velocity0)
+        hist.zero_()
 
-    def hist():
-        K.histogram_threshold(acc, k, backend=backend)
+    rows: List[Dict] = []
 
-    def topk():
-        torch.topk(acc.abs(), k, sorted=False)
+    def add(kernel, name, fn, setup, nbytes, formula, **variant):
+        times = _timer(dev, fn, repeats, warmup, setup)
+        med = statistics.median(times)
+        rows.append({"kernel": kernel, "name": name, "n": n, **variant,
+                     "ms": med * 1e3, "median_ms": med * 1e3, "min_ms": min(times) * 1e3,
+                     "repeats": len(times), "bytes": int(nbytes), "bytes_formula": formula,
+                     "gbps": nbytes / med / 1e9})
+        if cuda:
+            torch.cuda.empty_cache()
+
+    dst = torch.empty_like(acc)
+    add("copy", "copy", lambda: dst.copy_(acc), None, 8 * n, "8n (read + write fp32)")
+    add("read", "read (amax)", lambda: acc.amax(), None, 4 * n, "4n (read fp32)")
+    add("torch_topk", "torch.topk", lambda: torch.topk(acc.abs(), k, sorted=False), None, 4 * n,
+        "4n (one read of acc; abs inside the time)")
+
+    def topk_gather():
+        idx = torch.topk(acc.abs(), k, sorted=False).indices
+        return acc.gather(0, idx)
+
+    add("topk_gather", "topk + gather", topk_gather, None, 4 * n + 24 * k,
+        "4n + 24k (read acc; topk writes fp32 values + int64 indices; gather reads them, "
+        "writes k values)")
+    add("hist_threshold", "hist threshold", lambda: K.histogram_threshold(acc, k, backend=backend),
+        None, 8 * n, "2 * 4n (two histogram passes over acc)")
+    add("magnitude_threshold", "magnitude_threshold",
+        lambda: K.magnitude_threshold(acc, k, backend=backend), None, 4 * n + 4 * S + 8 * cand_count,
+        f"4n + 4S + 8*candidates (one pass; S = {S} samples, {cand_count} candidates written "
+        f"and sorted)", window_ok=window_ok)
+
+    # window_pass alone, with the window magnitude_threshold would use (+-z*sqrt(r) sample ranks)
+    S_w = T.sample_size(k, n)
+    w = int(T.WINDOW_Z * math.sqrt(k * S_w / n) * n / S_w) + 1
+    top = torch.topk(acc.abs(), min(n, k + w), sorted=True).values
+    hi_bits = _abs_bits(float(top[k - w - 1])) if k - w >= 1 else 0x7F800000
+    lo_bits = max(1, _abs_bits(float(top[min(n, k + w) - 1])))
+    del top
+    bounds = torch.tensor([lo_bits, max(lo_bits, hi_bits)], dtype=torch.int32, device=dev)
+    cap = T.candidate_capacity(k, n, S_w)
+    nseg = max(1, min(T.WINDOW_SEGMENTS, T._programs(dev, n, T.WINDOW_BLOCK)))
+    cand = torch.full((nseg, -(-5 * cap // (4 * nseg)) + 64), -1, dtype=torch.int32, device=dev)
+    seg_count = torch.zeros(nseg, dtype=torch.int64, device=dev)
+    stats = torch.zeros(2, dtype=torch.int64, device=dev)
+
+    def window_reset():
+        seg_count.zero_()
+        stats.zero_()
+
+    window_reset()
+    K.window_pass(acc, bounds, cand, seg_count, stats, backend=backend)
+    inside = int(seg_count.sum())
+    add("window_pass", "window_pass", lambda: K.window_pass(acc, bounds, cand, seg_count, stats,
+                                                            backend=backend),
+        window_reset, 4 * n + 4 * inside, f"4n + 4*candidates ({inside} in the window)")
+
+    for gd in grad_dtypes:
+        grad = grads[gd]
+        s_g = grad.element_size()
+        base = (s_g + 8) * n + 8 * selected
+        for vel, with_hist in ((False, False), (False, True), (True, False), (True, True)):
+            label = f"fused select {gd}" + (" +velocity" if vel else "") + (" +hist" if with_hist else "")
+
+            def fused(grad=grad, vel=vel, with_hist=with_hist):
+                K.fused_select(grad, residual, thr_rows if with_hist else threshold,
+                               region_offsets, capacity, out=sel_out,
+                               velocity=velocity if vel else None, momentum=0.9,
+                               mask_velocity=vel, hist=hist if with_hist else None,
+                               backend=backend)
+
+            add("fused_select", label, fused, reset_all, base + (8 * n if vel else 0),
+                f"(s_g + 8)n + 8*selected{' + 8n (velocity)' if vel else ''}, s_g = {s_g}"
+                f"{'; hist atomics not counted' if with_hist else ''}",
+                grad_dtype=gd, velocity=vel, hist=with_hist)
+
+    gd0 = grad_dtypes[0]
+    grad0 = grads[gd0]
 
     def unfused():
-        a = residual + grad.float()
+        a = residual + grad0.float()
         mask = (a.abs() >= threshold) & (a != 0)
         idx = mask.nonzero().reshape(-1)
         vals = a[idx]
         residual.copy_(a)
         return idx.to(torch.int32), vals
 
-    dst = torch.empty_like(acc)
+    add("unfused_torch", "unfused torch", unfused, reset,
+        (grad0.element_size() + 8) * n + 8 * selected,
+        f"(s_g + 8)n + 8*selected, s_g = {grad0.element_size()}", grad_dtype=gd0)
 
-    def copy():
-        dst.copy_(acc)
+    # scatter: the P rows of one selection into a dense out
+    reset()
+    sel = K.fused_select(grad0, residual, threshold, region_offsets, capacity, backend=backend)
+    reset()
+    written = int(sel.counts.clamp(max=capacity).sum())
+    row_base = region_offsets[:P].contiguous()
+    out = K.dense_zeros(n, dev)
+    add("scatter_rows", "scatter_rows", lambda: K.scatter_rows(out, sel.indices, sel.values,
+                                                               sel.counts, row_base,
+                                                               backend=backend),
+        None, 12 * written, f"12*written ({written} entries: index, value, out)", regions=P)
+    slot = torch.arange(capacity, device=dev)
+    valid = slot.reshape(1, -1) < sel.counts.reshape(-1, 1).to(torch.int64)
+    gidx = torch.where(valid, row_base.reshape(-1, 1) + sel.indices.to(torch.int64),
+                       torch.zeros_like(valid, dtype=torch.int64)).reshape(-1)
+    gval = torch.where(valid, sel.values, torch.zeros_like(sel.values)).reshape(-1)
+    add("index_put", "index_put_ (accumulate)",
+        lambda: out.index_put_((gidx,), gval, accumulate=True), None, 12 * P * capacity,
+        f"12*P*capacity (every padded slot; padding writes index 0), P = {P}", regions=P)
+    del gidx, gval, valid
 
-    rows = []
-    specs = [
-        ("copy", copy, None, 8 * n, "8n (read + write fp32)"),
-        ("fused select", fused, reset, (s_g + 8) * n + 8 * selected,
-         f"(s_g + 8)n + 8*selected, s_g = {s_g}"),
-        ("hist threshold", hist, None, 8 * n, "2 * 4n (two reads of acc)"),
-        ("torch.topk", topk, None, 4 * n, "4n (one read of acc; abs inside the time)"),
-        ("unfused torch", unfused, reset, (s_g + 8) * n + 8 * selected,
-         f"(s_g + 8)n + 8*selected, s_g = {s_g}"),
-    ]
-    for name, fn, setup, nbytes, formula in specs:
-        times = _timer(dev, fn, repeats, warmup, setup)
-        med = statistics.median(times)
-        rows.append({"name": name, "median_ms": med * 1e3, "min_ms": min(times) * 1e3,
-                     "bytes": nbytes, "bytes_formula": formula, "gbps": nbytes / med / 1e9})
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-    copy_gbps = rows[0]["gbps"]
-    topk_ms = next(r["median_ms"] for r in rows if r["name"] == "torch.topk")
+    # the whole selection: threshold + compaction, against topk + gather
+    def selection():
+        t = K.magnitude_threshold(acc, k, backend=backend)
+        K.fused_select(grad0, residual, t, region_offsets, capacity, out=sel_out, backend=backend)
+
+    add("selection", f"selection (threshold + fused select {gd0})", selection, reset,
+        4 * n + 4 * S + 8 * cand_count + (grad0.element_size() + 8) * n + 8 * selected,
+        "magnitude_threshold + fused select formulas", grad_dtype=gd0)
+
+    byname = {r["kernel"]: r for r in rows}
+    copy_gbps, read_gbps = byname["copy"]["gbps"], byname["read"]["gbps"]
+    topk_ms, tg_ms = byname["torch_topk"]["ms"], byname["topk_gather"]["ms"]
     for r in rows:
         r["pct_copy_bw"] = 100.0 * r["gbps"] / copy_gbps
-        r["speedup_vs_topk"] = topk_ms / r["median_ms"]
+        r["pct_read_bw"] = 100.0 * r["gbps"] / read_gbps
+        r["speedup_vs_topk"] = topk_ms / r["ms"]
+    byname["selection"]["speedup_vs_topk_gather"] = tg_ms / byname["selection"]["ms"]
     import triton
     return {
         "benchmark": "kernels",
@@ -163,45 +304,117 @@ def run(n: int, density: float, dtype: str = "fp32", regions: int = 8, repeats: 
         "device": device_name(dev), "device_type": dev.type,
         "torch": torch.__version__, "triton": triton.__version__,
         "kernel_backend": used_backend,
-        "n": n, "density": density, "k": k, "dtype": dtype, "regions": P, "capacity": capacity,
-        "threshold": float(threshold), "selected": selected, "repeats": repeats,
+        "n": n, "density": density, "k": k, "dtype": gd0, "grad_dtypes": grad_dtypes,
+        "regions": P, "capacity": capacity, "threshold": float(threshold), "selected": selected,
+        "window_ok": window_ok, "repeats": repeats, "warmup": warmup,
+        "copy_gbps": copy_gbps, "read_gbps": read_gbps,
         "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "results": rows,
     }
 
 
+def evaluate_goals(runs: List[Dict]) -> List[Dict]:
+    """Issue 15's goals against the rows: ``met`` is None off CUDA (the goals are an H100's)."""
+    goals = []
+    for res in runs:
+        n, cuda = res["n"], res["device_type"] == "cuda"
+
+        def goal(what, row, value, target, ok):
+            goals.append({"goal": what, "kernel": row["kernel"], "name": row["name"], "n": n,
+                          "value": value, "target": target, "met": bool(ok) if cuda else None})
+
+        for r in res["results"]:
+            if r["kernel"] == "magnitude_threshold":
+                if n in THRESHOLD_MS_GOAL:
+                    goal("threshold ms <=", r, r["ms"], THRESHOLD_MS_GOAL[n],
+                         r["ms"] <= THRESHOLD_MS_GOAL[n])
+                if n in THRESHOLD_SPEEDUP_GOAL:
+                    goal("threshold speedup vs torch.topk >=", r, r["speedup_vs_topk"],
+                         THRESHOLD_SPEEDUP_GOAL[n], r["speedup_vs_topk"] >= THRESHOLD_SPEEDUP_GOAL[n])
+            if r["kernel"] == "fused_select" and n in FUSED_PCT_COPY_GOAL:
+                goal("fused select % of copy bandwidth >=", r, r["pct_copy_bw"],
+                     FUSED_PCT_COPY_GOAL[n], r["pct_copy_bw"] >= FUSED_PCT_COPY_GOAL[n])
+    return goals
+
+
 def format_table(res: Dict) -> str:
     lines = [f"device: {res['device']}   torch {res['torch']}   triton {res['triton']}   "
              f"kernel backend: {res['kernel_backend']}",
-             f"n = {res['n']} ({res['dtype']} grad)   density {res['density']}   k = {res['k']}   "
-             f"selected = {res['selected']}   P = {res['regions']}   repeats = {res['repeats']}"]
+             f"n = {res['n']} (2^{math.log2(res['n']):.4g})   density {res['density']}   "
+             f"k = {res['k']}   selected = {res['selected']}   P = {res['regions']}   "
+             f"repeats = {res['repeats']}   window_ok = {res.get('window_ok')}"]
     if res["device_type"] != "cuda":
-        lines.append("NOTE: no CUDA device — this times the torch reference path on CPU with a "
-                     "small n; the Triton numbers need a GPU.")
+        lines.append("NOTE: no CUDA device — this times the torch reference path (or the Triton "
+                     "interpreter) on CPU with a small n; the Triton numbers need a GPU.")
         if res.get("load_average") is not None:
             lines.append(f"NOTE: CPU load average {res['load_average']:.1f} over "
                          f"{os.cpu_count()} cores during the run (timings are noisy when > cores).")
-    hdr = f"{'step':<16}{'median ms':>11}{'GB/s':>9}{'% copy':>8}{'vs topk':>9}   bytes"
+    hdr = f"{'kernel':<42}{'median ms':>11}{'GB/s':>9}{'% copy':>9}{'vs topk':>9}   bytes"
     lines += [hdr, "-" * len(hdr)]
     for r in res["results"]:
-        lines.append(f"{r['name']:<16}{r['median_ms']:>11.3f}{r['gbps']:>9.1f}"
-                     f"{r['pct_copy_bw']:>7.1f}%{r['speedup_vs_topk']:>8.2f}x   {r['bytes_formula']}")
+        extra = (f"   ({r['speedup_vs_topk_gather']:.2f}x topk + gather)"
+                 if "speedup_vs_topk_gather" in r else "")
+        lines.append(f"{r['name']:<42}{r['ms']:>11.3f}{r['gbps']:>9.1f}"
+                     f"{r['pct_copy_bw']:>8.1f}%{r['speedup_vs_topk']:>8.2f}x   "
+                     f"{r['bytes_formula']}{extra}")
     return "\n".join(lines)
+
+
+def format_goals(goals: List[Dict]) -> str:
+    lines = ["goals (issue 15; H100):"]
+    for g in goals:
+        state = {True: "met", False: "MISSED", None: "not evaluated (not CUDA)"}[g["met"]]
+        lines.append(f"  n=2^{math.log2(g['n']):.4g} {g['name']:<36} {g['goal']} {g['target']:g}: "
+                     f"{g['value']:.3f} — {state}")
+    if len(lines) == 1:
+        lines.append("  (none at these n: the goals are set at n = 2^24, 2^26, 2^28)")
+    return "\n".join(lines)
+
+
+def default_json_path(date: str) -> str:
+    return os.path.join("bench", "results", f"gpu-kernels-{date}.json")
 
 
 def main(args) -> int:
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    n = args.n or (GPU_DEFAULT_N if dev.type == "cuda" else CPU_DEFAULT_N)
-    repeats = args.repeats or (20 if dev.type == "cuda" else 5)
-    res = run(n, args.density, args.dtype, args.regions, repeats, args.warmup, str(dev),
-              args.backend, args.seed)
-    print(format_table(res))
-    if args.json:
-        d = os.path.dirname(os.path.abspath(args.json))
-        os.makedirs(d, exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
-        print(f"wrote {args.json}")
+    cuda = dev.type == "cuda"
+    sizes = args.n or (GPU_DEFAULT_SIZES if cuda else CPU_DEFAULT_SIZES)
+    repeats = args.repeats or (20 if cuda else 5)
+    if cuda and repeats < MIN_CUDA_REPEATS:
+        print(f"--repeats {repeats} raised to {MIN_CUDA_REPEATS} on CUDA (median of >= 10)")
+        repeats = MIN_CUDA_REPEATS
+    now = datetime.datetime.now(datetime.timezone.utc)
+    path = args.json or (default_json_path(now.date().isoformat()) if cuda else None)
+    import triton
+    report = {"benchmark": "kernels", "date": now.isoformat(timespec="seconds"),
+              "device": device_name(dev), "device_type": dev.type,
+              "torch": torch.__version__, "triton": triton.__version__, "git_commit": git_commit(),
+              "density": args.density, "regions": args.regions, "grad_dtypes": list(args.dtype),
+              "repeats": repeats, "warmup": args.warmup, "sizes": list(sizes),
+              "timing": "CUDA events after warm-up, median" if cuda else "perf_counter, median",
+              "runs": [], "entries": [], "goals": []}
+
+    def save():
+        if not path:
+            return
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+
+    for n in sizes:
+        res = run(n, args.density, list(args.dtype), args.regions, repeats, args.warmup, str(dev),
+                  args.backend, args.seed)
+        print(format_table(res), flush=True)
+        report["runs"].append(res)
+        report["entries"].extend(res["results"])
+        report["kernel_backend"] = res["kernel_backend"]
+        report["goals"] = evaluate_goals(report["runs"])
+        save()
+        if cuda:
+            torch.cuda.empty_cache()
+    print(format_goals(report["goals"]))
+    if path:
+        print(f"wrote {path}")
     return 0
 
 
