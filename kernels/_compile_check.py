@@ -6,10 +6,15 @@ Catches errors of the compiled path (types, loop-carried values, constexpr speci
 that the interpreter does not see, and reports whether the streaming loads of the fused select
 and the histogram are vectorised.  Lengths and offsets are compiled as i64 (n > 2^31: the
 interpreter tests cannot allocate such n).  fused_select is compiled as its launcher launches it
-(``enable_fp_fusion=False``), and a variant with a velocity FAILS if its PTX holds an fma: the
-velocity update ``u * momentum + grad`` must round twice, bitwise like the torch reference.  Must run in a process WITHOUT ``TRITON_INTERPRET=1`` (the
-kernels are then decorated as compiled JIT functions); tests/test_kernels.py runs it in a
-subprocess.  Exit status 1 when a variant fails to compile.
+(``enable_fp_fusion=False``), and a variant with a velocity FAILS if its PTX holds an fma (16 of
+them with fusion on): the velocity update ``u * momentum + grad`` must round twice, bitwise like
+the torch reference.  Must run in a process WITHOUT ``TRITON_INTERPRET=1`` (the kernels are then
+decorated as compiled JIT functions); tests/test_kernels.py runs it in a subprocess.  Exit status
+1 when a variant fails to compile.
+
+Why it exists: the first H100 run found a fused_select failure that only the compiled kernel
+had (an overflowing row held unselected indices; GPU-MEASURED.md), and the interpreter never
+shows whether a streaming load is vectorised (``ld.global.v4``), which decides its bandwidth.
 """
 from __future__ import annotations
 

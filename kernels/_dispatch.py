@@ -1,7 +1,12 @@
-"""Backend choice shared by every kernel: ``auto`` | ``triton`` | ``torch``.
+"""Backend choice shared by every kernel: ``auto`` | ``triton`` | ``torch``, and step counters.
 
 ``auto``: CUDA tensors -> compiled Triton; CPU tensors -> the Triton interpreter when
 ``TRITON_INTERPRET=1`` was set before the kernels were decorated, else the torch reference.
+
+Why the counters: every kernel records its launches and its bytes by formula, so a test can
+see what a step costs without a GPU.  The number that made them matter: on an H100 an Ok-Topk
+step launched the histogram kernel 13 times (70 ms of a 290 ms step at n = 2^26, GPU-MEASURED.md),
+which no CPU test had counted.
 """
 from __future__ import annotations
 

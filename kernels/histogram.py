@@ -8,6 +8,12 @@ several ranks can be summed with one small allreduce.  Each Triton program loops
 blocks, accumulates its histogram in registers with ``tl.histogram(..., mask=)`` (the mask
 matters: without it masked-out lanes are counted) and adds it to the output with one vector
 atomic_add.
+
+Now only the fallback of :func:`magnitude_threshold` (when its sampled window misses) and the
+threshold of the simpler algorithms: on an H100 this threshold took 38 ms at n = 2^28 against
+5.93 ms for ``torch.topk`` (a 2048-bin ``tl.histogram`` pass alone 9.1 ms, a 256-bin one 0.81 ms),
+and Ok-Topk launched it 13 times per step (70 ms at 2^26, GPU-MEASURED.md).  ``skip`` (a device
+flag) lets the fallback be launched always and do nothing, so no host read decides it.
 """
 from __future__ import annotations
 
