@@ -1,6 +1,6 @@
 """``oktopk-bench``: kernel, collective and training benchmarks.
 
-    oktopk-bench kernels      --n 134217728 --density 0.01 [--dtype bf16] [--json PATH]
+    oktopk-bench kernels      [--n 16777216 67108864 268435456] [--density 0.01] [--json PATH]
     oktopk-bench collectives  --algorithms all --world-sizes 2 4 8 --n ... [--backend local]
     oktopk-bench train        --algorithms dense oktopk --density 0.01 --world-size 4
     oktopk-bench demo         (what `make demo` runs)
@@ -13,7 +13,7 @@ import sys
 
 # subcommand -> (module in oktopk_triton.bench, help)
 SUBCOMMANDS = {
-    "kernels": ("kernels", "time the fused select, histogram threshold, torch.topk and an unfused torch step"),
+    "kernels": ("kernels", "time every selection kernel and threshold + select against torch.topk + gather"),
     "collectives": ("collectives", "bytes per rank and step time of every algorithm over world sizes"),
     "train": ("train", "train a small CNN on the digits data with each algorithm and compare"),
     "demo": ("train", "the main job: 4 ranks, dense and every sparse algorithm at density 1%%"),
