@@ -1,6 +1,8 @@
 """``oktopk-bench kernels`` on CPU at tiny n: every kernel row is there with n, ms and its bytes
 formula, the JSON has what the cost model and tools/ read, and the goals are judged right."""
 import json
+import os
+import sys
 
 import pytest
 
@@ -44,6 +46,13 @@ def test_kernels_bench_json_on_cpu(tmp_path, capsys):
     assert rep["goals"] == []               # no goal is set at these n
     out = capsys.readouterr().out
     assert "magnitude_threshold" in out and "scatter_rows" in out and "goals" in out
+    # the README table renders from this JSON: one row per kernel, one column per n
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+    import readme_tables
+    table = readme_tables.kernels_table(str(tmp_path / "k.json"))
+    assert "| kernel | n = 2^11 | n = 3001 |" in table
+    for r in rep["runs"][0]["results"]:
+        assert f"| {r['name']} | " in table
 
 
 def test_kernels_bench_triton_interpreter(tmp_path):

@@ -291,7 +291,7 @@ def test_magnitude_threshold_ignores_nan_inf_and_zeros():
     x[2::89] = float("inf")
     x[4::83] = -float("inf")
     x = x.to(DEV)
-    for k in (1, 500):
+    for k in (500,):
         want = kth_largest(x, k)
         res = threshold_both(x, k)
         assert res["torch"][0] == want and res["triton"][0] == want, k
@@ -351,7 +351,7 @@ def test_magnitude_threshold_fallback_when_the_window_misses(monkeypatch):
     monkeypatch.setattr(T, "_jitter", lambda S, device: torch.zeros(S, dtype=torch.float64,
                                                                      device=device))
     x = DATA["student_t"](N_WINDOW, gen(12)).to(DEV)
-    for k in (700, 5000):
+    for k in (5000,):
         info = {}
         t = K.magnitude_threshold(x, k, backend="triton", info=info)
         assert not bool(info["window_ok"])
@@ -408,7 +408,7 @@ def written(cand, seg_count):
 
 
 @needs_triton
-@pytest.mark.parametrize("n", [1, 7, 1000, 9001, 70001])
+@pytest.mark.parametrize("n", [1, 7, 1000, 20001])     # 20001: 5 blocks on 4 programs
 @pytest.mark.parametrize("dtype", list(GRAD_DTYPES))
 @pytest.mark.parametrize("device_range", [False, True])
 def test_window_pass_matches_recount(n, dtype, device_range):

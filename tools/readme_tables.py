@@ -71,8 +71,41 @@ def collectives_table(name: str) -> str:
 
 
 def kernels_table(path: str) -> str:
+    """``oktopk-bench kernels`` JSON: one column per n (ms and % of that run's copy bandwidth;
+    the thresholds and the selection also x faster than torch.topk / topk + gather), then the
+    goals of issue 15."""
     d = json.load(open(path))
-    return "```\n" + json.dumps({k: d[k] for k in list(d)[:6]}, indent=1)[:2000] + "\n```\n"
+    runs = d["runs"]
+    name = os.path.basename(path)
+    out = [f"`{name}`: {d['device']}, {d['date'][:10]}, density {d['density']}, "
+           f"P = {d['regions']}, median of {d['repeats']} ({d.get('timing', '')}), "
+           f"commit {str(d.get('git_commit'))[:10]}\n",
+           "| kernel | " + " | ".join(f"n = 2^{r['n'].bit_length() - 1}"
+                                      if r["n"] & (r["n"] - 1) == 0 else f"n = {r['n']}"
+                                      for r in runs) + " |",
+           "|---|" + "---|" * len(runs)]
+    names = [r["name"] for r in runs[0]["results"]]
+    for nm in names:
+        cells = []
+        for run in runs:
+            r = next((x for x in run["results"] if x["name"] == nm), None)
+            if r is None:
+                cells.append("–")
+                continue
+            cell = f"{r['ms']:.3f} ms ({r['pct_copy_bw']:.0f}%)"
+            if r["kernel"] in ("magnitude_threshold", "hist_threshold"):
+                cell += f", {r['speedup_vs_topk']:.2f}x topk"
+            if "speedup_vs_topk_gather" in r:
+                cell += f", {r['speedup_vs_topk_gather']:.2f}x topk + gather"
+            cells.append(cell)
+        out.append(f"| {nm} | " + " | ".join(cells) + " |")
+    if d.get("goals"):
+        out += ["", "| goal (issue 15) | n | target | measured | met |", "|---|---|---|---|---|"]
+        for g in d["goals"]:
+            met = {True: "yes", False: "**no**", None: "not evaluated"}[g["met"]]
+            out.append(f"| {g['name']}: {g['goal']} | 2^{g['n'].bit_length() - 1} | "
+                       f"{g['target']:g} | {g['value']:.3g} | {met} |")
+    return "\n".join(out) + "\n"
 
 
 def goal_table(pairs) -> str:
@@ -108,6 +141,8 @@ def main() -> int:
         print(train_table(name))
     for p in sorted(glob.glob(os.path.join(RES, "collectives-*.json"))):
         print(collectives_table(os.path.basename(p)))
+    for p in sorted(glob.glob(os.path.join(RES, "gpu-kernels-*.json"))):
+        print(kernels_table(p))
     return 0
 
 
