@@ -35,7 +35,8 @@ def finite_nonzero(x):
 
 def same_bits(a, b):
     """Bitwise equality of two fp32 tensors (NaN payloads included)."""
-    return torch.equal(a.cpu().contiguous().view(torch.int32), b.cpu().contiguous().view(torch.int32))
+    return torch.equal(a.cpu().contiguous().view(torch.int32),
+                       b.cpu().contiguous().view(torch.int32))
 
 
 def tail_count(x, t):
@@ -128,7 +129,8 @@ def hist_recount(acc, thresholds, offsets):
         a = acc[offsets[j]:offsets[j + 1]]
         b = abs_bits(a)[finite_nonzero(a)]
         tb = int(abs_bits(thresholds[j:j + 1]))
-        bins = (((b - tb) >> SELECT_HIST_SHIFT) + SELECT_HIST_BINS // 2).clamp(0, SELECT_HIST_BINS - 1)
+        bins = ((b - tb) >> SELECT_HIST_SHIFT) + SELECT_HIST_BINS // 2
+        bins = bins.clamp(0, SELECT_HIST_BINS - 1)
         out[j] = torch.bincount(bins, minlength=SELECT_HIST_BINS).to(torch.int32)
     return out
 
@@ -599,7 +601,8 @@ def test_fill_if(n, dtype):
             out = out0.clone()
             K.fill_if(out, flag.to(DEV), value, backend=be)
             want = torch.full((n,), value, dtype=dt)
-            assert torch.equal(out.cpu().float().nan_to_num(1234.0), want.float().nan_to_num(1234.0)), be
+            assert torch.equal(out.cpu().float().nan_to_num(1234.0),
+                               want.float().nan_to_num(1234.0)), be
     before = K.counters()
     K.fill_if(out0.clone(), torch.zeros((), dtype=torch.int32, device=DEV), 0.0)
     assert K.counters()["launches"] - before["launches"] == 1

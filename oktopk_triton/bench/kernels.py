@@ -60,9 +60,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--density", type=float, default=0.01, help="k / n (default 0.01)")
     p.add_argument("--dtype", choices=list(DTYPES), nargs="+", default=["fp32", "bf16"],
                    help="gradient dtypes of the fused select rows (default fp32 bf16)")
-    p.add_argument("--regions", type=int, default=8, help="regions P of the fused select (default 8)")
+    p.add_argument("--regions", type=int, default=8,
+                   help="regions P of the fused select (default 8)")
     p.add_argument("--repeats", type=int, default=None,
-                   help=f"timed repeats (default 20 on CUDA, at least {MIN_CUDA_REPEATS}; 5 on CPU)")
+                   help=f"timed repeats (default 20 on CUDA, at least {MIN_CUDA_REPEATS}; "
+                        "5 on CPU)")
     p.add_argument("--warmup", type=int, default=3, help="untimed warm-up runs (default 3)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--backend", choices=["auto", "triton", "torch"], default=None,
@@ -196,7 +198,8 @@ def run(n: int, density: float, dtype="fp32", regions: int = 8, repeats: int = 5
     add("hist_threshold", "hist threshold", lambda: K.histogram_threshold(acc, k, backend=backend),
         None, 8 * n, "2 * 4n (two histogram passes over acc)")
     add("magnitude_threshold", "magnitude_threshold",
-        lambda: K.magnitude_threshold(acc, k, backend=backend), None, 4 * n + 4 * S + 8 * cand_count,
+        lambda: K.magnitude_threshold(acc, k, backend=backend), None,
+        4 * n + 4 * S + 8 * cand_count,
         f"4n + 4S + 8*candidates (one pass; S = {S} samples, {cand_count} candidates written "
         f"and sorted)", window_ok=window_ok)
 
@@ -230,7 +233,8 @@ def run(n: int, density: float, dtype="fp32", regions: int = 8, repeats: int = 5
         s_g = grad.element_size()
         base = (s_g + 8) * n + 8 * selected
         for vel, with_hist in ((False, False), (False, True), (True, False), (True, True)):
-            label = f"fused select {gd}" + (" +velocity" if vel else "") + (" +hist" if with_hist else "")
+            label = (f"fused select {gd}" + (" +velocity" if vel else "")
+                     + (" +hist" if with_hist else ""))
 
             def fused(grad=grad, vel=vel, with_hist=with_hist):
                 K.fused_select(grad, residual, thr_rows if with_hist else threshold,
@@ -330,7 +334,8 @@ def evaluate_goals(runs: List[Dict]) -> List[Dict]:
                          r["ms"] <= THRESHOLD_MS_GOAL[n])
                 if n in THRESHOLD_SPEEDUP_GOAL:
                     goal("threshold speedup vs torch.topk >=", r, r["speedup_vs_topk"],
-                         THRESHOLD_SPEEDUP_GOAL[n], r["speedup_vs_topk"] >= THRESHOLD_SPEEDUP_GOAL[n])
+                         THRESHOLD_SPEEDUP_GOAL[n],
+                         r["speedup_vs_topk"] >= THRESHOLD_SPEEDUP_GOAL[n])
             if r["kernel"] == "fused_select" and n in FUSED_PCT_COPY_GOAL:
                 goal("fused select % of copy bandwidth >=", r, r["pct_copy_bw"],
                      FUSED_PCT_COPY_GOAL[n], r["pct_copy_bw"] >= FUSED_PCT_COPY_GOAL[n])
