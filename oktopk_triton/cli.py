@@ -2,6 +2,7 @@
 
     oktopk-bench kernels      [--n 16777216 67108864 268435456] [--density 0.01] [--json PATH]
     oktopk-bench collectives  --algorithms all --world-sizes 2 4 8 --n ... [--backend local]
+    oktopk-bench ddp          --world-size 4 --hooks all --algorithms all --density 0.01 [--json PATH]
     oktopk-bench train        --algorithms dense oktopk --density 0.01 --world-size 4
     oktopk-bench demo         (what `make demo` runs)
 """
@@ -15,6 +16,7 @@ import sys
 SUBCOMMANDS = {
     "kernels": ("kernels", "time every selection kernel and threshold + select against torch.topk + gather"),
     "collectives": ("collectives", "bytes per rank and step time of every algorithm over world sizes"),
+    "ddp": ("ddp", "step time of DDP on a Linear stack with each comm hook: none, allreduce, fp16, PowerSGD, sparse"),
     "train": ("train", "train a small CNN on the digits data with each algorithm and compare"),
     "demo": ("train", "the main job: 4 ranks, dense and every sparse algorithm at density 1%%"),
 }

@@ -1,0 +1,830 @@
+"""``oktopk-bench ddp``: what each DDP communication choice costs on a real model.
+
+    oktopk-bench ddp [--world-size 4] [--hooks all] [--algorithms all] [--density 0.01] \\
+        [--width 2048 --layers 16 --batch 64] [--steps 10 --warmup 3] [--backend auto|gloo|nccl] \\
+        [--json PATH] [--markdown PATH]
+
+The model is a stack of ``Linear(W, W)`` layers with ReLU between them (W=2048, 16 layers:
+67.1M parameters on CUDA; W=256, 4 layers on CPU), trained with SGD (momentum 0.9) on a fixed
+random regression batch per rank, wrapped in ``DistributedDataParallel`` (``--bucket-cap-mb``,
+default 25 as DDP's). The hooks, i.e. the choices a user of this box has:
+
+* ``none``       a comm hook that communicates nothing and returns the bucket as is: the compute
+                 floor (forward + backward + optimizer, no communication). Replicas diverge.
+* ``allreduce``  DDP's default (no hook registered: the C++ reducer's allreduce).
+* ``fp16``       ``torch``'s ``fp16_compress_hook``.
+* ``powersgd``   ``torch``'s ``powerSGD_hook`` (``matrix_approximation_rank=4``, error feedback
+                 and warm start on, ``start_powerSGD_iter=2``).
+* ``sparse``     :func:`oktopk_triton.ddp.sparse_allreduce_hook`, once per algorithm of
+                 ``--algorithms`` at ``--density``, and per mode of ``SparseAllreduceState``
+                 (``--modes``; ``bucket``/``flat`` where the state accepts a ``mode`` argument).
+
+A step is ``zero_grad``, forward, loss, backward (DDP's communication runs inside it), optimizer
+step, then ``torch.cuda.synchronize`` on CUDA; the ranks meet at a barrier before each step (not
+timed). Each step's time is the slowest rank's; ``step_ms_mean`` / ``step_ms_min`` are over the
+``--steps`` steps after ``--warmup`` untimed ones (which must cover PowerSGD's and the sparse
+hook's dense start iterations and their first compressed iteration).
+
+``mb_sent_per_rank_per_step`` (MB = 1e6 bytes, mean over ranks and timed steps), with its
+``bytes_source``:
+
+* sparse: the communicator's own byte counter (``comm.bytes_sent``) around each step;
+* fp16, powersgd: every ``torch.distributed.all_reduce`` the hook issues, counted as a ring
+  allreduce (``2 (P-1)/P`` times the tensor's bytes);
+* allreduce: the same ring model applied to all parameters (DDP's C++ reducer is not visible
+  from Python);
+* none: 0.
+
+Ranks are processes (``torch.multiprocessing`` spawn, TCP rendezvous on 127.0.0.1):
+
+* CPU (``gloo``): every rank on the CPU (``--threads`` intra-op threads each, default 1).
+* CUDA (``nccl``): rank r on ``cuda:(r % GPUs)``. When ranks share a GPU each gets its own
+  ``NCCL_HOSTID`` (NCCL then sends through loopback sockets). Shared GPUs need the MPS daemon
+  (without it the ranks are time-sliced and a tiny allreduce costs ~18 ms); the JSON records
+  whether MPS was active and the run warns loudly when it was not. The sparse hook's
+  communicator is ``--comm``: ``cupy`` (:class:`~oktopk_triton.comm.NcclCommunicator`),
+  ``torch`` (:class:`~oktopk_triton.comm.TorchCommunicator` on the NCCL group) or ``auto``
+  (cupy when importable).
+
+Replicas: after the run every rank hashes its parameters; ``replicas_identical`` says whether
+all ranks ended with bitwise-equal parameters (true for every averaging hook, false for
+``none``). ``final_loss`` is the mean over ranks of the last step's loss.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import inspect
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+__all__ = ["add_arguments", "main", "run_benchmark", "format_markdown", "format_table",
+           "HOOKS", "make_model", "sparse_modes", "default_json_path"]
+
+HOOKS = ("none", "allreduce", "fp16", "powersgd", "sparse")
+CPU_MODEL = {"width": 256, "layers": 4, "batch": 32}
+GPU_MODEL = {"width": 2048, "layers": 16, "batch": 64}
+SPARSE_START_ITER = 1   # SparseAllreduceState's dense iterations (DDP rebuilds buckets after one)
+STALL_AFTER_ERROR_S = 60.0  # after a hook failed somewhere, the ranks must report within this
+
+
+# -- arguments -------------------------------------------------------------------------------------
+def add_arguments(p) -> None:
+    p.add_argument("--hooks", nargs="+", default=["all"],
+                   help=f"hooks to run, or 'all' (default): {' '.join(HOOKS)}")
+    p.add_argument("--algorithms", nargs="+", default=["all"],
+                   help="algorithms of the sparse hook, or 'all' = every available sparse one")
+    p.add_argument("--density", type=float, default=0.01, help="sparse hook density (default 0.01)")
+    p.add_argument("--modes", nargs="+", default=["auto"],
+                   help="SparseAllreduceState modes (bucket, flat); 'auto' = every mode the state "
+                        "accepts, or its one behaviour when it has no mode argument")
+    p.add_argument("--world-size", "-P", type=int, default=None,
+                   help="ranks P (default 4 on CUDA, 2 on CPU)")
+    p.add_argument("--width", type=int, default=None,
+                   help=f"layer width W (default {GPU_MODEL['width']} on CUDA, "
+                        f"{CPU_MODEL['width']} on CPU)")
+    p.add_argument("--layers", type=int, default=None,
+                   help=f"Linear(W, W) layers (default {GPU_MODEL['layers']} on CUDA, "
+                        f"{CPU_MODEL['layers']} on CPU)")
+    p.add_argument("--batch", type=int, default=None,
+                   help=f"samples per rank per step (default {GPU_MODEL['batch']} on CUDA, "
+                        f"{CPU_MODEL['batch']} on CPU)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
+    p.add_argument("--warmup", type=int, default=3,
+                   help="untimed steps first (default 3; at least PowerSGD's start iteration)")
+    p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
+                   help="auto: nccl when CUDA is available, else gloo")
+    p.add_argument("--comm", choices=("auto", "cupy", "torch"), default="auto",
+                   help="the sparse hook's communicator on nccl (default auto: cupy if importable)")
+    p.add_argument("--kernel-backend", choices=("auto", "triton", "torch"), default=None,
+                   help="kernels of the sparse algorithms (default: torch on CPU, auto on CUDA)")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size (default 25)")
+    p.add_argument("--powersgd-rank", type=int, default=4)
+    p.add_argument("--powersgd-start-iter", type=int, default=2)
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank on CPU")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds the whole run may take (default 600)")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the results JSON here")
+    p.add_argument("--markdown", default=None, metavar="PATH",
+                   help="write the README table (markdown) here")
+    p.add_argument("--quiet", action="store_true", help="print only the final table")
+
+
+# -- the model ---------------------------------------------------------------------------------------
+def make_model(width: int, layers: int):
+    """``layers`` x ``Linear(width, width)`` with ReLU between them (none after the last)."""
+    import torch.nn as nn
+    mods: List[Any] = []
+    for i in range(layers):
+        mods.append(nn.Linear(width, width))
+        if i + 1 < layers:
+            mods.append(nn.ReLU())
+    return nn.Sequential(*mods)
+
+
+def param_count(width: int, layers: int) -> int:
+    return layers * (width * width + width)
+
+
+def ring_bytes(nbytes: int, P: int) -> float:
+    """Bytes one rank sends in a ring allreduce of ``nbytes``."""
+    return 2.0 * (P - 1) * nbytes / P if P > 1 else 0.0
+
+
+# -- environment facts ------------------------------------------------------------------------------
+def _mps_active() -> bool:
+    """Whether an MPS control daemon is running for this environment's pipe directory.
+
+    True when the control pipe ``$CUDA_MPS_PIPE_DIRECTORY/control`` (default
+    ``/tmp/nvidia-mps/control``) exists and a process named ``nvidia-cuda-mps-control`` is alive.
+    (The collectives benchmark has its own detector; the two may be merged.)
+    """
+    pipe_dir = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps"
+    if not os.path.exists(os.path.join(pipe_dir, "control")):
+        return False
+    try:
+        pids = [d for d in os.listdir("/proc") if d.isdigit()]
+    except OSError:
+        return False
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                name = f.read().strip()
+        except OSError:
+            continue
+        if name.startswith("nvidia-cuda-mps"):   # comm is cut to 15 characters
+            return True
+    return False
+
+
+def _git_commit() -> Optional[str]:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
+                             text=True, timeout=10)
+        if out.returncode != 0:
+            return None
+        commit = out.stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return commit + ("-dirty" if dirty else "")
+    except Exception:  # noqa: BLE001 - no git, not a checkout
+        return None
+
+
+def _versions() -> Dict[str, Any]:
+    v: Dict[str, Any] = {"python": sys.version.split()[0]}
+    for mod in ("torch", "triton", "numpy", "cupy", "oktopk_triton"):
+        try:
+            v[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001
+            v[mod] = None
+    try:
+        import torch
+        if torch.cuda.is_available():
+            v["cuda"] = torch.version.cuda
+            v["nccl"] = ".".join(str(x) for x in torch.cuda.nccl.version())
+    except Exception:  # noqa: BLE001
+        pass
+    return v
+
+
+def sparse_modes() -> List[Optional[str]]:
+    """The modes ``SparseAllreduceState`` accepts: ``["bucket", "flat"]`` when it has a ``mode``
+    argument, else ``[None]`` (its one, per-bucket behaviour)."""
+    from ..ddp import SparseAllreduceState
+    try:
+        params = inspect.signature(SparseAllreduceState.__init__).parameters
+    except (TypeError, ValueError):  # pragma: no cover
+        return [None]
+    return ["bucket", "flat"] if "mode" in params else [None]
+
+
+def default_json_path(backend: str, date: Optional[str] = None, out_dir: str = "bench/results") -> str:
+    date = date or datetime.date.today().isoformat()
+    return os.path.join(out_dir, f"ddp-{backend}-{date}.json")
+
+
+# -- the runs -------------------------------------------------------------------------------------------
+def _plan(args) -> List[Dict[str, Any]]:
+    """One entry per (hook, algorithm, mode) to run, in the order they run."""
+    from ..algorithms import SPARSE_ALGORITHMS, available_algorithms, get_algorithm
+    hooks = list(HOOKS) if any(h.lower() == "all" for h in args.hooks) else \
+        [h.lower() for h in args.hooks]
+    for h in hooks:
+        if h not in HOOKS:
+            raise SystemExit(f"oktopk-bench ddp: unknown hook {h!r}; choose from {HOOKS} or 'all'")
+    plan: List[Dict[str, Any]] = []
+    for h in HOOKS:          # always in this order: the floor and the dense baseline first
+        if h not in hooks:
+            continue
+        if h != "sparse":
+            plan.append({"hook": h, "algorithm": None, "mode": None})
+            continue
+        if any(a.lower() == "all" for a in args.algorithms):
+            avail = set(available_algorithms())
+            algs = [a for a in SPARSE_ALGORITHMS if a in avail]
+        else:
+            algs = []
+            for a in args.algorithms:
+                get_algorithm(a.lower())   # ValueError for an unknown name
+                if a.lower() not in algs:
+                    algs.append(a.lower())
+        accepted = sparse_modes()
+        if any(m.lower() == "auto" for m in args.modes):
+            modes = accepted
+        else:
+            modes = [m.lower() for m in args.modes]
+            if accepted == [None]:
+                if modes != ["bucket"]:
+                    raise SystemExit("oktopk-bench ddp: this SparseAllreduceState has no `mode` "
+                                     "argument (it reduces bucket by bucket); use --modes auto")
+                modes = [None]
+            else:
+                bad = [m for m in modes if m not in accepted]
+                if bad:
+                    raise SystemExit(f"oktopk-bench ddp: unknown mode(s) {bad}; "
+                                     f"choose from {accepted}")
+        for a in algs:
+            for m in modes:
+                plan.append({"hook": "sparse", "algorithm": a, "mode": m})
+    return plan
+
+
+class _AllreduceCounter:
+    """Counts ``torch.distributed.all_reduce`` calls as ring allreduces while installed (the
+    Python DDP hooks of torch look the function up on the module at call time)."""
+
+    def __init__(self, P: int) -> None:
+        self.P = P
+        self.bytes = 0.0
+        self._orig: Optional[Callable] = None
+
+    def __enter__(self) -> "_AllreduceCounter":
+        import torch.distributed as dist
+        self._orig = dist.all_reduce
+        orig = self._orig
+
+        def counted(tensor, *a, **kw):
+            self.bytes += ring_bytes(tensor.numel() * tensor.element_size(), self.P)
+            return orig(tensor, *a, **kw)
+
+        dist.all_reduce = counted
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import torch.distributed as dist
+        dist.all_reduce = self._orig
+
+
+def _none_hook(state, bucket):
+    """Communicates nothing: the bucket's local gradients, as they are."""
+    import torch
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def _make_sparse_state(cfg: Dict[str, Any], comm, algorithm: str, mode: Optional[str]):
+    """The hook point for the sparse hook's options: ``mode`` is passed only when the state
+    accepts it (``sparse_modes()``)."""
+    from ..algorithms import get_algorithm
+    from ..ddp import SparseAllreduceState
+    options: Dict[str, Any] = {}
+    kb = cfg["kernel_backend"]
+    if "backend" in getattr(get_algorithm(algorithm), "OPTIONS", {}):
+        options["backend"] = kb
+    if mode is not None:
+        options["mode"] = mode
+    return SparseAllreduceState(density=cfg["density"], algorithm=algorithm,
+                                start_iter=SPARSE_START_ITER, comm=comm, **options)
+
+
+def _run_one(spec: Dict[str, Any], cfg: Dict[str, Any], rank: int, dev, get_comm) -> Dict[str, Any]:
+    """Train ``warmup + steps`` iterations with one hook; this rank's record."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    P = cfg["P"]
+    cuda = dev.type == "cuda"
+    torch.manual_seed(cfg["seed"])                       # the same initial model on every rank
+    model = make_model(cfg["width"], cfg["layers"]).to(dev)
+    ddp = DDP(model, device_ids=[dev.index] if cuda else None,
+              bucket_cap_mb=cfg["bucket_cap_mb"])
+    hook, comm, state, counter = spec["hook"], None, None, None
+    if hook == "none":
+        ddp.register_comm_hook(None, _none_hook)
+    elif hook == "fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+        ddp.register_comm_hook(None, fp16_compress_hook)
+        counter = _AllreduceCounter(P)
+    elif hook == "powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+        state = psgd.PowerSGDState(process_group=None,
+                                   matrix_approximation_rank=cfg["powersgd_rank"],
+                                   start_powerSGD_iter=cfg["powersgd_start_iter"],
+                                   use_error_feedback=True, warm_start=True,
+                                   random_seed=cfg["seed"])
+        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+        counter = _AllreduceCounter(P)
+    elif hook == "sparse":
+        comm = get_comm()
+        state = _make_sparse_state(cfg, comm, spec["algorithm"], spec["mode"])
+        from ..ddp import sparse_allreduce_hook
+        ddp.register_comm_hook(state, sparse_allreduce_hook)
+    elif hook != "allreduce":
+        raise ValueError(f"unknown hook {hook!r}")
+
+    # this rank's data: a few fixed batches of a random regression problem
+    g = torch.Generator().manual_seed(cfg["seed"] * 7919 + 1000 * (rank + 1))
+    batches = [(torch.randn(cfg["batch"], cfg["width"], generator=g).to(dev),
+                torch.randn(cfg["batch"], cfg["width"], generator=g).to(dev)) for _ in range(4)]
+    opt = torch.optim.SGD(ddp.parameters(), lr=cfg["lr"], momentum=0.9)
+    barrier_kw = {"device_ids": [dev.index]} if cuda else {}
+    n_params = sum(p.numel() for p in model.parameters())
+    ring_model = ring_bytes(4 * n_params, P)
+
+    times, losses, sent = [], [], []
+    for it in range(cfg["warmup"] + cfg["steps"]):
+        x, y = batches[it % len(batches)]
+        if cuda:
+            torch.cuda.synchronize(dev)
+        dist.barrier(**barrier_kw)
+        c0 = comm.bytes_sent if comm is not None else 0
+        a0 = counter.bytes if counter is not None else 0.0
+        t0 = time.perf_counter()
+        if counter is not None:
+            with counter:
+                loss = _train_step(ddp, opt, x, y, F)
+        else:
+            loss = _train_step(ddp, opt, x, y, F)
+        if cuda:
+            torch.cuda.synchronize(dev)
+        dt = time.perf_counter() - t0
+        if hook == "sparse":
+            b = float(comm.bytes_sent - c0)
+        elif counter is not None:
+            b = counter.bytes - a0
+        elif hook == "allreduce":
+            b = ring_model
+        else:
+            b = 0.0
+        times.append(dt)
+        sent.append(b)
+        losses.append(float(loss.detach()))
+    flat = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()]).cpu()
+    digest = hashlib.sha1(flat.numpy().tobytes()).hexdigest()
+    rec = {"time_s": times, "bytes": sent, "loss": losses, "param_digest": digest,
+           "params": n_params}
+    if hook == "sparse" and state is not None:
+        rec["buckets"] = len(getattr(state, "reducers", {}) or {})
+    del ddp, model, opt, batches
+    if cuda:
+        torch.cuda.empty_cache()
+    return rec
+
+
+def _train_step(ddp, opt, x, y, F):
+    opt.zero_grad(set_to_none=True)
+    loss = F.mse_loss(ddp(x), y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_entry(rank: int, cfg: Dict[str, Any], plan: List[Dict[str, Any]], port: int, q) -> None:
+    """One rank: init the group, run every planned hook, report each as it completes."""
+    code = 0
+    try:
+        import torch
+        import torch.distributed as dist
+        backend = cfg["backend"]
+        if backend == "nccl":
+            ngpu = torch.cuda.device_count()
+            dev = torch.device("cuda", rank % ngpu)
+            if cfg["P"] > ngpu:   # ranks share a GPU: NCCL must see them as different hosts
+                os.environ["NCCL_HOSTID"] = f"oktopk-ddp-rank{rank}"
+            torch.cuda.set_device(dev)
+        else:
+            dev = torch.device("cpu")
+            torch.set_num_threads(max(1, int(cfg["threads"])))
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=cfg["P"],
+                                timeout=datetime.timedelta(seconds=cfg["pg_timeout"]))
+        comm_box: Dict[str, Any] = {}
+
+        def get_comm():
+            if "comm" not in comm_box:
+                from ..comm import TorchCommunicator
+                if backend == "nccl" and cfg["comm"] == "cupy":
+                    from ..comm import NcclCommunicator
+                    comm_box["comm"] = NcclCommunicator.from_torch_distributed(device=dev)
+                else:
+                    comm_box["comm"] = TorchCommunicator()
+            return comm_box["comm"]
+
+        for i, spec in enumerate(plan):
+            try:
+                rec = _run_one(spec, cfg, rank, dev, get_comm)
+                q.put(("result", rank, i, rec))
+            except Exception:  # noqa: BLE001 - one failing hook does not stop the others
+                q.put(("error", rank, i, traceback.format_exc()))
+            # the ranks meet between hooks (a hook that failed on every rank is skipped cleanly)
+            if backend == "nccl":
+                torch.cuda.synchronize(dev)
+                dist.barrier(device_ids=[dev.index])
+            else:
+                dist.barrier()
+        q.put(("done", rank, -1, None))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        code = 1
+        try:
+            q.put(("fatal", rank, -1, traceback.format_exc()))
+        except Exception:  # noqa: BLE001
+            pass
+    finally:
+        try:
+            q.close()
+            q.join_thread()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)   # no process-group teardown, which can block on a dead peer
+
+
+def _spawn_ranks(cfg: Dict[str, Any], plan: List[Dict[str, Any]], timeout: float,
+                 log: Callable[..., None]):
+    """Run the ranks; ``({plan index: [record per rank]}, {plan index: error}, [fatal])``."""
+    import queue as _queue
+
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    P = cfg["P"]
+    # the children read these when they import torch / the kernels: on CPU, the torch kernel
+    # references unless the Triton interpreter is asked for (TRITON_INTERPRET is read at import)
+    env: Dict[str, Optional[str]] = {}
+    if cfg["backend"] == "gloo":
+        env["OMP_NUM_THREADS"] = str(cfg["threads"])
+        if cfg["kernel_backend"] == "torch":
+            env["TRITON_INTERPRET"] = None
+        elif cfg["kernel_backend"] == "triton":
+            env["TRITON_INTERPRET"] = "1"
+    saved = {k: os.environ.get(k) for k in env}
+    procs = []
+    try:
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        for r in range(P):
+            pr = ctx.Process(target=_rank_entry, args=(r, cfg, plan, port, q), daemon=True,
+                             name=f"ddp-bench-rank{r}")
+            pr.start()
+            procs.append(pr)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+    recs: Dict[int, List[Any]] = {i: [None] * P for i in range(len(plan))}
+    errors: Dict[int, str] = {}
+    fatal: List[str] = []
+    done = [False] * P
+    deadline = time.monotonic() + timeout
+    stall_end = None   # set by an error: the ranks must show progress again before this
+    try:
+        while not all(done):
+            now = time.monotonic()
+            if now > deadline:
+                fatal.append(f"timeout: ranks {[r for r in range(P) if not done[r]]} did not "
+                             f"finish within {timeout:g}s")
+                break
+            if stall_end is not None and now > stall_end:
+                fatal.append(f"ranks {[r for r in range(P) if not done[r]]} made no progress "
+                             f"for {STALL_AFTER_ERROR_S:g}s after an error (a rank left a "
+                             f"collective the others wait in): stopped")
+                break
+            try:
+                kind, rank, i, payload = q.get(timeout=0.5)
+                stall_end = now + STALL_AFTER_ERROR_S if (kind == "error" or errors) else None
+            except _queue.Empty:
+                dead = [r for r, pr in enumerate(procs)
+                        if not done[r] and pr.exitcode is not None]
+                if dead:
+                    try:   # it may have reported just before exiting
+                        while True:
+                            kind, rank, i, payload = q.get(timeout=0.5)
+                            _take(kind, rank, i, payload, recs, errors, fatal, done, plan, log)
+                    except _queue.Empty:
+                        pass
+                    for r in dead:
+                        if not done[r]:
+                            done[r] = True
+                            fatal.append(f"rank {r} exited with code {procs[r].exitcode} "
+                                         f"without finishing")
+                continue
+            _take(kind, rank, i, payload, recs, errors, fatal, done, plan, log)
+            if fatal and not all(done):
+                # a rank died: the others wait for it in a collective until the group timeout
+                deadline = min(deadline, time.monotonic() + 10.0)
+    finally:
+        for pr in procs:
+            pr.join(timeout=5.0 if not fatal else 0.5)
+        for pr in procs:
+            if pr.is_alive():
+                pr.kill()
+                pr.join(timeout=5.0)
+        q.close()
+    return recs, errors, fatal
+
+
+def _take(kind, rank, i, payload, recs, errors, fatal, done, plan, log) -> None:
+    if kind == "result":
+        recs[i][rank] = payload
+        if all(r is not None for r in recs[i]):
+            log(f"  done: {_label(plan[i])}")
+    elif kind == "error":
+        errors.setdefault(i, f"rank {rank}: {payload}")
+    elif kind == "fatal":
+        done[rank] = True
+        fatal.append(f"rank {rank}: {payload}")
+    elif kind == "done":
+        done[rank] = True
+
+
+def _label(spec: Dict[str, Any]) -> str:
+    if spec["hook"] != "sparse":
+        return spec["hook"]
+    return f"sparse/{spec['algorithm']}" + (f"/{spec['mode']}" if spec["mode"] else "")
+
+
+def _summary(spec: Dict[str, Any], per_rank: List[Dict[str, Any]], cfg: Dict[str, Any]) -> Dict[str, Any]:
+    w = cfg["warmup"]
+    steps = len(per_rank[0]["time_s"])
+    timed = list(range(w, steps))
+    step_s = [max(r["time_s"][t] for r in per_rank) for t in range(steps)]   # slowest rank
+    mb = sum(r["bytes"][t] for r in per_rank for t in timed) / (len(per_rank) * len(timed)) / 1e6
+    source = {"sparse": "comm.bytes_sent", "fp16": "dist.all_reduce calls, ring model",
+              "powersgd": "dist.all_reduce calls, ring model",
+              "allreduce": "ring model of all parameters", "none": "nothing sent"}[spec["hook"]]
+    out = {
+        "hook": spec["hook"],
+        "algorithm": spec["algorithm"],
+        "mode": (spec["mode"] or "bucket") if spec["hook"] == "sparse" else None,
+        "density": cfg["density"] if spec["hook"] == "sparse" else None,
+        "step_ms_mean": 1e3 * sum(step_s[t] for t in timed) / len(timed),
+        "step_ms_min": 1e3 * min(step_s[t] for t in timed),
+        "step_ms_per_step": [1e3 * s for s in step_s],
+        "mb_sent_per_rank_per_step": mb,
+        "bytes_source": source,
+        "ratio_to_allreduce": None,
+        "final_loss": sum(r["loss"][-1] for r in per_rank) / len(per_rank),
+        "loss_rank0": per_rank[0]["loss"],
+        "replicas_identical": len({r["param_digest"] for r in per_rank}) == 1,
+    }
+    if spec["hook"] == "powersgd":
+        out["matrix_approximation_rank"] = cfg["powersgd_rank"]
+        out["start_powerSGD_iter"] = cfg["powersgd_start_iter"]
+    if "buckets" in per_rank[0]:
+        out["buckets"] = per_rank[0]["buckets"]
+    return out
+
+
+def _resolve_config(args) -> Dict[str, Any]:
+    import torch
+    cuda = torch.cuda.is_available()
+    backend = args.backend if args.backend != "auto" else ("nccl" if cuda else "gloo")
+    if backend == "nccl" and not cuda:
+        raise SystemExit("oktopk-bench ddp: --backend nccl needs a CUDA GPU")
+    on_gpu = backend == "nccl"
+    defaults = GPU_MODEL if on_gpu else CPU_MODEL
+    P = args.world_size if args.world_size is not None else (4 if on_gpu else 2)
+    if P < 2:
+        raise SystemExit("oktopk-bench ddp: --world-size must be >= 2")
+    if args.steps < 1:
+        raise SystemExit("oktopk-bench ddp: --steps must be >= 1")
+    if not 0.0 < args.density <= 1.0:
+        raise SystemExit(f"oktopk-bench ddp: --density must be in (0, 1], got {args.density}")
+    need = max(args.powersgd_start_iter, SPARSE_START_ITER + 1)
+    if args.warmup < need:
+        raise SystemExit(f"oktopk-bench ddp: --warmup must be >= {need}: PowerSGD's dense "
+                         f"iterations (start_powerSGD_iter={args.powersgd_start_iter}) and the "
+                         f"sparse hook's dense and first (calibration) iterations are not timed")
+    comm = args.comm
+    if backend == "nccl" and comm == "auto":
+        from ..comm.select import _cupy_available
+        comm = "cupy" if _cupy_available() else "torch"
+    elif backend == "gloo":
+        comm = "torch"
+    kb = args.kernel_backend or ("auto" if on_gpu else "torch")
+    width = args.width or defaults["width"]
+    layers = args.layers or defaults["layers"]
+    ngpu = torch.cuda.device_count() if on_gpu else 0
+    return {"backend": backend, "P": P, "width": width, "layers": layers,
+            "batch": args.batch or defaults["batch"], "steps": args.steps,
+            "warmup": args.warmup, "density": args.density, "comm": comm, "kernel_backend": kb,
+            "bucket_cap_mb": args.bucket_cap_mb, "powersgd_rank": args.powersgd_rank,
+            "powersgd_start_iter": args.powersgd_start_iter, "lr": args.lr,
+            "threads": args.threads, "seed": args.seed,
+            "pg_timeout": max(30.0, min(300.0, args.timeout / 2)),
+            "gpus_used": min(P, ngpu) if on_gpu else 0,
+            "ranks_per_gpu": -(-P // ngpu) if on_gpu else 0}
+
+
+def run_benchmark(args, log: Callable[..., None] = print) -> Dict[str, Any]:
+    import torch
+    cfg = _resolve_config(args)
+    plan = _plan(args)
+    on_gpu = cfg["backend"] == "nccl"
+    mps = _mps_active() if on_gpu else None
+    warnings: List[str] = []
+    if on_gpu and cfg["ranks_per_gpu"] > 1 and not mps:
+        msg = (f"WARNING: {cfg['P']} ranks share {cfg['gpus_used']} GPU(s) and the MPS daemon is "
+               f"NOT active: the ranks are time-sliced and every step time below is inflated "
+               f"(a 4-byte allreduce costs ~18 ms). Start MPS first (nvidia-cuda-mps-control -d).")
+        warnings.append(msg)
+        bar = "!" * 100
+        print(f"{bar}\n{msg}\n{bar}", file=sys.stderr, flush=True)
+    log(f"ddp: backend={cfg['backend']} P={cfg['P']} model={cfg['layers']}x"
+        f"Linear({cfg['width']}, {cfg['width']}) ({param_count(cfg['width'], cfg['layers'])} "
+        f"params) batch={cfg['batch']} steps={cfg['steps']}+{cfg['warmup']} warm-up; "
+        f"{len(plan)} runs")
+    t0 = time.perf_counter()
+    recs, errs, fatal = _spawn_ranks(cfg, plan, args.timeout, log)
+    wall = time.perf_counter() - t0
+    results, errors = [], []
+    for i, spec in enumerate(plan):
+        if i in errs or any(r is None for r in recs[i]):
+            errors.append({"hook": spec["hook"], "algorithm": spec["algorithm"],
+                           "mode": spec["mode"],
+                           "error": errs.get(i, "did not complete on every rank")})
+            continue
+        results.append(_summary(spec, recs[i], cfg))
+    base = next((r for r in results if r["hook"] == "allreduce"), None)
+    if base is not None:
+        for r in results:
+            r["ratio_to_allreduce"] = r["step_ms_mean"] / base["step_ms_mean"]
+    for f in fatal:
+        errors.append({"hook": None, "algorithm": None, "mode": None, "error": f})
+    dev_name = torch.cuda.get_device_name(0) if on_gpu else (platform.processor()
+                                                             or platform.machine() or "cpu")
+    return {
+        "benchmark": "ddp",
+        "backend": cfg["backend"],
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": _git_commit(),
+        "host": platform.node(),
+        "device": dev_name,
+        "gpus": cfg["gpus_used"],
+        "mps": mps,
+        "versions": _versions(),
+        "config": {"model": f"{cfg['layers']} x Linear({cfg['width']}, {cfg['width']}) + ReLU, "
+                            f"MSE on random data, SGD momentum 0.9",
+                   "W": cfg["width"], "layers": cfg["layers"],
+                   "params": param_count(cfg["width"], cfg["layers"]), "batch": cfg["batch"],
+                   "P": cfg["P"], "steps": cfg["steps"], "warmup": cfg["warmup"],
+                   "ranks_per_gpu": cfg["ranks_per_gpu"], "bucket_cap_mb": cfg["bucket_cap_mb"],
+                   "comm": cfg["comm"], "kernel_backend": cfg["kernel_backend"],
+                   "powersgd_rank": cfg["powersgd_rank"],
+                   "powersgd_start_iter": cfg["powersgd_start_iter"],
+                   "sparse_start_iter": SPARSE_START_ITER, "lr": cfg["lr"],
+                   "threads_per_rank": cfg["threads"] if not on_gpu else None,
+                   "seed": cfg["seed"]},
+        "results": results,
+        "errors": errors,
+        "warnings": warnings,
+        "wall_s": wall,
+    }
+
+
+# -- output ---------------------------------------------------------------------------------------------
+_HOOK_NAMES = {"none": "none (compute floor, no communication)",
+               "allreduce": "DDP default allreduce",
+               "fp16": "`fp16_compress_hook`",
+               "powersgd": "PowerSGD"}
+_ALG_NAMES = {"oktopk": "Ok-Topk", "topka": "TopkA", "gtopk": "gTop-k", "spardl": "SparDL",
+              "topkdsa": "TopkDSA", "gaussiank": "Gaussiank", "dense": "dense"}
+
+
+def _hook_label(r: Dict[str, Any]) -> str:
+    if r["hook"] == "sparse":
+        pct = f"{100 * r['density']:g}%"
+        mode = f", {r['mode']}" if r.get("mode") and r["mode"] != "bucket" else ""
+        return f"`sparse_allreduce_hook`, {_ALG_NAMES.get(r['algorithm'], r['algorithm'])} {pct}{mode}"
+    if r["hook"] == "powersgd":
+        return f"PowerSGD rank {r.get('matrix_approximation_rank', '?')} (error feedback)"
+    return _HOOK_NAMES.get(r["hook"], r["hook"])
+
+
+def _fmt_mb(mb: float) -> str:
+    return f"{mb:.1f}" if mb >= 10 else (f"{mb:.3g}" if mb > 0 else "0")
+
+
+def _error_line(text: Any) -> str:
+    """The line of a traceback that names the exception (the last line that says Error)."""
+    lines = [ln.strip() for ln in str(text or "").strip().splitlines() if ln.strip()]
+    named = [ln for ln in lines if "Error" in ln or "Exception" in ln or "timeout" in ln]
+    return (named or lines or [""])[-1]
+
+
+def format_markdown(report: Dict[str, Any]) -> str:
+    """The README table of a report: one row per hook, with device, date and setup above it."""
+    cfg = report["config"]
+    date = str(report["date"])[:10]
+    if report["backend"] == "nccl":
+        where = (f"{report['device']}, P={cfg['P']} ranks on {report['gpus']} GPU(s)"
+                 + (f", MPS {'on' if report['mps'] else 'OFF (time-sliced)'}"
+                    if cfg.get("ranks_per_gpu", 1) > 1 else ""))
+    else:
+        where = f"CPU ({report['device']}), P={cfg['P']} gloo ranks"
+    lines = [f"DDP, {cfg['layers']} x Linear({cfg['W']}, {cfg['W']}) ({cfg['params'] / 1e6:.1f}M "
+             f"parameters), batch {cfg['batch']} per rank, {cfg['bucket_cap_mb']:g} MB buckets; "
+             f"{where}; mean of {cfg['steps']} steps after {cfg['warmup']}; {date}, "
+             f"commit {str(report.get('git_commit') or '?')[:10]}.",
+             "",
+             "| comm hook | ms per step (mean) | min | MB sent per rank per step | x allreduce "
+             "| final loss | replicas identical |",
+             "|---|---|---|---|---|---|---|"]
+    for r in report["results"]:
+        ratio = "-" if r["ratio_to_allreduce"] is None else f"{r['ratio_to_allreduce']:.2f}"
+        lines.append(f"| {_hook_label(r)} | {r['step_ms_mean']:.1f} | {r['step_ms_min']:.1f} | "
+                     f"{_fmt_mb(r['mb_sent_per_rank_per_step'])} | {ratio} | {r['final_loss']:.4g} | "
+                     f"{'yes' if r['replicas_identical'] else 'no'} |")
+    for e in report.get("errors", []):
+        what = e["hook"] or "run"
+        if e.get("algorithm"):
+            what += f"/{e['algorithm']}"
+        lines.append(f"| {what} | failed: {_error_line(e['error'])[:80]} "
+                     f"| | | | | |")
+    return "\n".join(lines)
+
+
+def format_table(report: Dict[str, Any]) -> str:
+    """A plain-text table for the terminal."""
+    hdr = ("hook", "algorithm", "mode", "ms mean", "ms min", "MB/rank/step", "x allreduce",
+           "final loss", "replicas equal")
+    rows = [hdr]
+    for r in report["results"]:
+        rows.append((r["hook"], r["algorithm"] or "-", r["mode"] or "-",
+                     f"{r['step_ms_mean']:.2f}", f"{r['step_ms_min']:.2f}",
+                     f"{r['mb_sent_per_rank_per_step']:.3f}",
+                     "-" if r["ratio_to_allreduce"] is None else f"{r['ratio_to_allreduce']:.2f}",
+                     f"{r['final_loss']:.5g}", "yes" if r["replicas_identical"] else "no"))
+    w = [max(len(row[i]) for row in rows) for i in range(len(hdr))]
+    lines = [" | ".join(c.ljust(w[i]) if i < 3 else c.rjust(w[i]) for i, c in enumerate(row))
+             for row in rows]
+    lines.insert(1, "-+-".join("-" * x for x in w))
+    return "\n".join(lines)
+
+
+def _write(path: str, text: str) -> None:
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def main(args) -> int:
+    log = (lambda *a, **k: None) if args.quiet else (lambda *a, **k: print(*a, **k, flush=True))
+    report = run_benchmark(args, log=log)
+    print(format_table(report), flush=True)
+    for w in report["warnings"]:
+        print(w, file=sys.stderr, flush=True)
+    for e in report["errors"]:
+        print(f"error: {e['hook']} {e['algorithm'] or ''}: {_error_line(e['error'])}", flush=True)
+    if args.json:
+        _write(args.json, json.dumps(report, indent=1))
+        print(f"wrote {args.json}", flush=True)
+    if args.markdown:
+        _write(args.markdown, format_markdown(report) + "\n")
+        print(f"wrote {args.markdown}", flush=True)
+    return 1 if report["errors"] else 0
+
+
+if __name__ == "__main__":  # python -m oktopk_triton.bench.ddp
+    import argparse
+    _p = argparse.ArgumentParser(prog="oktopk-bench ddp")
+    add_arguments(_p)
+    sys.exit(main(_p.parse_args()))
