@@ -1,5 +1,6 @@
 # make test : install (into the active environment, or a fresh .venv) and run the test suite
 # make demo : install and run the main job (4-rank training comparison)
+# make gpu-check [GPU_CHECK_OUT=DIR] : on a GPU machine, MPS + CUDA tests + every GPU benchmark (< 9 min)
 #
 # Python: the active virtualenv if one is active, else .venv (created on first use).
 # torch: an already-installed torch is kept; otherwise torch==2.13.0 is installed first, which on
@@ -13,7 +14,7 @@ endif
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install test demo bench clean
+.PHONY: install test demo bench gpu-check clean
 
 $(PY):
 	python3 -m venv --system-site-packages .venv
@@ -31,6 +32,9 @@ demo: install
 
 bench: install
 	$(PY) -m oktopk_triton.cli kernels
+
+gpu-check:
+	python3 tools/gpu_check.py --out $(or $(GPU_CHECK_OUT),bench/results)
 
 clean:
 	rm -rf .venv build *.egg-info .pytest_cache
