@@ -171,3 +171,43 @@ def test_cli_has_ddp():
     from oktopk_triton import cli
     args = cli.build_parser("ddp").parse_args(["ddp", "--world-size", "2", "--hooks", "none"])
     assert args._module is D and args.world_size == 2
+
+
+def test_summary_times_exclude_warmup_and_take_the_slowest_rank():
+    cfg = {"warmup": 2, "density": 0.01, "powersgd_rank": 4, "powersgd_start_iter": 2}
+    ranks = [{"time_s": [9.0, 9.0, 0.010, 0.030], "bytes": [0, 0, 100.0, 300.0],
+              "loss": [1.0, 0.9, 0.8, 0.7], "param_digest": "a"},
+             {"time_s": [9.0, 9.0, 0.020, 0.010], "bytes": [0, 0, 100.0, 300.0],
+              "loss": [1.0, 0.8, 0.6, 0.5], "param_digest": "a"}]
+    s = D._summary({"hook": "sparse", "algorithm": "topka", "mode": None}, ranks, cfg)
+    assert s["step_ms_mean"] == pytest.approx((20 + 30) / 2)   # per step the slowest rank
+    assert s["step_ms_min"] == pytest.approx(20)
+    assert s["mb_sent_per_rank_per_step"] == pytest.approx(200 / 1e6)
+    assert s["final_loss"] == pytest.approx(0.6) and s["replicas_identical"]
+    assert s["mode"] == "bucket" and s["density"] == 0.01
+    ranks[1]["param_digest"] = "b"
+    assert not D._summary({"hook": "none", "algorithm": None, "mode": None}, ranks,
+                          cfg)["replicas_identical"]
+
+
+def test_markdown_of_a_gpu_report():
+    rep = {"backend": "nccl", "date": "2026-11-23T12:00:00+00:00", "git_commit": "0123456789abc",
+           "device": "NVIDIA H100 80GB HBM3", "gpus": 1, "mps": False,
+           "config": {"W": 2048, "layers": 16, "params": 16 * (2048 * 2048 + 2048), "batch": 64,
+                      "P": 4, "steps": 8, "warmup": 3, "bucket_cap_mb": 25.0, "ranks_per_gpu": 4},
+           "results": [{"hook": "allreduce", "algorithm": None, "mode": None, "density": None,
+                        "step_ms_mean": 178.04, "step_ms_min": 170.0,
+                        "mb_sent_per_rank_per_step": 402.7, "ratio_to_allreduce": 1.0,
+                        "final_loss": 1.01, "replicas_identical": True},
+                       {"hook": "sparse", "algorithm": "spardl", "mode": "flat", "density": 0.01,
+                        "step_ms_mean": 37.6, "step_ms_min": 36.0,
+                        "mb_sent_per_rank_per_step": 8.1, "ratio_to_allreduce": 0.211,
+                        "final_loss": 1.02, "replicas_identical": True}],
+           "errors": [{"hook": "sparse", "algorithm": "oktopk", "mode": None,
+                       "error": "Traceback (most recent call last):\n  File x\nRuntimeError: boom\n"}]}
+    md = D.format_markdown(rep)
+    assert "67.1M parameters" in md and "NVIDIA H100 80GB HBM3" in md
+    assert "P=4 ranks on 1 GPU(s), MPS OFF (time-sliced)" in md and "2026-11-23" in md
+    assert "| DDP default allreduce | 178.0 | 170.0 | 402.7 | 1.00 |" in md
+    assert "| `sparse_allreduce_hook`, SparDL 1%, flat | 37.6 | 36.0 | 8.1 | 0.21 |" in md
+    assert "| sparse/oktopk | failed: RuntimeError: boom |" in md

@@ -131,6 +131,12 @@ def goal_table(pairs) -> str:
     return "\n".join(rows) + "\n"
 
 
+def ddp_table(path: str) -> str:
+    """A ``oktopk-bench ddp`` JSON as its README table (oktopk_triton.bench.ddp.format_markdown)."""
+    from oktopk_triton.bench.ddp import format_markdown
+    return f"`{os.path.basename(path)}`: " + format_markdown(json.load(open(path))) + "\n"
+
+
 def main() -> int:
     print(goal_table([
         ("1%", "train-digits-d0.01-seeds10-nomc.json", "optimizer, tau=32 (before)", 0.5),
@@ -143,6 +149,8 @@ def main() -> int:
         print(collectives_table(os.path.basename(p)))
     for p in sorted(glob.glob(os.path.join(RES, "gpu-kernels-*.json"))):
         print(kernels_table(p))
+    for p in sorted(glob.glob(os.path.join(RES, "ddp-*.json"))):
+        print(ddp_table(p))
     return 0
 
 

@@ -166,6 +166,13 @@ def _mps_active() -> bool:
     return False
 
 
+def _load_avg() -> Optional[float]:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):  # pragma: no cover - not on every platform
+        return None
+
+
 def _git_commit() -> Optional[str]:
     here = os.path.dirname(os.path.abspath(__file__))
     try:
@@ -671,6 +678,7 @@ def run_benchmark(args, log: Callable[..., None] = print) -> Dict[str, Any]:
         f"Linear({cfg['width']}, {cfg['width']}) ({param_count(cfg['width'], cfg['layers'])} "
         f"params) batch={cfg['batch']} steps={cfg['steps']}+{cfg['warmup']} warm-up; "
         f"{len(plan)} runs")
+    load_before = _load_avg()
     t0 = time.perf_counter()
     recs, errs, fatal = _spawn_ranks(cfg, plan, args.timeout, log)
     wall = time.perf_counter() - t0
@@ -716,6 +724,8 @@ def run_benchmark(args, log: Callable[..., None] = print) -> Dict[str, Any]:
         "errors": errors,
         "warnings": warnings,
         "wall_s": wall,
+        "load_avg_1m_before_after": [load_before, _load_avg()],   # other work on this machine
+        "cpu_count": os.cpu_count(),
     }
 
 
