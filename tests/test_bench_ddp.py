@@ -211,3 +211,45 @@ def test_markdown_of_a_gpu_report():
     assert "| DDP default allreduce | 178.0 | 170.0 | 402.7 | 1.00 |" in md
     assert "| `sparse_allreduce_hook`, SparDL 1%, flat | 37.6 | 36.0 | 8.1 | 0.21 |" in md
     assert "| sparse/oktopk | failed: RuntimeError: boom |" in md
+
+
+def test_rank_placement():
+    assert [D.rank_placement(r, 4, 1) for r in range(4)] == \
+        [(0, f"oktopk-ddp-rank{r}") for r in range(4)]           # one GPU: four hosts to NCCL
+    assert [D.rank_placement(r, 4, 2)[0] for r in range(4)] == [0, 1, 0, 1]
+    assert D.rank_placement(3, 4, 8) == (3, None)                 # a GPU each: NCCL as usual
+    with pytest.raises(RuntimeError):
+        D.rank_placement(0, 2, 0)
+
+
+def test_gpu_run_around_the_ranks(monkeypatch, capsys):
+    """The CUDA path without a GPU: config defaults, MPS recorded and warned about, the report
+    assembled from (faked) rank records."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "FakeGPU 80GB")
+    monkeypatch.setattr(D, "_mps_active", lambda: False)
+    seen = {}
+
+    def fake_spawn(cfg, plan, timeout, log):
+        seen["cfg"], seen["plan"] = cfg, plan
+        rec = {"time_s": [0.5, 0.4, 0.2, 0.1], "bytes": [0.0, 0.0, 8e6, 8e6],
+               "loss": [1.0, 0.9, 0.8, 0.7], "param_digest": "x"}
+        return {i: [dict(rec) for _ in range(cfg["P"])] for i in range(len(plan))}, {}, []
+
+    monkeypatch.setattr(D, "_spawn_ranks", fake_spawn)
+    rep = D.run_benchmark(_args("--hooks", "allreduce", "none", "--warmup", "2", "--steps", "2"),
+                          log=lambda *a, **k: None)
+    cfg = seen["cfg"]
+    assert (cfg["backend"], cfg["P"], cfg["width"], cfg["layers"], cfg["batch"]) == \
+        ("nccl", 4, 2048, 16, 64)
+    assert cfg["ranks_per_gpu"] == 4 and cfg["kernel_backend"] == "auto"
+    assert rep["config"]["params"] == 16 * (2048 * 2048 + 2048)        # 67.1M
+    assert rep["backend"] == "nccl" and rep["device"] == "FakeGPU 80GB" and rep["gpus"] == 1
+    assert rep["mps"] is False and rep["warnings"] and "MPS" in rep["warnings"][0]
+    assert "NOT active" in capsys.readouterr().err                     # loudly, on stderr
+    assert [r["hook"] for r in rep["results"]] == ["none", "allreduce"]
+    assert rep["results"][1]["step_ms_mean"] == pytest.approx(150.0)
+    assert rep["results"][1]["ratio_to_allreduce"] == 1.0
+    assert "MPS OFF (time-sliced)" in D.format_markdown(rep)

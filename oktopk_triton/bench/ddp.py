@@ -430,6 +430,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def rank_placement(rank: int, P: int, ngpu: int):
+    """(GPU index, NCCL_HOSTID or None) of ``rank``: GPUs round robin; when ranks share a GPU
+    each claims its own host id, since NCCL refuses two ranks of one host on one GPU and, seeing
+    P hosts, goes through loopback sockets instead."""
+    if ngpu < 1:
+        raise RuntimeError("nccl: no CUDA GPU")
+    return rank % ngpu, (f"oktopk-ddp-rank{rank}" if P > ngpu else None)
+
+
 def _rank_entry(rank: int, cfg: Dict[str, Any], plan: List[Dict[str, Any]], port: int, q) -> None:
     """One rank: init the group, run every planned hook, report each as it completes."""
     code = 0
@@ -438,10 +447,10 @@ def _rank_entry(rank: int, cfg: Dict[str, Any], plan: List[Dict[str, Any]], port
         import torch.distributed as dist
         backend = cfg["backend"]
         if backend == "nccl":
-            ngpu = torch.cuda.device_count()
-            dev = torch.device("cuda", rank % ngpu)
-            if cfg["P"] > ngpu:   # ranks share a GPU: NCCL must see them as different hosts
-                os.environ["NCCL_HOSTID"] = f"oktopk-ddp-rank{rank}"
+            index, hostid = rank_placement(rank, cfg["P"], torch.cuda.device_count())
+            if hostid is not None:
+                os.environ["NCCL_HOSTID"] = hostid
+            dev = torch.device("cuda", index)
             torch.cuda.set_device(dev)
         else:
             dev = torch.device("cpu")
@@ -634,6 +643,15 @@ def _summary(spec: Dict[str, Any], per_rank: List[Dict[str, Any]], cfg: Dict[str
     return out
 
 
+def _cupy_nccl_importable() -> bool:
+    try:
+        import cupy  # noqa: F401
+        from cupy.cuda import nccl  # noqa: F401
+    except Exception:  # noqa: BLE001 - missing, or a broken CUDA install
+        return False
+    return True
+
+
 def _resolve_config(args) -> Dict[str, Any]:
     import torch
     cuda = torch.cuda.is_available()
@@ -656,8 +674,7 @@ def _resolve_config(args) -> Dict[str, Any]:
                          f"sparse hook's dense and first (calibration) iterations are not timed")
     comm = args.comm
     if backend == "nccl" and comm == "auto":
-        from ..comm.select import _cupy_available
-        comm = "cupy" if _cupy_available() else "torch"
+        comm = "cupy" if _cupy_nccl_importable() else "torch"
     elif backend == "gloo":
         comm = "torch"
     kb = args.kernel_backend or ("auto" if on_gpu else "torch")
