@@ -1,4 +1,5 @@
-"""``oktopk-bench ddp`` on CPU: 2 gloo ranks, a tiny Linear stack, every hook, two sparse algorithms."""
+"""``oktopk-bench ddp`` on CPU: 2 gloo ranks, a tiny Linear stack, every hook, two sparse
+algorithms."""
 import argparse
 import json
 
@@ -204,7 +205,8 @@ def test_markdown_of_a_gpu_report():
                         "mb_sent_per_rank_per_step": 8.1, "ratio_to_allreduce": 0.211,
                         "final_loss": 1.02, "replicas_identical": True}],
            "errors": [{"hook": "sparse", "algorithm": "oktopk", "mode": None,
-                       "error": "Traceback (most recent call last):\n  File x\nRuntimeError: boom\n"}]}
+                       "error": "Traceback (most recent call last):\n  File x\n"
+                                "RuntimeError: boom\n"}]}
     md = D.format_markdown(rep)
     assert "67.1M parameters" in md and "NVIDIA H100 80GB HBM3" in md
     assert "P=4 ranks on 1 GPU(s), MPS OFF (time-sliced)" in md and "2026-11-23" in md

@@ -16,8 +16,9 @@ whole fits one 10-minute call on one H100):
   compile-check  python -m oktopk_triton.kernels._compile_check
   kernels        oktopk-bench kernels                        -> gpu-kernels-DATE.json
   collectives-p4 oktopk-bench collectives --backend nccl --comm cupy, P=4, n=2^26, 1%
-                                                            -> gpu-collectives-nccl-cupy-P4-n67108864-DATE.json
-  collectives-p8 the same at P=8, n=2^25                    -> gpu-collectives-nccl-cupy-P8-n33554432-DATE.json
+                 -> gpu-collectives-nccl-cupy-P4-n67108864-DATE.json
+  collectives-p8 the same at P=8, n=2^25
+                 -> gpu-collectives-nccl-cupy-P8-n33554432-DATE.json
   ddp            oktopk-bench ddp, P=4                       -> ddp-nccl-DATE.json (+ .md table)
   mps-stop       echo quit | nvidia-cuda-mps-control        (always, also after a failure or a
                  signal, when this script started the daemon)
@@ -56,7 +57,8 @@ MPS_PIPE_DEFAULT = "/tmp/oktopk-mps-pipe"
 MPS_LOG_DEFAULT = "/tmp/oktopk-mps-log"
 MPS_CONTROL = "nvidia-cuda-mps-control"
 # the test files that exercise the CUDA path, run first so that a time limit cuts the others
-CUDA_TEST_FILES = ("test_kernels.py", "test_kernels_new.py", "test_comm.py", "test_topka_gtopk_gaussiank.py",
+CUDA_TEST_FILES = ("test_kernels.py", "test_kernels_new.py", "test_comm.py",
+                   "test_topka_gtopk_gaussiank.py",
                    "test_oktopk.py", "test_algorithms.py", "test_ddp.py", "test_module.py")
 
 # collectives runs: (P, n)
@@ -130,7 +132,7 @@ def test_files() -> List[str]:
     return [f"tests/{f}" for f in first + [f for f in found if f not in first]]
 
 
-# -- environment ------------------------------------------------------------------------------------
+# -- environment -----------------------------------------------------------------------------------
 def stage_env() -> Dict[str, str]:
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)     # compiled kernels on the GPU machine
@@ -230,7 +232,7 @@ def check_tools(stages: List[Stage], python: str, env: Dict[str, str]) -> List[s
     return missing
 
 
-# -- running -----------------------------------------------------------------------------------------
+# -- running ---------------------------------------------------------------------------------------
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 

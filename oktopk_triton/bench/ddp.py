@@ -64,7 +64,7 @@ import subprocess
 import sys
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional
 
 __all__ = ["add_arguments", "main", "run_benchmark", "format_markdown", "format_table",
            "HOOKS", "make_model", "sparse_modes", "default_json_path"]
@@ -120,7 +120,7 @@ def add_arguments(p) -> None:
     p.add_argument("--quiet", action="store_true", help="print only the final table")
 
 
-# -- the model ---------------------------------------------------------------------------------------
+# -- the model -------------------------------------------------------------------------------------
 def make_model(width: int, layers: int):
     """``layers`` x ``Linear(width, width)`` with ReLU between them (none after the last)."""
     import torch.nn as nn
@@ -141,7 +141,7 @@ def ring_bytes(nbytes: int, P: int) -> float:
     return 2.0 * (P - 1) * nbytes / P if P > 1 else 0.0
 
 
-# -- environment facts ------------------------------------------------------------------------------
+# -- environment facts -----------------------------------------------------------------------------
 def _mps_active() -> bool:
     """Whether an MPS control daemon is running for this environment's pipe directory.
 
@@ -217,12 +217,13 @@ def sparse_modes() -> List[Optional[str]]:
     return ["bucket", "flat"] if "mode" in params else [None]
 
 
-def default_json_path(backend: str, date: Optional[str] = None, out_dir: str = "bench/results") -> str:
+def default_json_path(backend: str, date: Optional[str] = None,
+                      out_dir: str = "bench/results") -> str:
     date = date or datetime.date.today().isoformat()
     return os.path.join(out_dir, f"ddp-{backend}-{date}.json")
 
 
-# -- the runs -------------------------------------------------------------------------------------------
+# -- the runs --------------------------------------------------------------------------------------
 def _plan(args) -> List[Dict[str, Any]]:
     """One entry per (hook, algorithm, mode) to run, in the order they run."""
     from ..algorithms import SPARSE_ALGORITHMS, available_algorithms, get_algorithm
@@ -357,7 +358,8 @@ def _run_one(spec: Dict[str, Any], cfg: Dict[str, Any], rank: int, dev, get_comm
                                    start_powerSGD_iter=cfg["powersgd_start_iter"],
                                    use_error_feedback=True, warm_start=True,
                                    random_seed=cfg["seed"])
-        ddp.register_comm_hook(state, psgd.powerSGD_hook if cuda else _powersgd_one_bucket_at_a_time)
+        ddp.register_comm_hook(state, psgd.powerSGD_hook if cuda
+                               else _powersgd_one_bucket_at_a_time)
         counter = _AllreduceCounter(P)
     elif hook == "sparse":
         comm = get_comm()
@@ -610,7 +612,8 @@ def _label(spec: Dict[str, Any]) -> str:
     return f"sparse/{spec['algorithm']}" + (f"/{spec['mode']}" if spec["mode"] else "")
 
 
-def _summary(spec: Dict[str, Any], per_rank: List[Dict[str, Any]], cfg: Dict[str, Any]) -> Dict[str, Any]:
+def _summary(spec: Dict[str, Any], per_rank: List[Dict[str, Any]],
+             cfg: Dict[str, Any]) -> Dict[str, Any]:
     w = cfg["warmup"]
     steps = len(per_rank[0]["time_s"])
     timed = list(range(w, steps))
@@ -761,7 +764,7 @@ def run_benchmark(args, log: Callable[..., None] = print) -> Dict[str, Any]:
     }
 
 
-# -- output ---------------------------------------------------------------------------------------------
+# -- output ----------------------------------------------------------------------------------------
 _HOOK_NAMES = {"none": "none (compute floor, no communication)",
                "allreduce": "DDP default allreduce",
                "fp16": "`fp16_compress_hook`",
@@ -774,7 +777,8 @@ def _hook_label(r: Dict[str, Any]) -> str:
     if r["hook"] == "sparse":
         pct = f"{100 * r['density']:g}%"
         mode = f", {r['mode']}" if r.get("mode") and r["mode"] != "bucket" else ""
-        return f"`sparse_allreduce_hook`, {_ALG_NAMES.get(r['algorithm'], r['algorithm'])} {pct}{mode}"
+        name = _ALG_NAMES.get(r["algorithm"], r["algorithm"])
+        return f"`sparse_allreduce_hook`, {name} {pct}{mode}"
     if r["hook"] == "powersgd":
         return f"PowerSGD rank {r.get('matrix_approximation_rank', '?')} (error feedback)"
     return _HOOK_NAMES.get(r["hook"], r["hook"])
@@ -812,7 +816,8 @@ def format_markdown(report: Dict[str, Any]) -> str:
     for r in report["results"]:
         ratio = "-" if r["ratio_to_allreduce"] is None else f"{r['ratio_to_allreduce']:.2f}"
         lines.append(f"| {_hook_label(r)} | {r['step_ms_mean']:.1f} | {r['step_ms_min']:.1f} | "
-                     f"{_fmt_mb(r['mb_sent_per_rank_per_step'])} | {ratio} | {r['final_loss']:.4g} | "
+                     f"{_fmt_mb(r['mb_sent_per_rank_per_step'])} | {ratio} | "
+                     f"{r['final_loss']:.4g} | "
                      f"{'yes' if r['replicas_identical'] else 'no'} |")
     for e in report.get("errors", []):
         what = e["hook"] or "run"
