@@ -6,16 +6,26 @@ residual stays zero. Volume 2n(P-1)/P words (ring).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
+from . import schedule as S
 from .base import Algorithm
 
 
 class DenseAllreduce(Algorithm):
     name = "dense"
     sparse = False
+
+    @classmethod
+    def schedule(cls, n: int, k: int, P: int, **options) -> List[S.CollectiveSpec]:
+        """One steady step: the flag allreduce, then one allreduce of n elements of the
+        gradient's dtype (``dtype`` option; fp32 when k >= n: the base class's dense step)."""
+        o = S.resolve_options(cls, n, k, P, options)
+        if k >= n:
+            return S.dense_step_specs(n, P, o)
+        return S.flag_specs(P, o) + ([S.allreduce(n * o["grad_bytes"], P)] if P > 1 else [])
 
     def step(self, grad: torch.Tensor, out: torch.Tensor,
              nonfinite: Optional[torch.Tensor]) -> None:

@@ -37,11 +37,12 @@ from __future__ import annotations
 
 import math
 from statistics import NormalDist
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
 from ._sparse import compact, pack_entries, scatter_add_sources, unpack_entries
+from . import schedule as S
 from .base import Algorithm
 
 __all__ = ["Gaussiank"]
@@ -63,6 +64,17 @@ class Gaussiank(Algorithm):
             return 0
         cap = cls.capacity(k, n, opts.get("slack", cls.OPTIONS["slack"]))
         return 4 * (cls.HEADER + 2 * cap) * (P - 1)
+
+    @classmethod
+    def schedule(cls, n: int, k: int, P: int, **options) -> List[S.CollectiveSpec]:
+        """One steady step: the flag allreduce, one allgather of ``2 + 2·cap`` int32 words
+        (``cap = ceil(slack·k)``; padding counts)."""
+        o = S.resolve_options(cls, n, k, P, options)
+        if k >= n:
+            return S.dense_step_specs(n, P, o)
+        cap = cls.capacity(k, n, o["slack"])
+        return S.flag_specs(P, o) + ([S.allgather(4 * (cls.HEADER + 2 * cap), P)]
+                                     if P > 1 else [])
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

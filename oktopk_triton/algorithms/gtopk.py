@@ -34,12 +34,13 @@ rank sends ``2k`` once). No host read anywhere.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
 from ._sparse import (is_member, merge_topk, pack_bits, pack_entries, topk_entries,
                       unpack_bits, unpack_entries)
+from . import schedule as S
 from .base import Algorithm
 
 __all__ = ["GTopk"]
@@ -64,6 +65,32 @@ class GTopk(Algorithm):
         if e:
             words += 2 * k + (k + 31) // 32
         return 4 * words
+
+    @classmethod
+    def schedule(cls, n: int, k: int, P: int, **options) -> List[S.CollectiveSpec]:
+        """One steady step of one rank (ranks differ when P is not a power of two): the flag
+        allreduce, then, for a rank of the butterfly, log2(P2) exchanges of 2k words with one
+        partner each; the survivor of a fold pair first receives its partner's 2k words and
+        finally sends it ``2k + ceil(k/32)`` words; the folded rank sends 2k words, then receives
+        the result. ``rank=None``: rank 0 (a survivor whenever there are folds: the critical
+        path)."""
+        o = S.resolve_options(cls, n, k, P, options)
+        if k >= n:
+            return S.dense_step_specs(n, P, o)
+        specs = S.flag_specs(P, o)
+        if P == 1:
+            return specs
+        r = 0 if o["rank"] is None else o["rank"]
+        P2, e = _layout(P)
+        entries = 4 * 2 * k
+        unfold = entries + 4 * ((k + 31) // 32)
+        butterfly = [S.send_recv([entries], [entries], 1)] * (P2.bit_length() - 1)
+        if r < 2 * e and r % 2 == 1:            # folded
+            return specs + [S.send_recv([entries], [], 1), S.send_recv([], [unfold], 1)]
+        if r < 2 * e:                           # survivor
+            return specs + [S.send_recv([], [entries], 1)] + butterfly + \
+                [S.send_recv([unfold], [], 1)]
+        return specs + butterfly
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -63,6 +63,7 @@ from typing import Any, Optional
 import torch
 
 from .. import kernels as K
+from . import schedule as S
 from .base import Algorithm
 
 __all__ = ["OkTopk", "source_order"]
@@ -163,6 +164,24 @@ class OkTopk(Algorithm):
         else:   # the rows' share of words, at 1.5 words per entry (+1 for an odd count's pad)
             cr = max(1, int(math.floor((2 * cr_fp32 - 1) / 1.5 + 1e-9)))
         return min(n, cr), cg
+
+    @classmethod
+    def schedule(cls, n: int, k: int, P: int, **options) -> list:
+        """One steady step (the calibration step sends the same): the flag allreduce, ONE
+        send/recv batch of P−1 rows of ``2 + 2·cap_r`` int32 words (one to and one from every
+        other rank, destination rotation), ONE allgather of a ``2 + 2·cap_g``-word slot;
+        capacities from :meth:`capacities`."""
+        o = S.resolve_options(cls, n, k, P, options)
+        if k >= n:
+            return S.dense_step_specs(n, P, o)
+        specs = S.flag_specs(P, o)
+        if P == 1:
+            return specs
+        cr, cg = cls.capacities(n, k, P, o["volume_budget"], o["capacity_split"],
+                                o["check_finite"] != "off")
+        row = 4 * (_HEADER + 2 * cr)
+        return specs + [S.send_recv([row] * (P - 1), [row] * (P - 1), P - 1),
+                        S.allgather(4 * (_HEADER + 2 * cg), P)]
 
     # -- the step --------------------------------------------------------------------------------
     def step(self, grad: torch.Tensor, out: torch.Tensor,

@@ -41,6 +41,7 @@ from typing import List, Optional
 
 import torch
 
+from . import schedule as S
 from .base import Algorithm
 
 __all__ = ["SparDL"]
@@ -58,6 +59,43 @@ class SparDL(Algorithm):
     name = "spardl"
     OPTIONS = {"teams": 1}
     STATE = ()
+
+    @classmethod
+    def schedule(cls, n: int, k: int, P: int, **options) -> List[S.CollectiveSpec]:
+        """One steady step (the same on every rank): the flag allreduce, then one send/recv
+        with one partner per round: Spar-Reduce-Scatter inside the team (units of ``teams``
+        blocks) and across teams (single blocks), then the Bruck allgathers across teams and
+        inside the team. A block message is ``1 + 2·k_b`` int32 words."""
+        o = S.resolve_options(cls, n, k, P, options)
+        if k >= n:
+            return S.dense_step_specs(n, P, o)
+        d = o["teams"]
+        if not isinstance(d, int) or d < 1 or P % d:
+            raise ValueError(f"spardl: teams must be a positive divisor of the world size {P}, "
+                             f"got {d!r}")
+        L = -(-n // P)
+        kb = max(1, min(L, int(round(k / P))))
+        block = 4 * (1 + 2 * kb)
+        T = P // d
+
+        def reduce_scatter(G, unit):
+            out, m = [], G
+            for dist in _rounds_rs(G):
+                b = (m - dist) * unit
+                out.append(S.send_recv([b], [b], 1 if 2 * dist % G == 0 else 2))
+                m = dist
+            return out
+
+        def bruck(G, unit):
+            out, c = [], 1
+            while c < G:
+                b = min(c, G - c) * unit
+                out.append(S.send_recv([b], [b], 1 if 2 * c % G == 0 else 2))
+                c += min(c, G - c)
+            return out
+
+        return (S.flag_specs(P, o) + reduce_scatter(T, d * block) + reduce_scatter(d, block)
+                + bruck(d, block) + bruck(T, d * block))
 
     def __init__(self, numel, comm, density=0.01, **kw):
         super().__init__(numel, comm, density, **kw)

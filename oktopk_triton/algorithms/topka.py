@@ -16,11 +16,12 @@ flag allreduce). Output up to ``P·k`` nonzeros. No host read: the sizes depend 
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
 from ._sparse import pack_entries, scatter_add_sources, topk_entries, unpack_entries
+from . import schedule as S
 from .base import Algorithm
 
 __all__ = ["TopkA"]
@@ -33,6 +34,14 @@ class TopkA(Algorithm):
     def volume_bound_bytes(cls, n: int, k: int, P: int, **opts) -> int:
         """Bytes one rank sends per step (exact, without the 4-byte non-finite flag)."""
         return 0 if P <= 1 else 4 * 2 * k * (P - 1)
+
+    @classmethod
+    def schedule(cls, n: int, k: int, P: int, **options) -> List[S.CollectiveSpec]:
+        """One steady step: the flag allreduce, one allgather of 2k int32 words."""
+        o = S.resolve_options(cls, n, k, P, options)
+        if k >= n:
+            return S.dense_step_specs(n, P, o)
+        return S.flag_specs(P, o) + ([S.allgather(4 * 2 * k, P)] if P > 1 else [])
 
     def step(self, grad: torch.Tensor, out: torch.Tensor,
              nonfinite: Optional[torch.Tensor]) -> None:

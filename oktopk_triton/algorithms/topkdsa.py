@@ -39,6 +39,7 @@ import math
 
 import torch
 
+from . import schedule as S
 from .base import Algorithm
 
 __all__ = ["TopkDSA"]
@@ -50,6 +51,40 @@ class TopkDSA(Algorithm):
     name = "topkdsa"
     OPTIONS = {"tau": 32, "slack": 1.25, "gather_slack": 1.25, "fill": 1.0 / 3.0}
     STATE = ("mode", "cap2", "decisions")
+
+    @classmethod
+    def schedule(cls, n: int, k: int, P: int, **options) -> list:
+        """One steady step: the flag allreduce, one alltoall of ``[P, 1 + 2·cap]`` int32, one
+        allgather of the reduced region: ``1 + 2·cap2`` int32 (sparse mode) or ``L`` fp32
+        (dense mode). Mode and ``cap2`` follow the fill observed at the last decision: pass
+        ``mode`` ("sparse"/"dense") and ``cap2`` (the algorithm's state) for the exact size;
+        without them the gather is data dependent, from the smallest sparse message
+        (``cap2 = 1``) up to a dense region."""
+        o = S.resolve_options(cls, n, k, P, options, extra=("mode", "cap2"))
+        if k >= n:
+            return S.dense_step_specs(n, P, o)
+        specs = S.flag_specs(P, o)
+        if P == 1:
+            return specs
+        L = -(-n // P)
+        cap = max(1, min(L, math.ceil(float(o["slack"]) * k / P)))
+        specs.append(S.alltoall(4 * P * (1 + 2 * cap), P))
+        mode, cap2 = o["mode"], o["cap2"]
+        if mode is None:
+            hi = 4 * L
+            lo = 4 * 3 if 3 < L else hi
+            specs.append(S.allgather(hi, P, data_dependent=(P - 1) * (hi - lo)))
+        elif mode == DENSE:
+            specs.append(S.allgather(4 * L, P))
+        elif mode == SPARSE:
+            if not (isinstance(cap2, int) and 1 <= cap2 <= L):
+                raise ValueError(f"topkdsa.schedule: sparse mode needs cap2 in [1, {L}], "
+                                 f"got {cap2!r}")
+            specs.append(S.allgather(4 * (1 + 2 * cap2), P))
+        else:
+            raise ValueError(f"topkdsa.schedule: mode must be None, {SPARSE!r} or {DENSE!r}, "
+                             f"got {mode!r}")
+        return specs
 
     def __init__(self, numel, comm, density=0.01, **kw):
         super().__init__(numel, comm, density, **kw)

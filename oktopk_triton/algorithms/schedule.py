@@ -1,0 +1,196 @@
+"""What one steady step of an algorithm puts on the wire: a list of :class:`CollectiveSpec`.
+
+Every algorithm class has a classmethod ``schedule(n, k, P, **options) -> list[CollectiveSpec]``,
+one spec per communicator call of one steady step of one rank, in the order the step issues
+them (the same calls that ``collectives_issued`` counts). The cost model of
+``oktopk-bench project`` prices these lists; ``tests/test_schedule.py`` checks them against the
+traffic a recording communicator sees, for every algorithm at P = 2..16.
+
+Fields of a spec:
+
+* ``kind``: ``send_recv`` (one grouped batch), ``allgather``, ``allreduce``, ``alltoall`` or
+  ``broadcast``.
+* ``bytes_per_rank``: what the call adds to the communicator's ``bytes_sent`` (the module
+  docstring of :mod:`oktopk_triton.comm.base`): a send of b bytes counts b, an allgather of a
+  chunk c counts (P−1)·c, an allreduce of b bytes 2(P−1)·b//P, an alltoall of b bytes
+  (P−1)·b//P, a broadcast b on the root. Integer division exactly as the communicators do it.
+  Where the size depends on the data (``data_dependent > 0``), this is the most it can be.
+* ``rounds``: latency steps of the call. ``send_recv``: the most messages this rank sends or
+  receives in the batch (they are issued together, but a rank's link takes them one after the
+  other). Collectives: the rounds of the bandwidth-optimal algorithm whose bytes are counted
+  (ring allreduce 2(P−1), ring allgather P−1, pairwise alltoall P−1, chain broadcast P−1);
+  a cost model may price another algorithm from the same bytes (a tree for small allreduces).
+* ``peers``: the other ranks the call involves on this rank (``send_recv``: distinct ranks it
+  sends to or receives from; collectives: P−1, the rest of the group).
+* ``data_dependent``: how many of ``bytes_per_rank`` depend on the data (a variable fill): the
+  call sends between ``bytes_per_rank - data_dependent`` and ``bytes_per_rank`` bytes. 0 for a
+  static size; every algorithm of the library is static except TopkDSA's gather, whose mode and
+  capacity follow the fill it observed at its last decision (pass ``mode`` and ``cap2`` to its
+  ``schedule`` to get the exact size).
+* ``recv_bytes`` (``send_recv`` only): the bytes this rank receives in the batch, when it is not
+  the same as what it sends (gTop-k's fold: the surviving rank receives its partner's k entries
+  and sends nothing in that call). ``None``: the same as ``bytes_per_rank``.
+
+Options every ``schedule`` takes besides the class's own ``OPTIONS`` (unknown names raise
+``TypeError``, as the constructors do): ``check_finite`` (default ``"skip"``: the 4-byte
+non-finite flag allreduce, first in every step; ``"off"`` removes it), ``dtype`` (the gradient's
+dtype: only the dense allreduce sends it), ``rank`` (``None``: the rank the step waits for, the
+one with the most rounds, then the most bytes; an int: that rank's own list, for algorithms whose
+ranks differ), and the base options ``warmup_steps``, ``momentum``, ``momentum_masking``, which
+change nothing on the wire of a steady step. A step with ``k >= n`` is dense for every algorithm
+(the base class's ``dense_step``: one fp32 allreduce of n).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Optional, Sequence
+
+__all__ = ["CollectiveSpec", "KINDS", "resolve_options", "allreduce", "allgather", "alltoall",
+           "broadcast", "send_recv", "flag_specs", "dense_step_specs", "total_bytes",
+           "total_rounds", "critical", "schedule_of"]
+
+KINDS = ("send_recv", "allgather", "allreduce", "alltoall", "broadcast")
+_INT32 = 4
+
+# base-class options that a schedule accepts (besides the class's OPTIONS)
+_BASE_OPTIONS = ("check_finite", "dtype", "rank", "warmup_steps", "momentum",
+                 "momentum_masking", "device")
+_DTYPE_BYTES = {"fp32": 4, "float32": 4, "float": 4, "bf16": 2, "bfloat16": 2, "fp16": 2,
+                "float16": 2, "half": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveSpec:
+    """One communicator call of a step (see the module docstring for each field)."""
+
+    kind: str
+    bytes_per_rank: int
+    rounds: int
+    peers: int
+    data_dependent: int = 0
+    recv_bytes: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"CollectiveSpec: kind must be one of {KINDS}, got {self.kind!r}")
+        if self.bytes_per_rank < 0 or not 0 <= self.data_dependent <= self.bytes_per_rank:
+            raise ValueError(f"CollectiveSpec: need 0 <= data_dependent <= bytes_per_rank, got "
+                             f"{self.data_dependent} and {self.bytes_per_rank}")
+
+    @property
+    def min_bytes(self) -> int:
+        """The fewest bytes the call can count (``bytes_per_rank - data_dependent``)."""
+        return self.bytes_per_rank - self.data_dependent
+
+    @property
+    def received(self) -> int:
+        """Bytes this rank receives in a ``send_recv`` (the same as sent unless stated)."""
+        return self.bytes_per_rank if self.recv_bytes is None else self.recv_bytes
+
+
+# -- options ------------------------------------------------------------------------------------
+def _dtype_bytes(dtype: Any) -> int:
+    if dtype is None:
+        return 4
+    size = getattr(dtype, "itemsize", None)
+    if isinstance(size, int):
+        return size
+    key = str(dtype).lower().replace("torch.", "")
+    if key not in _DTYPE_BYTES:
+        raise ValueError(f"schedule: unknown gradient dtype {dtype!r}")
+    return _DTYPE_BYTES[key]
+
+
+def resolve_options(cls, n: int, k: int, P: int, options: Dict[str, Any],
+                    extra: Sequence[str] = ()) -> Dict[str, Any]:
+    """Check the arguments like the constructor does; return the class's options merged with
+    its defaults, plus the schedule-only names in ``extra`` (None when not given),
+    ``check_finite`` (normalised), ``grad_bytes`` (element size of the gradient) and ``rank``."""
+    for name, v in (("n", n), ("k", k), ("P", P)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{cls.name}.schedule: {name} must be a positive int, got {v!r}")
+    if k > n:
+        raise ValueError(f"{cls.name}.schedule: k={k} exceeds n={n}")
+    own = dict(getattr(cls, "OPTIONS", {}))
+    extra = set(extra)
+    unknown = sorted(set(options) - set(own) - set(_BASE_OPTIONS) - extra)
+    if unknown:
+        raise TypeError(f"{cls.name}.schedule: unknown option(s) {unknown}; known options: "
+                        f"{sorted(set(own) | set(_BASE_OPTIONS) | extra)}")
+    o = {**own, **{key: None for key in extra},
+         **{key: v for key, v in options.items() if key in own or key in extra}}
+    cf = options.get("check_finite", "skip")
+    if cf is True:
+        cf = "skip"
+    elif cf is False or cf is None:
+        cf = "off"
+    if cf not in ("skip", "raise", "off"):
+        raise ValueError(f"{cls.name}.schedule: check_finite must be skip, raise or off, got "
+                         f"{cf!r}")
+    o["check_finite"] = cf
+    o["grad_bytes"] = _dtype_bytes(options.get("dtype"))
+    rank = options.get("rank")
+    if rank is not None and not (isinstance(rank, int) and 0 <= rank < P):
+        raise ValueError(f"{cls.name}.schedule: rank must be None or in [0, {P}), got {rank!r}")
+    o["rank"] = rank
+    return o
+
+
+# -- one spec per primitive, bytes as comm/base.py counts them ------------------------------------
+def allreduce(nbytes: int, P: int) -> CollectiveSpec:
+    return CollectiveSpec("allreduce", 2 * (P - 1) * nbytes // P, 2 * (P - 1), P - 1)
+
+
+def allgather(chunk_bytes: int, P: int, data_dependent: int = 0) -> CollectiveSpec:
+    """``data_dependent``: of the (P−1)·chunk bytes counted."""
+    return CollectiveSpec("allgather", (P - 1) * chunk_bytes, P - 1, P - 1, data_dependent)
+
+
+def alltoall(nbytes: int, P: int) -> CollectiveSpec:
+    """``nbytes``: the whole input (P equal chunks)."""
+    return CollectiveSpec("alltoall", (P - 1) * nbytes // P, P - 1, P - 1)
+
+
+def broadcast(nbytes: int, P: int, root: bool) -> CollectiveSpec:
+    return CollectiveSpec("broadcast", nbytes if root else 0, P - 1, P - 1)
+
+
+def send_recv(sends: Sequence[int], recvs: Sequence[int], peers: int) -> CollectiveSpec:
+    """A batch: ``sends``/``recvs`` list the byte sizes of the messages to/from OTHER ranks."""
+    sent, got = int(sum(sends)), int(sum(recvs))
+    return CollectiveSpec("send_recv", sent, max(len(sends), len(recvs)), peers,
+                          recv_bytes=None if got == sent else got)
+
+
+def flag_specs(P: int, o: Dict[str, Any]) -> List[CollectiveSpec]:
+    """The base class's non-finite flag: one allreduce of one int32 (``check_finite`` on)."""
+    return [allreduce(_INT32, P)] if P > 1 and o["check_finite"] != "off" else []
+
+
+def dense_step_specs(n: int, P: int, o: Dict[str, Any]) -> List[CollectiveSpec]:
+    """A dense step of the base class (k >= n, or a warm-up step): flag + fp32 allreduce of n."""
+    return flag_specs(P, o) + ([allreduce(4 * n, P)] if P > 1 else [])
+
+
+# -- helpers for the cost model and the tests ---------------------------------------------------
+def total_bytes(specs: Sequence[CollectiveSpec]) -> int:
+    return sum(s.bytes_per_rank for s in specs)
+
+
+def total_rounds(specs: Sequence[CollectiveSpec]) -> int:
+    return sum(s.rounds for s in specs)
+
+
+def critical(per_rank: Sequence[List[CollectiveSpec]]) -> List[CollectiveSpec]:
+    """Of several ranks' lists, the one the step waits for: most rounds, then most bytes
+    (sent or received), then the lowest rank."""
+    def key(i):
+        specs = per_rank[i]
+        return (-total_rounds(specs), -sum(max(s.bytes_per_rank, s.received) for s in specs), i)
+    return list(per_rank[min(range(len(per_rank)), key=key)])
+
+
+def schedule_of(name: str, n: int, k: int, P: int, **options: Any) -> List[CollectiveSpec]:
+    """``get_algorithm(name).schedule(n, k, P, **options)``."""
+    from . import get_algorithm
+    return get_algorithm(name).schedule(n, k, P, **options)
