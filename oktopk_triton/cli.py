@@ -5,6 +5,7 @@
     oktopk-bench ddp          --world-size 4 --hooks all --algorithms all --density 0.01 [--json PATH]
     oktopk-bench train        --algorithms dense oktopk --density 0.01 --world-size 4
     oktopk-bench demo         (what `make demo` runs)
+    oktopk-bench project      --model bert-large --density 0.01 --net 100Gbps,5us [--plot PATH]
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ SUBCOMMANDS = {
     "ddp": ("ddp", "step time of DDP on a Linear stack with each comm hook: none, allreduce, fp16, PowerSGD, sparse"),
     "train": ("train", "train a small CNN on the digits data with each algorithm and compare"),
     "demo": ("train", "the main job: 4 ranks, dense and every sparse algorithm at density 1%%"),
+    "project": ("project", "project every algorithm's step time to 1024 GPUs for a model size and a network"),
 }
 
 
