@@ -101,7 +101,8 @@ def test_fastest_ranges_group_consecutive_world_sizes():
 
 def test_project_cli_defaults_json_and_plot(tmp_path, capsys):
     out, png = tmp_path / "p.json", tmp_path / "p.png"
-    rc = cli.main(["project", "--kernels", "none", "--json", str(out), "--plot", str(png)])
+    rc = cli.main(["project", "--kernels", "none", "--json", str(out), "--plot", str(png),
+                   "--breakdown"])
     assert rc == 0
     text = capsys.readouterr().out
     assert "PROJECTED" in text and "fastest:" in text and "excluded" in text

@@ -484,8 +484,12 @@ def plot(report: Dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     cases = report["cases"]
-    fig, axes = plt.subplots(1, len(cases), figsize=(6.5 * len(cases), 4.8), squeeze=False)
-    for ax, case in zip(axes[0], cases):
+    ncols = min(len(cases), 2 if len(cases) == 4 else 3)
+    nrows = -(-len(cases) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6.2 * ncols, 4.6 * nrows), squeeze=False)
+    for ax in axes.flat[len(cases):]:
+        ax.axis("off")
+    for ax, case in zip(axes.flat, cases):
         rows = case["rows"]
         for a in dict.fromkeys(r["algorithm"] for r in rows):
             rs = sorted((r for r in rows if r["algorithm"] == a), key=lambda r: r["P"])
@@ -494,13 +498,14 @@ def plot(report: Dict[str, Any], path: str) -> None:
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("GPUs P")
-        ax.set_ylabel("projected step time, ms (communication + selection)")
         ax.set_title(f"{case['model']} (n={case['n']:.3g}), density {case['density']:g}\n"
                      f"{case['net']['describe']}", fontsize=9)
+        ax.set_ylabel("step ms (communication + selection)", fontsize=8)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle("projected, not measured (oktopk-bench project); dense compute excluded",
-                 fontsize=9)
+    fig.suptitle(f"PROJECTED, not measured (oktopk-bench project, kernels: "
+                 f"{os.path.basename(report['kernels']['source'])}); dense compute excluded",
+                 fontsize=10)
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     fig.tight_layout()
@@ -563,7 +568,7 @@ def fit_network(d: Dict[str, Any], use_dense: bool = True, kernels: KernelCosts 
     from ..algorithms.schedule import allreduce
     points = []          # (P, [specs], measured seconds, what, fixed seconds)
     for p in d.get("probes", []):
-        if str(p.get("op", "")).lower() != "allreduce":
+        if str(p.get("op", "")).lower() != "allreduce" or p.get(stat) is None:
             continue
         P = int(p["P"])
         if only_P is not None and P != only_P:
@@ -573,7 +578,7 @@ def fit_network(d: Dict[str, Any], use_dense: bool = True, kernels: KernelCosts 
     if use_dense:
         rstat = "step_ms_mean" if stat == "ms_mean" else "step_ms_min"
         for r in d.get("results", []):
-            if _result_name(r) != "dense":
+            if _result_name(r) != "dense" or r.get(rstat) is None:
                 continue
             P, n = int(r["P"]), int(r["n"])
             if only_P is not None and P != only_P:
@@ -642,7 +647,7 @@ def validate(d: Dict[str, Any], kernels: KernelCosts = DEFAULT_KERNELS,
     rows = []
     for r in d.get("results", []):
         name, P = _result_name(r), int(r["P"])
-        if P not in world_sizes or name not in PASSES:
+        if P not in world_sizes or name not in PASSES or r.get("step_ms_" + stat) is None:
             continue
         net = fits.get(P, glob_fit)["network"]
         n = int(r["n"])
@@ -786,7 +791,8 @@ def add_arguments(p) -> None:
     p.add_argument("--json", default=None, help="write the projection (or validation) JSON here")
     p.add_argument("--plot", default=None, help="write a step time vs P plot (PNG) here")
     p.add_argument("--breakdown", action="store_true",
-                   help="also print communication / selection per algorithm at each P")
+                   help="also print communication / selection per algorithm at each P, and keep "
+                        "every call of each schedule in the JSON")
     p.add_argument("--validate", default=None, metavar="JSON",
                    help="validate against a one-GPU NCCL collectives JSON instead of projecting")
     p.add_argument("--ranks-per-gpu", type=int, default=None,
@@ -865,6 +871,8 @@ def main(args) -> int:
                     print(f"  P={r['P']:<5d} {r['algorithm']:10s} comm {r['comm_ms']:10.3f} ms  "
                           f"select {r['select_ms']:8.3f} ms  {r['bytes_per_rank'] / 1e6:10.3f} MB  "
                           f"{r['messages']:5d} msgs")
+            if not args.breakdown:       # the per-call lists only on request (JSON size)
+                rows = [{key: v for key, v in r.items() if key != "collectives"} for r in rows]
             cases.append({"model": model, "n": n, "density": args.density,
                           "net": {"name": net.name, "bandwidth_Bps": net.bandwidth,
                                   "latency_s": net.latency, "describe": net.describe()},
@@ -872,6 +880,10 @@ def main(args) -> int:
     report = {"benchmark": "project", "projected": True,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "git": _git_commit(),
+              "versions": {"python": sys.version.split()[0],
+                           "oktopk_triton": __import__("oktopk_triton").__version__},
+              "device": "none: a projection on " + (os.uname().machine if hasattr(os, "uname")
+                                                      else "this machine") + " CPU",
               "model_of": "one steady step: communication (schedules priced on alpha/beta) + "
                           "selection kernels; dense compute excluded",
               "kernels": dataclasses.asdict(kernels), "dtype": args.dtype,
