@@ -168,9 +168,10 @@ class OkTopk(Algorithm):
     @classmethod
     def schedule(cls, n: int, k: int, P: int, **options) -> list:
         """One steady step (the calibration step sends the same): the flag allreduce, ONE
-        send/recv batch of P−1 rows of ``2 + 2·cap_r`` int32 words (one to and one from every
-        other rank, destination rotation), ONE allgather of a ``2 + 2·cap_g``-word slot;
-        capacities from :meth:`capacities`."""
+        send/recv batch of P−1 rows of :meth:`row_words` int32 words (``2 + 2·cap_r``; bf16 wire:
+        ``2 + cap_r + ceil(cap_r/2)``), one to and one from every other rank (destination
+        rotation), ONE allgather of a ``2 + 2·cap_g``-word slot; capacities from
+        :meth:`capacities`."""
         o = S.resolve_options(cls, n, k, P, options)
         if k >= n:
             return S.dense_step_specs(n, P, o)
@@ -178,8 +179,8 @@ class OkTopk(Algorithm):
         if P == 1:
             return specs
         cr, cg = cls.capacities(n, k, P, o["volume_budget"], o["capacity_split"],
-                                o["check_finite"] != "off")
-        row = 4 * (_HEADER + 2 * cr)
+                                o["check_finite"] != "off", o["wire_dtype"])
+        row = 4 * cls.row_words(cr, o["wire_dtype"])
         return specs + [S.send_recv([row] * (P - 1), [row] * (P - 1), P - 1),
                         S.allgather(4 * (_HEADER + 2 * cg), P)]
 
