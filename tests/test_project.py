@@ -81,6 +81,23 @@ def test_kernels_json_both_formats(tmp_path):
     c = pj.load_kernels(str(b))
     assert c.fused_select_s * (1 << 28) == pytest.approx(2.5e-3)       # fastest with histogram
     assert c.copy_bandwidth == pytest.approx(8 * (1 << 28) / 0.8e-3)
+    e = tmp_path / "gpu-kernels-2026.json"           # today's oktopk-bench kernels: entries
+    big = 1 << 28
+    e.write_text(json.dumps({"device": "GPU Z", "device_type": "cuda", "entries": [
+        {"kernel": "copy", "n": 1 << 24, "ms": 0.05}, {"kernel": "copy", "n": big, "ms": 0.7},
+        {"kernel": "torch_topk", "n": big, "ms": 6.0},
+        {"kernel": "fused_select", "n": big, "grad_dtype": "fp32", "velocity": False,
+         "hist": False, "ms": 2.2},
+        {"kernel": "fused_select", "n": big, "grad_dtype": "fp32", "velocity": False,
+         "hist": True, "ms": 2.9},
+        {"kernel": "fused_select", "n": big, "grad_dtype": "fp32", "velocity": True,
+         "hist": True, "ms": 3.6},
+        {"kernel": "fused_select", "n": big, "grad_dtype": "bf16", "velocity": False,
+         "hist": True, "ms": 2.7}]}))
+    c = pj.load_kernels(str(e))
+    assert c.fused_select_s * big == pytest.approx(2.9e-3)           # fp32, hist, no velocity
+    assert c.topk_s * big == pytest.approx(6.0e-3)
+    assert c.copy_bandwidth == pytest.approx(8 * big / 0.7e-3)
     cpu = tmp_path / "gpu-kernels-cpu.json"
     cpu.write_text(json.dumps({"device_type": "cpu", "n": 10, "results": []}))
     with pytest.raises(ValueError):
@@ -191,6 +208,15 @@ def test_validate_projection_tool_runs_synthetic(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0 and "SYNTHETIC" in out and "recovered" in out
     assert json.loads(path.read_text())["synthetic"] is True
-    # the same file through the CLI flag
-    assert cli.main(["project", "--validate", str(path), "--kernels", "none"]) == 0
-    assert "SYNTHETIC" in capsys.readouterr().out
+    # the same data split in one file per world size (as tools/gpu_check.py writes them),
+    # through the CLI flag
+    d = json.loads(path.read_text())
+    paths = []
+    for P in (4, 8):
+        part = dict(d, probes=[p for p in d["probes"] if p["P"] == P],
+                    results=[r for r in d["results"] if r["P"] == P])
+        paths.append(tmp_path / f"P{P}.json")
+        paths[-1].write_text(json.dumps(part))
+    assert cli.main(["project", "--validate", *map(str, paths), "--kernels", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "SYNTHETIC" in out and "fitted for P=4" in out and "fitted for P=8" in out

@@ -1,11 +1,12 @@
 """Validate the step-time projection (``oktopk-bench project``) against a measured run.
 
-    python tools/validate_projection.py GPU_COLLECTIVES.json [--kernels GPU_KERNELS.json]
+    python tools/validate_projection.py GPU_COLLECTIVES.json ... [--kernels GPU_KERNELS.json]
         [--fit per-P|global] [--ranks-per-gpu N] [--json OUT]
     python tools/validate_projection.py --synthetic [--alpha 50us --beta 3GB/s --noise 0.05]
         [--write-synthetic PATH]
 
-With a JSON of ``oktopk-bench collectives --backend nccl`` (top-level ``probes[{P, op, bytes,
+With one or more JSONs of ``oktopk-bench collectives --backend nccl`` (merged: e.g. the P=4 and
+P=8 files that ``tools/gpu_check.py`` writes) (top-level ``probes[{P, op, bytes,
 ms_mean, ms_min}]`` and ``results[{name, P, n, k, step_ms_mean, step_ms_min, mb_sent_per_rank}]``)
 it fits the network's α (latency per message) and β (bandwidth per rank) to the allreduce probes
 and the dense steps, predicts every algorithm's step at P = 4 and 8 from its schedule and the
@@ -33,7 +34,7 @@ from oktopk_triton.bench import project as pj  # noqa: E402
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("json_in", nargs="?", help="collectives JSON (one-GPU NCCL run)")
+    ap.add_argument("json_in", nargs="*", help="collectives JSONs (one-GPU NCCL runs)")
     ap.add_argument("--synthetic", action="store_true", help="validate on a generated JSON")
     ap.add_argument("--alpha", default="50us", help="synthetic: latency per message (50us)")
     ap.add_argument("--beta", default="3GB/s", help="synthetic: bandwidth per rank (3GB/s)")
@@ -54,7 +55,7 @@ def main(argv=None) -> int:
     kernels, note = pj.resolve_kernels(a.kernels)
     if note:
         print("note:", note)
-    synthetic = a.synthetic or a.json_in is None
+    synthetic = a.synthetic or not a.json_in
     truth = None
     if synthetic:
         truth = pj.parse_net(f"{a.beta},{a.alpha}")
@@ -64,10 +65,15 @@ def main(argv=None) -> int:
                 json.dump(d, f, indent=1)
             print(f"wrote {a.write_synthetic} (SYNTHETIC)")
     else:
-        with open(a.json_in) as f:
-            d = json.load(f)
+        docs = []
+        for path in a.json_in:
+            with open(path) as f:
+                docs.append(json.load(f))
+        d = pj.merge_collectives(docs)
     v = pj.validate(d, kernels, ranks_per_gpu=a.ranks_per_gpu, target_pct=a.target, fit=a.fit)
     v["input"] = a.json_in or "generated"
+    if not a.json_in and a.write_synthetic:
+        v["input"] = a.write_synthetic
     print(pj.format_validation(v))
     ok = v["all_within_target"]
     if truth is not None:

@@ -3,7 +3,7 @@ every algorithm, from P = 2 to 1024 GPUs, for a model size, a density and a netw
 
     oktopk-bench project [--model bert-large | --n N] [--density 0.01] [--net 100Gbps,5us ...]
         [--world-sizes 2 4 ... 1024] [--kernels PATH|none] [--json PATH] [--plot PATH]
-    oktopk-bench project --validate GPU_COLLECTIVES.json     (predicted against measured)
+    oktopk-bench project --validate GPU_COLLECTIVES.json ...  (predicted against measured)
 
 **What is projected.** step time = communication + selection kernels, per rank, for one steady
 step (after calibration and warm-up). The forward and backward passes (dense compute) are
@@ -38,8 +38,8 @@ step waits for is taken (``schedule(rank=None)``).
   :func:`entry_work`.
 
 The copy bandwidth and the two measured kernels come from the newest
-``bench/results/gpu-kernels-*.json`` when one exists (``oktopk-bench
-kernels --json`` on a GPU, or the ``tools/gpu_kernel_variants.py`` row format), else from the
+``bench/results/gpu-kernels-*.json`` when one exists (``oktopk-bench kernels`` on a GPU, at its
+largest n; or the ``tools/gpu_kernel_variants.py`` row format), else from the
 **defaults** (:data:`DEFAULT_KERNELS`): 3 TB/s copy bandwidth (an H100 measured 2.9 TB/s), the
 fused select at 44 bytes-equivalent per element and ``torch.topk`` at 69 (an H100 measured
 0.984 ms and 1.544 ms at n = 2^26: ``shared/GPU-MEASURED.md``; the bytes they physically move
@@ -210,16 +210,36 @@ def find_kernels_json() -> Optional[str]:
 
 
 def load_kernels(path: str) -> KernelCosts:
-    """Per-element costs from a kernels JSON: the ``oktopk-bench kernels`` format
-    (``results[{name, median_ms}]``, ``n``) or the row format of ``tools/gpu_kernel_variants.py``
-    (``rows[{what, log2n, ms, ...}]``: the largest n, the fastest fused-select variant with the
-    histogram)."""
+    """Per-element costs from a kernels JSON, at the largest n it holds. Formats:
+
+    * ``oktopk-bench kernels`` (several sizes): top-level ``entries[{kernel, n, ms, grad_dtype,
+      velocity, hist}]`` (or ``runs[{n, results}]``): ``copy``, ``torch_topk`` and the fp32
+      ``fused_select`` with the histogram and without velocity (the Ok-Topk step without
+      momentum);
+    * the older single-size one: ``n`` and ``results[{name, median_ms}]`` (``copy``, ``fused
+      select``, ``torch.topk``);
+    * the row format of ``tools/gpu_kernel_variants.py``: ``rows[{what, log2n, ms, hist}]`` (the
+      fastest fused-select variant with the histogram)."""
     with open(path) as f:
         d = json.load(f)
     device = str(d.get("device", "?"))
-    if "results" in d and "n" in d:
-        if d.get("device_type") not in (None, "cuda"):
-            raise ValueError(f"{path}: a {d.get('device_type')} run, not a GPU run")
+    if d.get("device_type") not in (None, "cuda"):
+        raise ValueError(f"{path}: a {d.get('device_type')} run, not a GPU run")
+    entries = d.get("entries") or [r for run in d.get("runs", []) for r in run.get("results", [])]
+    if entries:
+        n = max(int(r["n"]) for r in entries if r.get("kernel") == "fused_select")
+
+        def pick(kernel, *prefs):
+            rows = [r for r in entries if r.get("kernel") == kernel and int(r.get("n", -1)) == n]
+            for pref in prefs + ({},):
+                ok = [r for r in rows if all(r.get(key) == v for key, v in pref.items())]
+                if ok:
+                    return min(float(r.get("ms", r.get("median_ms"))) for r in ok) * 1e-3
+            return None
+        copy, topk = pick("copy"), pick("torch_topk")
+        fused = pick("fused_select", {"grad_dtype": "fp32", "hist": True, "velocity": False},
+                     {"hist": True, "velocity": False}, {"hist": True})
+    elif "results" in d and "n" in d:
         n = int(d["n"])
         rows = {r["name"]: float(r["median_ms"]) * 1e-3 for r in d["results"]}
         copy, fused, topk = rows.get("copy"), rows.get("fused select"), rows.get("torch.topk")
@@ -236,7 +256,7 @@ def load_kernels(path: str) -> KernelCosts:
         fused = best("fused_select", lambda r: r.get("hist", True)) or best("fused_select")
         topk = best("torch.topk")
     else:
-        raise ValueError(f"{path}: not a kernels JSON (no results/n or rows)")
+        raise ValueError(f"{path}: not a kernels JSON (no entries, results/n or rows)")
     if not (copy and fused and topk):
         raise ValueError(f"{path}: needs copy, fused select and torch.topk timings")
     return KernelCosts(copy_bandwidth=8.0 * n / copy, fused_select_s=fused / n, topk_s=topk / n,
@@ -793,8 +813,9 @@ def add_arguments(p) -> None:
     p.add_argument("--breakdown", action="store_true",
                    help="also print communication / selection per algorithm at each P, and keep "
                         "every call of each schedule in the JSON")
-    p.add_argument("--validate", default=None, metavar="JSON",
-                   help="validate against a one-GPU NCCL collectives JSON instead of projecting")
+    p.add_argument("--validate", nargs="+", default=None, metavar="JSON",
+                   help="validate against one-GPU NCCL collectives JSONs (e.g. the P=4 and P=8 "
+                        "files of tools/gpu_check.py) instead of projecting")
     p.add_argument("--ranks-per-gpu", type=int, default=None,
                    help="validation: ranks sharing one GPU (default from the JSON, else P)")
     p.add_argument("--fit", choices=("per-P", "global"), default="per-P",
@@ -812,11 +833,31 @@ def _resolve_algorithms(names: Iterable[str]) -> List[str]:
     return names
 
 
-def run_validation(path: str, kernels_spec: Optional[str] = None,
+def merge_collectives(docs: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """One collectives document from several runs (``tools/gpu_check.py`` writes one JSON per
+    world size): probes and results concatenated, the rest from the first; synthetic if any is."""
+    if not docs:
+        raise ValueError("no collectives JSON given")
+    out = dict(docs[0])
+    out["probes"] = [p for d in docs for p in d.get("probes", [])]
+    out["results"] = [r for d in docs for r in d.get("results", [])]
+    out["synthetic"] = any(d.get("synthetic") for d in docs)
+    notes = [d["note"] for d in docs if d.get("note")]
+    if notes:
+        out["note"] = " | ".join(dict.fromkeys(notes))
+    return out
+
+
+def run_validation(paths, kernels_spec: Optional[str] = None,
                    ranks_per_gpu: Optional[int] = None, json_out: Optional[str] = None,
                    fit: str = "per-P") -> int:
-    with open(path) as f:
-        d = json.load(f)
+    paths = [paths] if isinstance(paths, str) else list(paths)
+    docs = []
+    for path in paths:
+        with open(path) as f:
+            docs.append(json.load(f))
+    d = merge_collectives(docs)
+    path = ", ".join(paths)
     kernels, note = resolve_kernels(kernels_spec)
     if note:
         print("note:", note)
