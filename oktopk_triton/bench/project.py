@@ -40,10 +40,10 @@ step waits for is taken (``schedule(rank=None)``).
 The copy bandwidth and the two measured kernels come from the newest
 ``bench/results/gpu-kernels-*.json`` when one exists (``oktopk-bench kernels`` on a GPU, at its
 largest n; or the ``tools/gpu_kernel_variants.py`` row format), else from the
-**defaults** (:data:`DEFAULT_KERNELS`): 3 TB/s copy bandwidth (an H100 measured 2.9 TB/s), the
-fused select at 44 bytes-equivalent per element and ``torch.topk`` at 69 (an H100 measured
-0.984 ms and 1.544 ms at n = 2^26: ``shared/GPU-MEASURED.md``; the bytes they physically move
-are 12 and ≥ 4 per element).
+**defaults** (:data:`DEFAULT_KERNELS`), an H100's own measurements at n = 2^28
+(``bench/results/gpu-kernel-variants-call1.json``): copy bandwidth 2.94 TB/s, the fused select
+with its histogram 2.90 ms (32 bytes-equivalent per element at that bandwidth, for the 12 it
+moves), ``torch.topk`` 5.83 ms (64 bytes-equivalent: a multi-pass radix select).
 
 Not modeled: launch and Python overheads (tens of kernels a step, ~10 µs each); overlap of
 communication with computation; Gaussiank's compaction, which stores every unselected element
@@ -158,11 +158,15 @@ class KernelCosts:
         return bytes_per_element / self.copy_bandwidth
 
 
-_TB = 1e12
-DEFAULT_KERNELS = KernelCosts(copy_bandwidth=3.0 * _TB, fused_select_s=44 / (3.0 * _TB),
-                              topk_s=69 / (3.0 * _TB), source="default",
-                              device="defaults: 3 TB/s copy; fused select 44 B/elem-equivalent, "
-                                     "torch.topk 69 (H100 measurements at 2^26)")
+_N28 = float(1 << 28)
+# An H100 80GB HBM3 at n = 2^28 (bench/results/gpu-kernel-variants-call1.json, 2026-11-23): copy
+# 0.731 ms (2.94 TB/s); fused select with the in-pass histogram at the launcher's configuration
+# (BLOCK 2048, 4 warps) 2.90 ms, i.e. 32 bytes-equivalent per element at that bandwidth for the
+# 12 it moves; torch.topk(acc.abs(), k) 5.83 ms (64 bytes-equivalent: a multi-pass radix select).
+DEFAULT_KERNELS = KernelCosts(copy_bandwidth=8 * _N28 / 0.731e-3, fused_select_s=2.90e-3 / _N28,
+                              topk_s=5.83e-3 / _N28, source="default",
+                              device="defaults: an H100's copy 2.94 TB/s, fused select 2.90 ms and "
+                                     "torch.topk 5.83 ms at 2^28 (gpu-kernel-variants-call1.json)")
 
 # Per algorithm, one steady step: (bytes per element of its memory-bound passes over n, fused
 # select passes, torch.topk passes over n in fp32 units: a top-k of int64 keys counts 2, twice the
