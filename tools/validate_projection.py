@@ -84,8 +84,9 @@ def main(argv=None) -> int:
             eb = abs(x["bandwidth_Bps"] / truth.bandwidth - 1)
             good = ea <= tol and eb <= tol
             ok = ok and good
+            verdict = "recovered" if good else "NOT recovered"
             print(f"SYNTHETIC check, fit for P={x['P']}: alpha off by {100 * ea:.2f}%, beta off by "
-                  f"{100 * eb:.2f}% (tolerance {100 * tol:g}%): {'recovered' if good else 'NOT recovered'}")
+                  f"{100 * eb:.2f}% (tolerance {100 * tol:g}%): {verdict}")
         v["recovered"] = ok
     if a.json:
         with open(a.json, "w") as f:

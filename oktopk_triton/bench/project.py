@@ -15,8 +15,8 @@ on a network of per-GPU bandwidth β (bytes/s, each direction) and per-message l
 
 =============  =================================================================================
 allreduce      min(ring, tree): ring ``2(P−1)·α + 2(P−1)/P·b/β``; tree (binomial reduce then
-               broadcast, not pipelined) ``2·⌈log2 P⌉·(α + b/β)``. The tree wins only for small
-               messages (the 4-byte non-finite flag), the ring for the dense gradient.
+               broadcast, not pipelined) ``2·⌈log2 P⌉·(α + b/β)``. The tree wins only for
+               small messages (the 4-byte non-finite flag), the ring for the dense gradient.
 allgather      ring: ``(P−1)·α + (P−1)·c/β`` (c = the chunk)
 alltoall       pairwise exchange: ``(P−1)·α + (P−1)/P·b/β``
 broadcast      min(chain ``(P−1)·α + b/β``, binomial ``⌈log2 P⌉·(α + b/β)``)
@@ -83,7 +83,7 @@ __all__ = ["Network", "KernelCosts", "parse_net", "NET_PRESETS", "MODEL_PRESETS"
 
 ALGORITHMS = ("dense", "oktopk", "topka", "gtopk", "spardl", "topkdsa", "gaussiank")
 
-# -- networks ---------------------------------------------------------------------------------------
+# -- networks -------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Network:
     """Per-GPU bandwidth (bytes/s, each direction) and per-message latency (s)."""
@@ -140,11 +140,11 @@ def parse_net(text: str) -> Network:
     return Network(bw, lat, t)
 
 
-# -- models ---------------------------------------------------------------------------------------------
+# -- models ---------------------------------------------------------------------------------------
 MODEL_PRESETS = {"resnet50": 25_600_000, "bert-large": 340_000_000, "gpt2-xl": 1_500_000_000}
 
 
-# -- kernels ---------------------------------------------------------------------------------------------
+# -- kernels --------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class KernelCosts:
     """Per-element costs of the passes over n (seconds per element, one rank alone on its GPU)."""
@@ -318,7 +318,7 @@ def selection_time(name: str, n: int, kernels: KernelCosts, ranks_per_gpu: int =
     return t * ranks_per_gpu
 
 
-# -- communication --------------------------------------------------------------------------------------
+# -- communication --------------------------------------------------------------------------------
 def _log2ceil(P: int) -> int:
     return (P - 1).bit_length() if P > 1 else 0
 
@@ -368,7 +368,7 @@ def _fit_coefficients(spec, P: int, net: Network) -> Tuple[float, float]:
     return spec.rounds, max(spec.bytes_per_rank, spec.received)
 
 
-# -- schedules --------------------------------------------------------------------------------------------
+# -- schedules ------------------------------------------------------------------------------------
 def _k(n: int, density: float) -> int:
     return max(1, min(n, int(round(density * n))))
 
@@ -471,7 +471,7 @@ def describe_ranges(ranges: List[Dict[str, Any]]) -> str:
     return "; ".join(parts)
 
 
-# -- output ------------------------------------------------------------------------------------------------
+# -- output ---------------------------------------------------------------------------------------
 def _fmt_ms(x: float) -> str:
     if x >= 100:
         return f"{x:.0f}"
@@ -546,7 +546,7 @@ def _git_commit() -> Optional[str]:
         return None
 
 
-# -- validation -------------------------------------------------------------------------------------------
+# -- validation -----------------------------------------------------------------------------------
 def _result_name(r: Dict[str, Any]) -> str:
     return str(r.get("name", r.get("algorithm", ""))).lower()
 
@@ -708,7 +708,8 @@ def validate(d: Dict[str, Any], kernels: KernelCosts = DEFAULT_KERNELS,
 
 
 def synthetic_collectives(net: Network, kernels: KernelCosts = DEFAULT_KERNELS,
-                          world_sizes: Sequence[int] = (4, 8), n_of: Optional[Dict[int, int]] = None,
+                          world_sizes: Sequence[int] = (4, 8),
+                          n_of: Optional[Dict[int, int]] = None,
                           density: float = 0.01, noise: float = 0.0, seed: int = 0,
                           topkdsa_fill: Optional[float] = None) -> Dict[str, Any]:
     """A collectives JSON in the schema of ``oktopk-bench collectives --backend nccl`` (probes and
@@ -787,7 +788,7 @@ def format_validation(v: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-# -- CLI -----------------------------------------------------------------------------------------------------
+# -- CLI ------------------------------------------------------------------------------------------
 def add_arguments(p) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--model", nargs="+", choices=sorted(MODEL_PRESETS), default=None,
@@ -907,7 +908,8 @@ def main(args) -> int:
                            check_finite=args.check_finite, dtype=args.dtype,
                            topkdsa_fill=args.topkdsa_fill)
             ranges = fastest_ranges(rows)
-            title = (f"\n{model} (n = {n:,}), density {args.density:g} (k = {_k(n, args.density):,}), "
+            title = (f"\n{model} (n = {n:,}), density {args.density:g} "
+                     f"(k = {_k(n, args.density):,}), "
                      f"{net.describe()}; step ms (* = fastest)")
             print(format_table(rows, title))
             print("fastest: " + describe_ranges(ranges))
