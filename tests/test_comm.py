@@ -383,6 +383,57 @@ def exit_body(comm):
     comm.barrier()
 
 
+def killed_mid_step_body(comm, outdir, victim):
+    """Ok-Topk steps on every rank; in step 2 the victim SIGKILLs itself after its send/recv batch,
+    where the step's allgather begins (mid-step: the others are inside the step's collectives).
+    The survivors record what they raised (type, seconds after the kill, message, lost_ranks)."""
+    import json
+    import signal
+
+    from oktopk_triton.algorithms import get_algorithm
+    n = 4096
+    alg = get_algorithm("oktopk")(n, comm, 0.01, backend="torch")
+    gen = torch.Generator().manual_seed(comm.rank)
+    for step in range(5):
+        if step == 2 and comm.rank == victim:
+            def die(output, input):
+                with open(os.path.join(outdir, "killed_at"), "w") as f:
+                    f.write(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+            comm.allgather = die
+        try:
+            alg(torch.randn(n, generator=gen))
+        except Exception as exc:  # noqa: BLE001
+            rec = {"type": type(exc).__name__, "step": step, "time": time.time(), "msg": str(exc),
+                   "lost_ranks": getattr(exc, "lost_ranks", None)}
+            with open(os.path.join(outdir, f"rank{comm.rank}.json"), "w") as f:
+                json.dump(rec, f)
+            raise
+    with open(os.path.join(outdir, f"rank{comm.rank}.json"), "w") as f:
+        f.write('{"type": null}')
+
+
+def test_gloo_rank_killed_mid_step_names_the_lost_peer(tmp_path):
+    """A rank killed with SIGKILL in the middle of an Ok-Topk step: both other ranks raise a
+    communicator error naming rank 1 well within the 10 s process-group timeout; no process is
+    left (run_gloo reports the dead rank and returns)."""
+    with pytest.raises(RemoteError) as info:
+        run_gloo(3, killed_mid_step_body, str(tmp_path), 1, timeout=60, pg_timeout=10)
+    import json
+    import multiprocessing
+    killed_at = float((tmp_path / "killed_at").read_text())
+    for r in (0, 2):
+        rec = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert rec["type"] in ("CommAborted", "CommTimeout", "CommError"), rec
+        assert rec["step"] == 2, rec
+        assert rec["time"] - killed_at < 5.0, rec
+        assert "rank 1 (pid" in rec["msg"] and "no longer running" in rec["msg"], rec["msg"]
+        assert 1 in rec["lost_ranks"], rec
+    assert not (tmp_path / "rank1.json").exists()
+    assert "rank 1" in str(info.value) and "code -9" in str(info.value)
+    assert not multiprocessing.active_children()
+
+
 # ---------------------------------------------------------------------------------------------
 # NCCL through CuPy
 # ---------------------------------------------------------------------------------------------

@@ -6,8 +6,16 @@ makes the current stream wait for the communication stream (no host synchronisat
 blocks until the transfer is complete, bounded by ``timeout`` (or the process group's timeout).
 
 Failures seen while waiting are re-raised as :class:`CommTimeout` (a timeout) or
-:class:`CommAborted` (anything else, typically a peer that died: "Connection closed by peer"), with
+:class:`CommAborted` (anything else, typically a peer that died: "Connection reset by peer"), with
 the original error chained. Peers in the API are ranks of ``group``.
+
+A lost peer is named: gloo reports only a socket address, so each communicator registers its
+rank's (host, pid) in the default store when built and reads the others' after its first
+completed primitive (``peers.StorePeerTable``); at a failure it checks which peer processes of this
+host no longer run and says so in the error (``exc.lost_ranks``). A process killed with
+``kill -9`` closes its sockets, so on gloo every peer connected to it fails at once; a peer that
+only waits on ranks that are still alive fails within ``timeout``. After a failure the
+communicator is broken: every later call raises the same error at once.
 """
 from __future__ import annotations
 
@@ -21,16 +29,23 @@ import torch.distributed as dist
 _ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 from .base import CommAborted, CommError, CommTimeout, Communicator
+from .peers import StorePeerTable
 
 __all__ = ["TorchCommunicator"]
 
 
-def _wrap_error(exc: BaseException, what: str) -> CommError:
-    text = str(exc)
+def _wrap_error(exc: BaseException, what: str, lost=(), lost_text: str = "") -> CommError:
+    """The communicator error for ``exc``: :class:`CommAborted` when a peer is known lost or the
+    error is not a timeout, else :class:`CommTimeout`; ``lost_ranks`` lists the lost peers."""
+    text = str(exc).strip()
     low = text.lower()
-    if "timed out" in low or "timeout" in low:
-        return CommTimeout(f"{what}: {text}")
-    return CommAborted(f"{what}: {text}")
+    msg = f"{what}: {text}" + (f" [{lost_text}]" if lost_text else "")
+    if not lost and ("timed out" in low or "timeout" in low):
+        err: CommError = CommTimeout(msg)
+    else:
+        err = CommAborted(msg)
+    err.lost_ranks = list(lost)
+    return err
 
 
 class TorchCommunicator(Communicator):
@@ -62,12 +77,28 @@ class TorchCommunicator(Communicator):
         self._use_batch_p2p = True
         self._gather_into_tensor = True
         self._global = [self._global_rank(r) for r in range(self.world_size)]
+        self._failure: Optional[CommError] = None
+        self._peers = StorePeerTable(dict(enumerate(self._global)), dist.get_rank())
+        self._peers.publish()
+        self._peer_fetches_left = 0 if self.world_size == 1 else 8
 
     # -- helpers -----------------------------------------------------------------------------
     def _global_rank(self, r: int) -> int:
         if self.group is None or self.group is dist.group.WORLD:
             return r
         return dist.get_global_rank(self.group, r)
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise type(self._failure)(f"rank {self.rank}: communicator broken by an earlier "
+                                      f"failure: {self._failure}") from self._failure
+
+    def _fail(self, exc: BaseException, what: str) -> CommError:
+        """The error to raise for ``exc`` (naming lost peers); the communicator is broken after."""
+        lost, text = self._peers.diagnose(self.rank)
+        err = _wrap_error(exc, f"rank {self.rank}: {what}", lost, text)
+        self._failure = err
+        return err
 
     def _wait(self, works, what: str) -> None:
         if works is None:
@@ -83,9 +114,14 @@ class TorchCommunicator(Communicator):
         except CommError:
             raise
         except Exception as exc:  # noqa: BLE001 - re-raised as a communicator error
-            raise _wrap_error(exc, f"rank {self.rank}: {what}") from exc
+            raise self._fail(exc, what) from exc
+        if self._peer_fetches_left:
+            # every rank of the group has reached a primitive, so it has registered itself
+            # (a few tries: a group whose ranks talk through raw torch.distributed calls too)
+            self._peer_fetches_left = 0 if self._peers.fetch() else self._peer_fetches_left - 1
 
     def _issue(self, what: str, fn, *args, **kwargs):
+        self._raise_if_failed()
         try:
             return fn(*args, **kwargs)
         except (TypeError, ValueError):
@@ -93,13 +129,15 @@ class TorchCommunicator(Communicator):
         except RuntimeError as exc:
             low = str(exc).lower()
             if ("connection" in low or "timed out" in low or "timeout" in low
-                    or "abort" in low or "closed" in low or "broken pipe" in low):
-                raise _wrap_error(exc, f"rank {self.rank}: {what}") from exc
+                    or "abort" in low or "closed" in low or "broken pipe" in low
+                    or "reset" in low):
+                raise self._fail(exc, what) from exc
             raise
 
     # -- primitives --------------------------------------------------------------------------
     def send_recv(self, sends: Sequence[Tuple[int, torch.Tensor]],
                   recvs: Sequence[Tuple[int, torch.Tensor]]) -> None:
+        self._raise_if_failed()
         sends, recvs, self_pairs = self._check_send_recv(sends, recvs)
         ops: List[Tuple[str, int, torch.Tensor]] = []
         copy_back: List[Tuple[torch.Tensor, torch.Tensor]] = []
@@ -211,6 +249,7 @@ class TorchCommunicator(Communicator):
     def barrier(self) -> None:
         if self.world_size == 1:
             return
+        self._raise_if_failed()
         if self.is_nccl:
             # dist.barrier() synchronises the host on NCCL: a tiny allreduce on the stream does not
             t = torch.zeros(1, device=self.device)
