@@ -2,7 +2,8 @@
 world sizes, against the formulas of ALGORITHMS.md §6 and the lower bound ``2k(P-1)/P`` words.
 
     oktopk-bench collectives --algorithms all --world-sizes 2 4 8 16 32 --n 4194304 \\
-        --density 0.01 [--steps 3] [--backend local|gloo|nccl] [--json PATH] [--plot PATH]
+        --density 0.01 [--steps 3] [--warmup 1] [--backend local|gloo|nccl] [--comm cupy|torch]
+        [--json PATH] [--plot PATH]
 
 Backends:
 
@@ -11,19 +12,42 @@ Backends:
   they only compare algorithms with one another on the same run. Intra-op threads are set to 1.
 * ``gloo``: P real processes on this machine (``torch.multiprocessing`` spawn, loopback TCP),
   ``TorchCommunicator`` on a gloo group, CPU tensors.
-* ``nccl``: P processes, one per GPU (``cuda:rank``), ``TorchCommunicator`` on an NCCL group;
-  world sizes above the number of GPUs are skipped with a note (NCCL does not put two ranks on
-  one GPU). Step times are taken after ``torch.cuda.synchronize``.
+* ``nccl``: P processes whatever the number of GPUs: rank r on ``cuda:(r % gpus)``. When ranks
+  share a GPU each process sets its own ``NCCL_HOSTID`` before NCCL initialises, so NCCL sees P
+  hosts and talks over loopback sockets (NCCL 2.28 has no multi-rank-per-GPU switch). Such ranks
+  need the CUDA MPS daemon to run at once rather than time-sliced: whether MPS is active is
+  detected and recorded (``mps``), and a loud warning goes to stderr when ranks share a GPU
+  without it. ``--comm cupy`` (default): ``NcclCommunicator`` (CuPy NCCL, bootstrapped through a
+  gloo group); ``--comm torch``: ``TorchCommunicator`` on an NCCL group. Without
+  ``--json`` the report goes to ``bench/results/gpu-collectives-<date>-<device>.json``.
+
+For the process backends, one group of P processes runs the probes and then every algorithm in
+turn (CUDA and NCCL start once per P); an algorithm that fails ends its group and the remaining
+algorithms run in a new one.
 
 Gradients: deterministic from ``--seed``, heavy tailed and correlated across ranks like real
 data-parallel gradients: ``g = scale * (common_t + own_{rank,t})`` with a fixed log-normal
 per-coordinate ``scale`` (``exp(1.5 z)``) and standard normal ``common_t`` / ``own``.
 
-Per (algorithm, P) the measured bytes are ``comm.bytes_sent`` around each call (checked equal to
-the algorithm's ``stats["bytes_sent"]``); they include the 4-byte non-finite flag allreduce of
-``check_finite="skip"`` (``check_bytes`` in the JSON; ``--check-finite off`` removes it). The
-mean is over steps after the first (calibration) step and over ranks; the max over all steps and
-ranks. ``nnz`` is the number of nonzeros of ``out`` (mean over the steps after the first).
+Per (algorithm, P):
+
+* bytes: ``comm.bytes_sent`` around each call (checked equal to the algorithm's
+  ``stats["bytes_sent"]``); they include the 4-byte non-finite flag allreduce of
+  ``check_finite="skip"`` (``check_bytes``; ``--check-finite off`` removes it). ``bytes_mean`` and
+  ``mb_sent_per_rank``: mean over the steps after the first (calibration) step and over ranks;
+  ``bytes_max``: max over all steps and ranks. ``nnz``: nonzeros of ``out``.
+* time: each step starts after a barrier and a device synchronisation on every rank and ends
+  with a device synchronisation; a step takes its slowest rank's time. ``step_ms_mean`` and
+  ``step_ms_min`` over the steps after the first ``--warmup``; ``ratio_to_dense`` =
+  step_ms_mean / dense's at the same P in the same run (``bytes_ratio_to_dense`` likewise).
+* ``host_syncs``: on CUDA, the synchronising CUDA calls of one more steady step under
+  ``torch.cuda.set_sync_debug_mode("warn")`` (max over ranks; null on CPU).
+* ``out_bitwise_equal``: a checksum of ``out``'s bits on every rank, equal on all ranks at every
+  step; ``collectives_per_step``: ``alg.stats["collectives"]``, max over ranks and timed steps.
+
+Probes (per P, same processes, before the algorithms): fp32 allreduces of 4n bytes (dense), 4 bytes
+and 64 KiB, ``--probe-reps`` timed calls each after one warm-up (``probes``: ms_mean, ms_min), for
+a latency/bandwidth model.
 """
 from __future__ import annotations
 
@@ -37,10 +61,11 @@ import socket
 import sys
 import time
 import traceback
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 __all__ = ["add_arguments", "main", "run_benchmark", "make_grad", "formula_words",
-           "lower_bound_words"]
+           "lower_bound_words", "rank_env", "detect_mps", "mps_warning", "out_checksum",
+           "count_host_syncs", "default_json_path"]
 
 
 # -- arguments -------------------------------------------------------------------------------------
@@ -53,13 +78,25 @@ def add_arguments(p) -> None:
     p.add_argument("--density", type=float, default=0.01, help="k = density * n (default 0.01)")
     p.add_argument("--steps", type=int, default=3,
                    help="steps per run; the first is the calibration step (default 3)")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="steps left out of step_ms_mean/min (default 1; < --steps)")
     p.add_argument("--backend", choices=("local", "gloo", "nccl"), default="local")
+    p.add_argument("--comm", choices=("cupy", "torch"), default="cupy",
+                   help="nccl backend: NcclCommunicator (cupy) or TorchCommunicator on an NCCL "
+                        "group (torch)")
+    p.add_argument("--probe-reps", type=int, default=10,
+                   help="timed calls of each probe allreduce per P (0: no probes; default 10)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--check-finite", choices=("skip", "off", "raise"), default="skip",
                    help="the algorithms' non-finite check (skip adds a 4-byte allreduce)")
     p.add_argument("--timeout", type=float, default=900.0,
                    help="seconds one (algorithm, P) run may take (default 900)")
-    p.add_argument("--json", default=None, help="write the results JSON here")
+    p.add_argument("--comm-timeout", type=float, default=300.0,
+                   help="seconds a collective may wait on a peer before the communicator fails "
+                        "(gloo group timeout, NcclCommunicator watchdog; default 300)")
+    p.add_argument("--json", default=None,
+                   help="write the results JSON here (nccl default: "
+                        "bench/results/gpu-collectives-<date>-<device>.json)")
     p.add_argument("--plot", default=None, help="write a bytes-vs-P plot (PNG) here")
     p.add_argument("--quiet", action="store_true", help="print only the final table")
 
@@ -118,34 +155,202 @@ def grad_scale(n: int, seed: int):
 
 
 # -- one rank -------------------------------------------------------------------------------------------
-def _rank_run(comm, name: str, n: int, density: float, steps: int, seed: int,
-              check_finite: str, scale=None) -> Dict[str, Any]:
+def _sync(dev) -> None:
     import torch
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _start_together(comm) -> None:
+    """Every rank leaves here after every rank arrived and its GPU is idle: a barrier (on NCCL it
+    is enqueued on the stream), then the host waits for the stream."""
+    comm.barrier()
+    _sync(comm.device)
+
+
+def out_checksum(out) -> str:
+    """A checksum of ``out``'s bit pattern computed where ``out`` lives (one 16-byte result
+    crosses to the host): the sum of the words and a position-weighted sum, both mod 2^64.
+    Equal on two ranks iff (up to a 2^-64-ish collision) their ``out`` are bitwise equal."""
+    import torch
+    flat = out.detach().contiguous().reshape(-1)
+    words = flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
+        flat.element_size()])
+    s1 = s2 = 0
+    chunk = 1 << 24
+    for start in range(0, words.numel(), chunk):
+        w = words[start:start + chunk].to(torch.int64)
+        idx = torch.arange(start, start + w.numel(), device=w.device, dtype=torch.int64)
+        weight = (idx * 2654435761) % 2147483647 + 1
+        s1 += int(w.sum())
+        s2 += int((w * weight).sum())  # int64 products wrap: the same on every rank
+    m = (1 << 64) - 1
+    return f"{s1 & m:016x}{s2 & m:016x}"
+
+
+def count_host_syncs(fn):
+    """``(number of synchronizing CUDA calls, fn())`` with ``torch.cuda.set_sync_debug_mode
+    ("warn")`` around ``fn`` (one warning per host synchronisation)."""
+    import warnings
+
+    import torch
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    n = sum(1 for w in caught if "synchroniz" in str(w.message).lower())
+    return n, result
+
+
+def _rank_run(comm, name: str, n: int, density: float, steps: int, seed: int,
+              check_finite: str, scale=None, count_syncs: bool = True) -> Dict[str, Any]:
+    """``steps`` timed steps of algorithm ``name`` on this rank; on CUDA one more step counted
+    under the sync debug mode (not timed, not in the per-step lists)."""
     from ..algorithms import get_algorithm
     dev = comm.device
     cuda = dev.type == "cuda"
     alg = get_algorithm(name)(n, comm, density, check_finite=check_finite)
     if scale is None:
         scale = grad_scale(n, seed)
-    rec: Dict[str, Any] = {"bytes": [], "stats_bytes": [], "time_s": [], "nnz": []}
+    rec: Dict[str, Any] = {"bytes": [], "stats_bytes": [], "time_s": [], "nnz": [],
+                           "checksum": [], "collectives": [], "host_syncs": None}
     for t in range(steps):
         g = make_grad(n, seed, comm.rank, t, device=dev, scale=scale)
-        if cuda:
-            torch.cuda.synchronize(dev)
-        comm.barrier()
+        _start_together(comm)
         b0 = comm.bytes_sent
         t0 = time.perf_counter()
         out = alg(g)
-        if cuda:
-            torch.cuda.synchronize(dev)
+        _sync(dev)
         dt = time.perf_counter() - t0
         rec["bytes"].append(int(comm.bytes_sent - b0))
         rec["stats_bytes"].append(int(alg.stats.get("bytes_sent", -1)))
+        rec["collectives"].append(alg.stats.get("collectives"))
         rec["time_s"].append(dt)
         rec["nnz"].append(int((out != 0).sum().item()))
+        rec["checksum"].append(out_checksum(out))
+        del out, g
+    if cuda and count_syncs:
+        g = make_grad(n, seed, comm.rank, steps, device=dev, scale=scale)
+        _start_together(comm)
+        rec["host_syncs"], out = count_host_syncs(lambda: alg(g))
+        _sync(dev)
         del out, g
     rec["k"] = alg.k
     return rec
+
+
+def probe_sizes(n: int) -> List[int]:
+    """Bytes of the probe allreduces: the dense gradient (4n), 4 bytes and 64 KiB (a
+    latency/bandwidth model is fitted to these)."""
+    return [4 * n, 4, 64 * 1024]
+
+
+def _rank_probes(comm, n: int, reps: int) -> List[Dict[str, Any]]:
+    """fp32 allreduces of each probe size: one warm-up, then ``reps`` timed calls, each started
+    together on all ranks and timed to the end of the stream."""
+    import torch
+    out = []
+    for nbytes in probe_sizes(n):
+        t = torch.zeros(max(1, nbytes // 4), device=comm.device)
+        times = []
+        for i in range(reps + 1):
+            _start_together(comm)
+            t0 = time.perf_counter()
+            comm.allreduce(t)
+            _sync(comm.device)
+            if i:
+                times.append(time.perf_counter() - t0)
+        out.append({"op": "allreduce", "bytes": nbytes, "time_s": times})
+        del t
+    return out
+
+
+# -- placement of ranks on GPUs, MPS ------------------------------------------------------------------
+def ranks_share_gpu(P: int, ngpu: int) -> bool:
+    return ngpu > 0 and P > ngpu
+
+
+def rank_device_index(rank: int, ngpu: int) -> int:
+    return rank % ngpu
+
+
+def rank_env(rank: int, P: int, ngpu: int) -> Dict[str, str]:
+    """Environment variables rank ``rank``'s process sets before NCCL initialises. Ranks sharing
+    a GPU each get their own ``NCCL_HOSTID``: NCCL then sees P hosts and talks over loopback
+    sockets (NCCL 2.28 refuses two ranks of one communicator on one GPU of one host)."""
+    env: Dict[str, str] = {}
+    if ranks_share_gpu(P, ngpu):
+        env["NCCL_HOSTID"] = f"oktopk-bench-rank{rank}"
+    return env
+
+
+_MPS_DEFAULT_PIPE = "/tmp/nvidia-mps"
+
+
+def detect_mps(env=None, run=None, exists=None) -> Dict[str, Any]:
+    """Whether the CUDA MPS control daemon serves this environment's processes.
+
+    Active when its pipe directory (``CUDA_MPS_PIPE_DIRECTORY``, default /tmp/nvidia-mps) holds
+    the ``control`` pipe and ``echo get_server_list | nvidia-cuda-mps-control`` answers. Without
+    that command, a running ``nvidia-cuda-mps-server`` in ``nvidia-smi`` counts. ``run`` and
+    ``exists`` replace ``subprocess.run`` and ``os.path.exists`` (tests)."""
+    import subprocess
+    env = dict(os.environ if env is None else env)
+    run = subprocess.run if run is None else run
+    exists = os.path.exists if exists is None else exists
+    pipe = env.get("CUDA_MPS_PIPE_DIRECTORY") or _MPS_DEFAULT_PIPE
+    info: Dict[str, Any] = {"active": False, "pipe_directory": pipe,
+                            "control_pipe": exists(os.path.join(pipe, "control")),
+                            "servers": None, "detail": ""}
+    try:
+        r = run(["nvidia-cuda-mps-control"], input="get_server_list\n", capture_output=True,
+                text=True, timeout=10, env=env)
+    except FileNotFoundError:
+        info["detail"] = "nvidia-cuda-mps-control not found"
+    except subprocess.TimeoutExpired:
+        info["detail"] = "nvidia-cuda-mps-control did not answer in 10 s"
+    else:
+        text = f"{r.stdout or ''}{r.stderr or ''}".strip()
+        refused = any(w in text.lower() for w in ("cannot find", "not running", "failed",
+                                                  "error", "no such"))
+        if r.returncode == 0 and not refused and info["control_pipe"]:
+            info["active"] = True
+            info["servers"] = [x for x in (r.stdout or "").split() if x.isdigit()]
+            info["detail"] = f"control daemon answers on {pipe}"
+        else:
+            info["detail"] = (f"nvidia-cuda-mps-control: rc={r.returncode}, "
+                              f"control pipe {'present' if info['control_pipe'] else 'absent'}"
+                              + (f": {text[:200]}" if text else ""))
+        return info
+    try:
+        r = run(["nvidia-smi", "-q"], capture_output=True, text=True, timeout=20, env=env)
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return info
+    if r.returncode == 0 and "nvidia-cuda-mps-server" in (r.stdout or ""):
+        info["active"] = True
+        info["detail"] += "; nvidia-smi lists nvidia-cuda-mps-server"
+    return info
+
+
+def mps_warning(P: int, ngpu: int, mps: Dict[str, Any]) -> Optional[str]:
+    """The loud warning when ranks share a GPU without MPS (None otherwise)."""
+    if not ranks_share_gpu(P, ngpu) or mps.get("active"):
+        return None
+    return (f"{P} ranks share {ngpu} GPU(s) and the CUDA MPS daemon is NOT active "
+            f"({mps.get('detail') or 'not detected'}): the ranks are time-sliced on the GPU, a "
+            "spinning NCCL kernel of one rank holds it while the others wait, and step times "
+            "are not those of a cluster (measured on an H100, P=4: a 4-byte allreduce 18 ms "
+            "time-sliced, 0.05 ms with MPS). Start MPS first: export "
+            "CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log; mkdir -p "
+            "both; nvidia-cuda-mps-control -d")
+
+
+def _warn_loudly(text: str) -> None:
+    bar = "!" * 78
+    print(f"\n{bar}\nWARNING: {text}\n{bar}\n", file=sys.stderr, flush=True)
 
 
 # -- backends -------------------------------------------------------------------------------------------
@@ -156,80 +361,216 @@ def _run_local(name, P, n, density, steps, seed, check_finite, timeout):
                                                 check_finite, scale)
 
 
+def _run_local_probes(P, n, reps, timeout):
+    from ..comm.local import LocalCluster
+    return LocalCluster(P, timeout=timeout).run(_rank_probes, n, reps)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _proc_entry(rank, P, port, backend, name, n, density, steps, seed, check_finite, timeout, q):
+def _nccl_version_text(v) -> Optional[str]:
+    if v is None:
+        return None
+    if isinstance(v, (tuple, list)):
+        return ".".join(str(int(x)) for x in v)
+    v = int(v)
+    if v >= 20900:  # NCCL_VERSION_CODE = major*10000 + minor*100 + patch since 2.9
+        return f"{v // 10000}.{(v % 10000) // 100}.{v % 100}"
+    return f"{v // 1000}.{(v % 1000) // 100}.{v % 100}"
+
+
+def _make_comm(rank: int, P: int, port: int, cfg: Dict[str, Any]):
+    """This rank's communicator: gloo -> TorchCommunicator on gloo; nccl -> NcclCommunicator
+    (``comm="cupy"``, bootstrapped through a gloo group) or TorchCommunicator on an NCCL group.
+    Returns ``(comm, info)``."""
+    import torch
+    import torch.distributed as dist
+    from ..comm.torch_dist import TorchCommunicator
+    backend, timeout = cfg["backend"], float(cfg["comm_timeout"])
+    init = dict(init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=P,
+                timeout=datetime.timedelta(seconds=timeout))
+    info: Dict[str, Any] = {"pid": os.getpid(), "env": cfg["env"][rank],
+                            "NCCL_HOSTID": os.environ.get("NCCL_HOSTID")}  # as NCCL will see it
+    if backend == "gloo":
+        dist.init_process_group("gloo", **init)
+        return TorchCommunicator(timeout=timeout), info
+    dev = torch.device("cuda", rank_device_index(rank, cfg["ngpu"]))
+    torch.cuda.set_device(dev)
+    info["device"] = str(dev)
+    info["device_name"] = torch.cuda.get_device_name(dev)
+    if cfg["comm"] == "torch":
+        dist.init_process_group("nccl", **init)
+        comm = TorchCommunicator()
+        comm.device = dev
+        try:
+            info["nccl"] = _nccl_version_text(torch.cuda.nccl.version())
+        except Exception:  # noqa: BLE001
+            info["nccl"] = None
+        return comm, info
+    dist.init_process_group("gloo", **init)  # bootstrap: the unique id, peers, the last barrier
+    from ..comm.nccl import NcclCommunicator
+    comm = NcclCommunicator.from_torch_distributed(device=dev, timeout=timeout)
     try:
+        from cupy.cuda import nccl
+        info["nccl"] = _nccl_version_text(nccl.get_version())
+    except Exception:  # noqa: BLE001
+        info["nccl"] = None
+    return comm, info
+
+
+def _proc_entry(rank, P, port, cfg, algs, q):
+    """One rank's process: environment first (before NCCL initialises), the communicator, the
+    probes, then each algorithm in turn; every result goes to the parent as soon as it exists.
+    A failing rank reports and exits at once: its peers then fail fast (lost peer) instead of
+    waiting; no teardown that could block on a dead peer."""
+    code = 0
+    name = "<setup>"  # what was running when a failure came: setup, an algorithm, teardown
+    try:
+        os.environ.update(cfg["env"][rank])
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         import torch
-        import torch.distributed as dist
         torch.set_num_threads(1)
-        from ..comm.torch_dist import TorchCommunicator
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=P, timeout=datetime.timedelta(seconds=timeout))
-        try:
-            comm = TorchCommunicator()
-            if backend == "nccl":
-                comm.device = torch.device("cuda", rank)
-            rec = _rank_run(comm, name, n, density, steps, seed, check_finite)
-        finally:
-            dist.destroy_process_group()
-        q.put((rank, "ok", rec))
+        comm, info = _make_comm(rank, P, port, cfg)
+        q.put((rank, "ready", info))
+        if cfg["probes"]:
+            q.put((rank, "probes", _rank_probes(comm, cfg["n"], cfg["probe_reps"])))
+        for name in algs:
+            rec = _rank_run(comm, name, cfg["n"], cfg["density"], cfg["steps"], cfg["seed"],
+                            cfg["check_finite"])
+            q.put((rank, "alg", (name, rec)))
+        name = "<teardown>"
+        import torch.distributed as dist
+        dist.barrier()  # keep this rank's sockets open until every rank is done
+        q.put((rank, "done", None))
     except BaseException:  # noqa: BLE001 - reported to the parent
-        q.put((rank, "error", traceback.format_exc()))
+        code = 1
+        try:
+            q.put((rank, "error", (name, traceback.format_exc())))
+        except Exception:  # noqa: BLE001
+            pass
+    finally:
+        try:
+            q.close()
+            q.join_thread()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
 
 
-def _run_procs(backend, name, P, n, density, steps, seed, check_finite, timeout):
+def _run_group(P: int, algs: List[str], cfg: Dict[str, Any], log=print) -> Dict[str, Any]:
+    """Run ``algs`` (and the probes when ``cfg["probes"]``) on one group of P processes.
+
+    Returns ``{"results": {name: per-rank records}, "probes": per-rank probes or None,
+    "info": per-rank info, "error": None or {"algorithm", "error"}, "remaining": names not
+    run because of the error}``. A failure ends the group (its processes are killed); the caller
+    starts a new group for the remaining algorithms."""
     import queue as _queue
 
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_proc_entry, args=(r, P, port, backend, name, n, density, steps,
-                                                   seed, check_finite, timeout, q), daemon=True)
-             for r in range(P)]
+    procs = [ctx.Process(target=_proc_entry, args=(r, P, port, cfg, algs, q), daemon=True,
+                         name=f"oktopk-bench-rank{r}") for r in range(P)]
     for pr in procs:
         pr.start()
-    results: List[Any] = [None] * P
-    deadline = time.monotonic() + timeout + 60
+    per_alg: Dict[str, List[Any]] = {a: [None] * P for a in algs}
+    out: Dict[str, Any] = {"results": {}, "probes": None, "info": [None] * P, "error": None,
+                           "remaining": []}
+    probes: List[Any] = [None] * P
+    done = [False] * P
+    timeout = float(cfg["timeout"])
+    deadline = time.monotonic() + timeout + float(cfg["startup_timeout"])
+
+    def current() -> Optional[str]:
+        return next((a for a in algs if a not in out["results"]), None)
+
+    def handle(rank, kind, payload) -> bool:
+        """Take one message; True when the group must stop (an error)."""
+        nonlocal deadline
+        if kind == "ready":
+            out["info"][rank] = payload
+        elif kind == "probes":
+            probes[rank] = payload
+            if all(p is not None for p in probes):
+                out["probes"] = probes
+        elif kind == "alg":
+            name, rec = payload
+            per_alg[name][rank] = rec
+            if all(x is not None for x in per_alg[name]):
+                out["results"][name] = per_alg[name]
+                deadline = time.monotonic() + timeout
+                log(f"  {name:9s} P={P:3d} done")
+        elif kind == "done":
+            done[rank] = True
+        elif kind == "error":
+            name, tb = payload
+            out["error"] = {"algorithm": name, "error": f"rank {rank} failed:\n{tb}"}
+            return True
+        return False
+
     try:
-        got = 0
-        while got < P:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"{backend}: {name} P={P} did not finish in {timeout:g}s")
+        while not all(done):
             try:
-                rank, status, payload = q.get(timeout=min(left, 5.0))
+                item = q.get(timeout=0.5)
             except _queue.Empty:
-                dead = [r for r, pr in enumerate(procs)
-                        if not pr.is_alive() and pr.exitcode not in (0, None) and results[r] is None]
+                dead = [r for r, pr in enumerate(procs) if not done[r] and pr.exitcode is not None]
                 if dead:
-                    raise RuntimeError(f"{backend}: ranks {dead} died (exit codes "
-                                       f"{[procs[r].exitcode for r in dead]})")
-                continue
-            if status != "ok":
-                raise RuntimeError(f"{backend}: rank {rank} failed:\n{payload}")
-            results[rank] = payload
-            got += 1
+                    try:  # what it put on the queue just before exiting comes first
+                        item = q.get(timeout=1.0)
+                    except _queue.Empty:
+                        codes = {r: procs[r].exitcode for r in dead}
+                        out["error"] = {"algorithm": None,
+                                        "error": f"ranks {dead} died (exit codes {codes})"}
+                        break
+                elif time.monotonic() > deadline:
+                    out["error"] = {"algorithm": None,
+                                    "error": f"TimeoutError: P={P} {current() or 'probes'} did "
+                                             f"not finish in {timeout:g}s"}
+                    break
+                else:
+                    continue
+            if handle(*item):
+                break
+        if out["error"] is not None:
+            # other ranks' results sent before the failure may still be on the way
+            drain_end = time.monotonic() + 5.0
+            try:
+                while time.monotonic() < drain_end:
+                    rank, kind, payload = q.get(timeout=0.5)
+                    if kind in ("alg", "probes", "ready"):
+                        handle(rank, kind, payload)
+            except _queue.Empty:
+                pass
+            if out["error"]["algorithm"] is None:
+                out["error"]["algorithm"] = current()
     finally:
         for pr in procs:
-            pr.join(timeout=5)
+            pr.join(timeout=5 if out["error"] is None else 0.5)
+        for pr in procs:
             if pr.is_alive():
                 pr.kill()
-    return results
+                pr.join(timeout=5)
+        q.close()
+    if out["error"] is not None:
+        failed = out["error"]["algorithm"]
+        if failed == "<setup>":  # the group could not start: a new one would fail the same way
+            out["remaining"] = []
+        else:
+            out["remaining"] = [a for a in algs if a not in out["results"] and a != failed]
+    return out
 
 
 # -- the benchmark ----------------------------------------------------------------------------------------
-def _summary(name, P, n, density, per_rank, wall_s, check_finite) -> Dict[str, Any]:
+def _summary(name, P, n, density, per_rank, wall_s, check_finite, warmup: int = 1) -> Dict[str, Any]:
     steps = len(per_rank[0]["bytes"])
     later = list(range(1, steps)) if steps > 1 else [0]
+    timed = list(range(warmup, steps)) if steps > warmup else list(range(steps))
     k = per_rank[0]["k"]
     by = [[r["bytes"][t] for r in per_rank] for t in range(steps)]       # [step][rank]
     sb = [[r["stats_bytes"][t] for r in per_rank] for t in range(steps)]
@@ -238,8 +579,14 @@ def _summary(name, P, n, density, per_rank, wall_s, check_finite) -> Dict[str, A
     lo, hi = formula_words(name, n, k, P)
     check_bytes = (2 * (P - 1) * 4 // P) if (check_finite != "off" and P > 1) else 0
     mean_b = sum(sum(by[t]) for t in later) / (len(later) * P)
+    step_s = [max(row) for row in tm]                      # a step ends when its last rank ends
+    sums = [[r.get("checksum", [None] * steps)[t] for r in per_rank] for t in range(steps)]
+    colls = [[r.get("collectives", [None] * steps)[t] for r in per_rank] for t in range(steps)]
+    steady_colls = [c for t in timed for c in colls[t] if c is not None]
+    syncs = [r.get("host_syncs") for r in per_rank]
     return {
         "algorithm": name, "P": P, "n": n, "density": density, "k": k, "steps": steps,
+        "warmup": warmup,
         "bytes_per_rank_per_step": by,
         "stats_bytes_per_rank_per_step": sb,
         "bytes_match_stats": by == sb,
@@ -254,12 +601,49 @@ def _summary(name, P, n, density, per_rank, wall_s, check_finite) -> Dict[str, A
         "ratio_to_formula_low": (mean_b - check_bytes) / (4.0 * lo) if lo > 0 else None,
         "ratio_to_lower_bound": (mean_b - check_bytes) / (4.0 * lower_bound_words(k, P))
         if P > 1 else None,
-        "time_s_per_step": [max(row) for row in tm],
-        "time_s_mean": sum(max(tm[t]) for t in later) / len(later),
+        "time_s_per_step": step_s,
+        "time_s_mean": sum(step_s[t] for t in later) / len(later),
         "nnz_per_step": nnz,
         "nnz_mean": sum(nnz[t] for t in later) / len(later),
         "wall_s": wall_s,
+        # the one-GPU benchmark's figures (issue 14)
+        "step_ms_mean": 1e3 * sum(step_s[t] for t in timed) / len(timed),
+        "step_ms_min": 1e3 * min(step_s[t] for t in timed),
+        "mb_sent_per_rank": mean_b / 1e6,
+        "ratio_to_dense": None,            # filled in once the run's dense result is known
+        "bytes_ratio_to_dense": None,
+        "host_syncs": None if any(x is None for x in syncs) else max(syncs),
+        "host_syncs_per_rank": syncs,
+        "out_checksums_per_step": [row[0] for row in sums],
+        "out_bitwise_equal": all(None not in row and len(set(row)) == 1 for row in sums),
+        "collectives_per_rank_per_step": colls,
+        "collectives_per_step": max(steady_colls) if steady_colls else None,
     }
+
+
+def _fill_dense_ratios(results: List[Dict[str, Any]]) -> None:
+    """``ratio_to_dense``: step_ms_mean / dense's step_ms_mean at the same P in this run
+    (below 1: faster than dense); ``bytes_ratio_to_dense`` likewise for bytes_mean."""
+    dense = {r["P"]: r for r in results if r["algorithm"] == "dense"}
+    for r in results:
+        d = dense.get(r["P"])
+        if d is None:
+            continue
+        if d["step_ms_mean"] > 0:
+            r["ratio_to_dense"] = r["step_ms_mean"] / d["step_ms_mean"]
+        if d["bytes_mean"] > 0:
+            r["bytes_ratio_to_dense"] = r["bytes_mean"] / d["bytes_mean"]
+
+
+def _probe_summary(P: int, per_rank: List[List[Dict[str, Any]]]) -> List[Dict[str, Any]]:
+    out = []
+    for i, first in enumerate(per_rank[0]):
+        reps = len(first["time_s"])
+        per_rep = [max(r[i]["time_s"][j] for r in per_rank) for j in range(reps)]
+        out.append({"P": P, "op": first["op"], "bytes": first["bytes"],
+                    "ms_mean": 1e3 * sum(per_rep) / reps, "ms_min": 1e3 * min(per_rep),
+                    "reps": reps, "ms_per_rep": [1e3 * x for x in per_rep]})
+    return out
 
 
 def _machine() -> Dict[str, Any]:
@@ -280,14 +664,51 @@ def _machine() -> Dict[str, Any]:
     return info
 
 
-def _versions() -> Dict[str, Any]:
+def _versions(nccl: Optional[str] = None) -> Dict[str, Any]:
     v: Dict[str, Any] = {"python": sys.version.split()[0]}
-    for mod in ("torch", "triton", "numpy", "oktopk_triton"):
+    for mod in ("torch", "triton", "cupy"):
         try:
             v[mod] = __import__(mod).__version__
         except Exception:  # noqa: BLE001
             v[mod] = None
+    if nccl is None:
+        try:
+            import torch
+            nccl = _nccl_version_text(torch.cuda.nccl.version())
+        except Exception:  # noqa: BLE001
+            nccl = None
+    v["nccl"] = nccl
     return v
+
+
+def _git_commit() -> Optional[str]:
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=root, capture_output=True, text=True, timeout=10)
+        return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def device_slug(name: str) -> str:
+    import re
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown"
+
+
+def default_json_path(report: Dict[str, Any]) -> str:
+    """``bench/results/gpu-collectives-<date>-<device>.json`` under the repository root (the
+    current directory when the package is not in a checkout)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if not os.path.isdir(os.path.join(root, "bench")):
+        root = os.getcwd()
+    return os.path.join(root, "bench", "results",
+                        f"gpu-collectives-{report['date'][:10]}-{device_slug(report['device'])}.json")
 
 
 def resolve_algorithms(names: List[str]):
@@ -311,57 +732,133 @@ def resolve_algorithms(names: List[str]):
     return run, skipped
 
 
+def _gpu_count() -> int:
+    """GPUs visible, without creating a CUDA context in this (parent) process."""
+    try:
+        import torch
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001
+        return 0
+
+
 def run_benchmark(args, log=print) -> Dict[str, Any]:
     import torch
     algs, skipped = resolve_algorithms(args.algorithms)
     for s in skipped:
         log(f"note: skipping {s['algorithm']}: {s['reason']}")
     backend = args.backend
-    ngpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    warmup = int(getattr(args, "warmup", 1))
+    probe_reps = int(getattr(args, "probe_reps", 10))
+    comm_kind = {"local": "local", "gloo": "torch"}.get(backend, getattr(args, "comm", "cupy"))
+    comm_timeout = float(getattr(args, "comm_timeout", None) or args.timeout)
+    ngpu = _gpu_count() if backend == "nccl" else 0
+    mps = detect_mps()
     if backend == "local":
         torch.set_num_threads(1)
-    results, errors = [], []
+    results, errors, probes, warnings_, rank_info = [], [], [], [], {}
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     for P in args.world_sizes:
         if P < 1:
             raise SystemExit(f"world size must be >= 1, got {P}")
-        if backend == "nccl" and P > ngpu:
-            note = (f"nccl: P={P} skipped: {ngpu} GPU(s) present (one rank per GPU)"
-                    if ngpu else "nccl: skipped: no CUDA GPU present")
+        if backend == "nccl" and ngpu == 0:
+            note = "nccl: skipped: no CUDA GPU present"
             log("note: " + note)
             skipped.append({"P": P, "reason": note})
             continue
+        warn = mps_warning(P, ngpu, mps) if backend == "nccl" else None
+        if warn:
+            _warn_loudly(warn)
+            warnings_.append({"P": P, "warning": warn})
+        per_alg: Dict[str, Any] = {}
+        walls: Dict[str, float] = {}
+        if backend == "local":
+            if probe_reps > 0:
+                probes += _probe_summary(P, _run_local_probes(P, args.n, probe_reps, args.timeout))
+            for name in algs:
+                t0 = time.perf_counter()
+                try:
+                    per_alg[name] = _run_local(name, P, args.n, args.density, args.steps,
+                                               args.seed, args.check_finite, args.timeout)
+                except Exception as exc:  # noqa: BLE001 - one failing algorithm does not stop the rest
+                    msg = f"{type(exc).__name__}: {exc}"
+                    log(f"error: {name} P={P}: {msg.splitlines()[0] if msg else msg}")
+                    errors.append({"algorithm": name, "P": P, "error": msg})
+                    continue
+                walls[name] = time.perf_counter() - t0
+        else:
+            cfg = {"backend": backend, "comm": comm_kind, "n": args.n, "density": args.density,
+                   "steps": args.steps, "seed": args.seed, "check_finite": args.check_finite,
+                   "timeout": args.timeout, "comm_timeout": comm_timeout,
+                   "startup_timeout": 300.0, "ngpu": ngpu, "probes": probe_reps > 0,
+                   "probe_reps": probe_reps, "env": [rank_env(r, P, ngpu) for r in range(P)]}
+            todo = list(algs)
+            while True:
+                t0 = time.perf_counter()
+                g = _run_group(P, todo, cfg, log=(lambda *a: None) if getattr(args, "quiet", False) else log)
+                wall = time.perf_counter() - t0
+                for name, recs in g["results"].items():
+                    per_alg[name] = recs
+                    walls[name] = wall / max(1, len(g["results"]))
+                if g["probes"] is not None:
+                    probes += _probe_summary(P, g["probes"])
+                if any(g["info"]):
+                    rank_info[P] = g["info"]
+                if g["error"] is None:
+                    break
+                e = g["error"]
+                first = e["error"].strip().splitlines()[-1] if e["error"].strip() else ""
+                log(f"error: {e['algorithm']} P={P}: {first}")
+                errors.append({"algorithm": e["algorithm"], "P": P, "error": e["error"]})
+                cfg["probes"] = False
+                todo = g["remaining"]
+                if not todo:
+                    break
         for name in algs:
-            t0 = time.perf_counter()
-            try:
-                if backend == "local":
-                    per_rank = _run_local(name, P, args.n, args.density, args.steps, args.seed,
-                                          args.check_finite, args.timeout)
-                else:
-                    per_rank = _run_procs(backend, name, P, args.n, args.density, args.steps,
-                                          args.seed, args.check_finite, args.timeout)
-            except Exception as exc:  # noqa: BLE001 - one failing algorithm does not stop the rest
-                msg = f"{type(exc).__name__}: {exc}"
-                log(f"error: {name} P={P}: {msg.splitlines()[0] if msg else msg}")
-                errors.append({"algorithm": name, "P": P, "error": msg})
+            if name not in per_alg:
                 continue
-            wall = time.perf_counter() - t0
-            s = _summary(name, P, args.n, args.density, per_rank, wall, args.check_finite)
+            s = _summary(name, P, args.n, args.density, per_alg[name], walls[name],
+                         args.check_finite, warmup=warmup)
             s["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+            s["ranks_share_gpu"] = ranks_share_gpu(P, ngpu)
             results.append(s)
             if not getattr(args, "quiet", False):
                 log(f"  {name:9s} P={P:3d}  {s['bytes_mean'] / 1e6:10.4f} MB/rank/step  "
-                    f"({wall:.1f}s)")
+                    f"{s['step_ms_mean']:9.2f} ms/step  ({walls[name]:.1f}s)")
+    _fill_dense_ratios(results)
+    info0 = next((i[0] for i in rank_info.values() if i and i[0]), {}) or {}
+    device = info0.get("device_name") or ("cpu" if backend != "nccl" else None)
+    if device is None:
+        device = "cuda"
     return {
         "benchmark": "collectives",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": _machine(),
-        "versions": _versions(),
+        "backend": backend,
+        "comm": comm_kind,
+        "date": date,
+        "git_commit": _git_commit(),
+        "host": platform.node(),
+        "device": device,
+        "gpus": ngpu if backend == "nccl" else _gpu_count(),
+        "mps": mps,
+        "versions": _versions(info0.get("nccl")),
         "config": {"algorithms": algs, "world_sizes": list(args.world_sizes), "n": args.n,
-                   "density": args.density, "steps": args.steps, "backend": backend,
-                   "seed": args.seed, "check_finite": args.check_finite,
+                   "density": args.density, "steps": args.steps, "warmup": warmup,
+                   "backend": backend, "comm": comm_kind, "seed": args.seed,
+                   "check_finite": args.check_finite, "probe_reps": probe_reps,
+                   "timeout": args.timeout, "comm_timeout": comm_timeout,
+                   "rank_placement": "rank r on cuda:(r % gpus); NCCL_HOSTID per rank when "
+                                     "ranks share a GPU" if backend == "nccl" else None,
+                   "rank_env": {str(P): [rank_env(r, P, ngpu) for r in range(P)]
+                                for P in args.world_sizes} if backend == "nccl" else None,
+                   "timing": "per step: barrier, device synchronize, step, device synchronize; "
+                             "a step's time is its slowest rank's; mean/min over the steps "
+                             "after the first `warmup`",
                    "gradients": "scale*(common_t + own_rank_t), scale=exp(1.5 z) fixed, "
                                 "z, common, own ~ N(0,1)"},
+        "probes": probes,
         "results": results,
+        "machine": _machine(),
+        "rank_info": {str(P): v for P, v in rank_info.items()},
+        "warnings": warnings_,
         "skipped": skipped,
         "errors": errors,
     }
@@ -378,7 +875,8 @@ def _fmt_bytes(b: float) -> str:
 
 def format_table(report: Dict[str, Any]) -> str:
     hdr = ("algorithm", "P", "bytes/rank/step (mean)", "max", "formula §6", "meas/formula",
-           "lower bound", "meas/LB", "step ms", "nnz(out)")
+           "lower bound", "meas/LB", "step ms mean", "min", "vs dense", "syncs", "bitwise",
+           "colls", "nnz(out)")
     rows = [hdr]
     for s in report["results"]:
         lo, hi = s["formula_bytes_low"], s["formula_bytes_high"]
@@ -389,15 +887,26 @@ def format_table(report: Dict[str, Any]) -> str:
         else:
             ratio = "-" if r1 is None else f"{r1:.3f}"
         r2 = s["ratio_to_lower_bound"]
+        rd = s.get("ratio_to_dense")
         rows.append((s["algorithm"], str(s["P"]), _fmt_bytes(s["bytes_mean"]),
                      _fmt_bytes(s["bytes_max"]), form,
                      ratio, _fmt_bytes(s["lower_bound_bytes"]),
-                     "-" if r2 is None else f"{r2:.2f}", f"{1e3 * s['time_s_mean']:.1f}",
+                     "-" if r2 is None else f"{r2:.2f}", f"{s['step_ms_mean']:.2f}",
+                     f"{s['step_ms_min']:.2f}", "-" if rd is None else f"{rd:.3f}",
+                     "-" if s.get("host_syncs") is None else str(s["host_syncs"]),
+                     "yes" if s.get("out_bitwise_equal") else "NO",
+                     "-" if s.get("collectives_per_step") is None else str(s["collectives_per_step"]),
                      f"{s['nnz_mean']:.0f}"))
     w = [max(len(r[i]) for r in rows) for i in range(len(hdr))]
     lines = [" | ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(r))
              for r in rows]
     lines.insert(1, "-+-".join("-" * x for x in w))
+    if report.get("probes"):
+        lines.append("")
+        lines.append("probes (allreduce, fp32):   P | bytes        | ms mean  | ms min")
+        for pr in report["probes"]:
+            lines.append(f"{'':28s}{pr['P']:3d} | {pr['bytes']:12d} | {pr['ms_mean']:8.3f} | "
+                         f"{pr['ms_min']:8.3f}")
     return "\n".join(lines)
 
 
@@ -441,18 +950,25 @@ def main(args) -> int:
     log = (lambda *a, **k: None) if args.quiet else (lambda *a, **k: print(*a, **k, flush=True))
     if args.steps < 1:
         raise SystemExit("--steps must be >= 1")
+    if not 0 <= getattr(args, "warmup", 1) < args.steps and args.steps > 1:
+        raise SystemExit("--warmup must be >= 0 and below --steps")
     report = run_benchmark(args, log=log)
     print(format_table(report), flush=True)
+    for w in report["warnings"]:
+        _warn_loudly(w["warning"])  # again at the end, where it cannot be missed
     for s in report["skipped"]:
         print(f"skipped: {s}", flush=True)
     for e in report["errors"]:
         print(f"error: {e['algorithm']} P={e['P']}: {e['error'].splitlines()[0]}", flush=True)
-    if args.json:
-        d = os.path.dirname(os.path.abspath(args.json))
+    path = args.json
+    if path is None and args.backend == "nccl" and report["results"]:
+        path = default_json_path(report)
+    if path:
+        d = os.path.dirname(os.path.abspath(path))
         os.makedirs(d, exist_ok=True)
-        with open(args.json, "w") as f:
+        with open(path, "w") as f:
             json.dump(report, f, indent=1)
-        print(f"wrote {args.json}", flush=True)
+        print(f"wrote {path}", flush=True)
     if args.plot:
         plot(report, args.plot)
         print(f"wrote {args.plot}", flush=True)
