@@ -25,7 +25,7 @@ def _q(x):
 # -- conservation and agreement ---------------------------------------------------------------
 @pytest.mark.parametrize("P", [1, 2, 3, 4, 5, 7, 8])
 def test_conservation_and_agreement(P):
-    res = run_steps("oktopk", P, 6000, 120, 0.01, mixed(P), backend=BE)
+    res = run_steps("oktopk", P, 6000, 60, 0.01, mixed(P), backend=BE)
     assert_conservation(res)
     assert_bitwise_agreement(res)
     ovf = res.stat_array("overflow")
@@ -56,7 +56,7 @@ def test_global_count_after_calibration(gen):
     first steps; every rank sees the same |I|."""
     P, n = 4, 20000
     fn = mixed(7) if gen == "mixed" else student_t(7)
-    res = run_steps("oktopk", P, n, 120, 0.01, fn, backend=BE)
+    res = run_steps("oktopk", P, n, 60, 0.01, fn, backend=BE)
     k = res.k
     sel = res.stat_array("global_selected")
     assert torch.equal(sel, sel[:, :1].expand(-1, P)), "every rank applies the same |I|"
@@ -362,3 +362,26 @@ def test_cuda_steady_step_never_syncs(P, momentum, wire):
     """Issue 16.1: compiled kernels on CUDA tensors, steps 2-4 under
     torch.cuda.set_sync_debug_mode('error') (any synchronising CUDA call raises)."""
     assert LocalCluster(P, device="cuda").run(_sync_body, 1 << 20, momentum, wire) == [True] * P
+
+
+# -- the interpreted Triton kernels give the torch path's step bit for bit --------------------
+def _backend_body(comm, n, backend):
+    alg = OkTopk(n, comm, 0.02, backend=backend, momentum=0.9)
+    fn = mixed(12)
+    outs = [alg(fn(comm.rank, t, n)).clone() for t in range(5)]
+    return torch.stack(outs), alg.residual.clone(), alg.velocity.clone()
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available()
+                         or __import__("os").environ.get("TRITON_INTERPRET") == "1"),
+                    reason="needs CUDA or TRITON_INTERPRET=1")
+def test_triton_kernels_match_torch_path():
+    """P = 3, momentum: the Triton kernels (interpreted on CPU) and the torch references give the
+    same out, residual and velocity bit for bit (rows fill in another order, but each row keeps
+    its cap_r largest and every index is added once per source)."""
+    n = 3000
+    tri = LocalCluster(3).run(_backend_body, n, "triton")
+    ref = LocalCluster(3).run(_backend_body, n, "torch")
+    for p in range(3):
+        for a, b in zip(tri[p], ref[p]):
+            assert torch.equal(a, b)
