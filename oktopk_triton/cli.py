@@ -3,6 +3,7 @@
     oktopk-bench kernels      --n 134217728 --density 0.01 [--dtype bf16] [--json PATH]
     oktopk-bench collectives  --algorithms all --world-sizes 2 4 8 --n ... [--backend local]
     oktopk-bench train        --algorithms dense oktopk --density 0.01 --world-size 4
+    oktopk-bench train        --model gpt [--size 1m|25m|100m] [--device cuda] --seeds 0 1 2
     oktopk-bench demo         (what `make demo` runs)
 """
 from __future__ import annotations
@@ -15,7 +16,8 @@ import sys
 SUBCOMMANDS = {
     "kernels": ("kernels", "time the fused select, histogram threshold, torch.topk and an unfused torch step"),
     "collectives": ("collectives", "bytes per rank and step time of every algorithm over world sizes"),
-    "train": ("train", "train a small CNN on the digits data with each algorithm and compare"),
+    "train": ("train", "train a model with each algorithm and compare: the digits CNN (default) or "
+                       "a byte-level GPT on the Python stdlib (--model gpt)"),
     "demo": ("train", "the main job: 4 ranks, dense and every sparse algorithm at density 1%%"),
 }
 

@@ -58,14 +58,18 @@ SIZES: Dict[str, Tuple[GPTConfig, Dict[str, float]]] = {
     # tests: a few thousand parameters, a few ms per step
     "tiny": (GPTConfig(d_model=32, n_layer=1, n_head=2, context=32),
              dict(batch_size=4, steps=20, eval_sequences=16, lr=3e-3)),
-    # CPU default: ~1M parameters (see bench/train.py DEFAULTS for the budget that set it)
+    # CPU default, 1.04M parameters. Budget: 4 gloo ranks on 2 cores shared with other jobs.
+    # fwd+bwd of 8 x 128 bytes is ~0.17 s on one idle core; a dense run of 150 steps took 1.5-2.5
+    # min there, an Ok-Topk run ~2.5x that (its CPU reduce is torch ops over the whole vector).
+    # 150 steps x 4 ranks x 1024 bytes (0.6M bytes seen) take dense from 5.5 (uniform) to ~2.5
+    # nats/byte (unigram entropy 3.29) with 20% warm-up; with 5% it sat at ~2.8 (a plateau).
     "1m": (GPTConfig(d_model=128, n_layer=5, n_head=4, context=128),
-           dict(batch_size=8, steps=300, eval_sequences=128, lr=3e-3)),
+           dict(batch_size=8, steps=150, eval_sequences=256, lr=3e-3)),
     # GPU presets (--device cuda): GPT-2-like shapes
     "25m": (GPTConfig(d_model=512, n_layer=8, n_head=8, context=512),
             dict(batch_size=32, steps=3000, eval_sequences=512, lr=1e-3)),
     "100m": (GPTConfig(d_model=768, n_layer=14, n_head=12, context=1024),
-             dict(batch_size=16, steps=5000, eval_sequences=512, lr=6e-4)),
+             dict(batch_size=16, steps=3000, eval_sequences=512, lr=6e-4)),
 }
 
 
