@@ -11,7 +11,7 @@ mkdir -p "$OUT"
 run() {  # tag, density, algorithms..., --seeds ...
   local tag=$1 d=$2; shift 2
   echo "=== $(date +%T) $tag d=$d $*"
-  "$PY" -m oktopk_triton.cli train --model gpt --density "$d" --quiet --no-plot \
+  "$PY" -m oktopk_triton.cli train --model gpt --density "$d" --no-plot \
       --json "$OUT/$tag.json" --algorithms "$@" || echo "!!! $tag exited with $?"
 }
 run p1-d0.01-dense-oktopk 0.01 dense oktopk --seeds 0 1 2
