@@ -37,9 +37,12 @@ def _lm_body(comm, cfg):
     return out
 
 
-def test_tiny_lm_learns_on_two_ranks_with_identical_replicas():
-    # the torch kernels: the Triton interpreter (TRITON_INTERPRET, set by conftest) is ~100x slower
-    cfg = _config("--size", "tiny", "--steps", "24", "--eval-times", "2", "--density", "0.05",
+def test_tiny_lm_learns_on_two_ranks_with_identical_replicas(monkeypatch):
+    # the ranks run the CPU kernels as `oktopk-bench train` does: the torch references, not the
+    # Triton interpreter that conftest turns on (~100x slower); most of this test's ~10 s is the
+    # two interpreters importing torch and torch._dynamo (which any torch optimizer imports)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cfg = _config("--size", "tiny", "--steps", "16", "--eval-times", "2", "--density", "0.05",
                   "--lr", "1e-2", "--option", "backend=\"torch\"")
     assert cfg["options"] == {"backend": "torch"} and cfg["optimizer"] == "adamw"
     assert cfg["momentum_correction"] is False
@@ -50,14 +53,16 @@ def test_tiny_lm_learns_on_two_ranks_with_identical_replicas():
             r = rank_res[alg]
             assert r["replicas_identical"], alg
             v = [loss for _, loss in r["val_curve"]]
-            assert [s for s, _ in r["val_curve"]] == [0, 12, 24]
+            assert [s for s, _ in r["val_curve"]] == [0, 8, 16]
             assert all(math.isfinite(x) for x in v)
             # falls clearly: from about ln 256 = 5.5 nats/byte at the start
             assert v[-1] < v[0] - 0.3, (alg, v)
             assert r["final_val_bpb"] == pytest.approx(v[-1] / math.log(2))
-            assert len(r["bytes_curve"]) == r["steps"] == 24
-            assert len(r["applied_curve"]) == 24
+            assert len(r["bytes_curve"]) == r["steps"] == 16
+            assert len(r["applied_curve"]) == 16
             assert sum(L["numel"] for L in r["layers"].values()) == r["numel"]
+            assert all(L["moved_sq"] >= 0 for L in r["layers"].values())
+            assert sum(L["moved_sq"] for L in r["layers"].values()) > 0
     # rank 0 and rank 1 report the same evaluations (one model)
     assert res[0]["oktopk"]["val_curve"] == res[1]["oktopk"]["val_curve"]
     dense, ok = res[0]["dense"], res[0]["oktopk"]
@@ -101,19 +106,22 @@ def test_model_shapes_tying_and_presets():
     assert torch.allclose(m(idx)[:, 0], m(idx2)[:, 0])
     assert not torch.allclose(m(idx)[:, -1], m(idx2)[:, -1])
     loss = m.loss(torch.randint(0, 256, (2, 9)))
-    assert abs(float(loss) - math.log(256)) < 0.5   # near uniform at init
+    assert abs(float(loss.detach()) - math.log(256)) < 0.5   # near uniform at init
     loss.backward()
     assert m.tok.weight.grad is not None
     with pytest.raises(ValueError):
         m(torch.zeros(1, 9, dtype=torch.long))     # longer than the learned positions
     with pytest.raises(ValueError):
         gpt.GPT(gpt.GPTConfig(d_model=10, n_layer=1, n_head=3, context=4))
-    # the presets' sizes (GPU ones on the meta device: shapes only)
+    # the presets' sizes: the formula is checked against built models (tiny, 1m), then trusted
+    # for the GPU presets (building 100M parameters on CPU costs seconds)
+    assert cfg.num_parameters() == gpt.num_parameters(m)
+    for name in ("tiny", "1m"):
+        built = gpt.num_parameters(gpt.GPT(gpt.SIZES[name][0]))
+        assert gpt.SIZES[name][0].num_parameters() == built
     expect = {"1m": (0.8e6, 1.3e6), "25m": (20e6, 30e6), "100m": (85e6, 115e6)}
     for name, (lo, hi) in expect.items():
-        with torch.device("meta"):
-            n = gpt.num_parameters(gpt.GPT(gpt.SIZES[name][0]))
-        assert lo <= n <= hi, (name, n)
+        assert lo <= gpt.SIZES[name][0].num_parameters() <= hi, name
 
 
 def test_gpu_config_path_builds_on_cpu():

@@ -51,6 +51,12 @@ class GPTConfig:
     def as_dict(self) -> Dict[str, int]:
         return asdict(self)
 
+    def num_parameters(self) -> int:
+        """Distinct parameters of :class:`GPT` with this config, without building it."""
+        d, h = self.d_model, self.mlp_ratio * self.d_model
+        block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * h + h) + (h * d + d)
+        return self.vocab * d + self.context * d + self.n_layer * block + 2 * d
+
 
 # name -> (model, training defaults). The training defaults are what ``--size`` sets unless the
 # command line overrides them (batch per rank, steps, eval sequences, lr).

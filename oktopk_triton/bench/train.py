@@ -814,6 +814,15 @@ class _LayerCounter:
         self.sq_reduced = z(torch.float64)
         self.per_step = torch.zeros(steps, dtype=torch.int64, device=device)
 
+    def start(self, params) -> None:
+        """Remember the initial weights: a run's movement per tensor is the end minus these."""
+        self.init = [p.detach().clone() for p in params]
+
+    def moved(self, params) -> List[float]:
+        import torch
+        d = torch._foreach_sub([p.detach() for p in params], self.init)
+        return [float(x) ** 2 for x in torch._foreach_norm(d)]
+
     def local(self, params) -> None:
         import torch
         norms = torch._foreach_norm([p.grad for p in params])
@@ -831,13 +840,15 @@ class _LayerCounter:
         views = list(flat.float().split(self.sizes))
         self.sq_reduced += torch.stack(torch._foreach_norm(views)).double() ** 2
 
-    def report(self, steps: int) -> Dict[str, Any]:
+    def report(self, steps: int, params) -> Dict[str, Any]:
         applied = self.applied.cpu().tolist()
         starved = self.starved.cpu().tolist()
         sl, sr = self.sq_local.cpu().tolist(), self.sq_reduced.cpu().tolist()
+        mv = self.moved(params)
         layers = {n: {"numel": s, "applied_per_step": a / max(1, steps), "starved_steps": st,
-                      "grad_sq_local": l, "grad_sq_reduced": r}
-                  for n, s, a, st, l, r in zip(self.names, self.sizes, applied, starved, sl, sr)}
+                      "grad_sq_local": l, "grad_sq_reduced": r, "moved_sq": m}
+                  for n, s, a, st, l, r, m in zip(self.names, self.sizes, applied, starved, sl,
+                                                  sr, mv)}
         return {"layers": layers, "applied_curve": self.per_step.cpu().tolist()}
 
 
@@ -868,6 +879,7 @@ def train_one_lm(cfg, algorithm: str, seed: int, comm, device, data, log) -> Dic
     init_identical = replicas_identical(model)
     counter = _LayerCounter(model, cfg["steps"], device)
     assert sum(counter.sizes) == numel
+    counter.start(params)
 
     steps, bs = cfg["steps"], cfg["batch_size"]
     warmup = int(round(cfg.get("warmup_fraction", 0.0) * steps))
@@ -936,7 +948,7 @@ def train_one_lm(cfg, algorithm: str, seed: int, comm, device, data, log) -> Dic
                       f"{1000 * sum(recent) / len(recent):7.1f} ms/step", flush=True)
     identical = replicas_identical(model) and init_identical
     warm = 2 if len(step_times) > 4 else 0
-    layer_report = counter.report(steps)
+    layer_report = counter.report(steps, params)
     final = val_curve[-1][1]
     return {
         "algorithm": algorithm, "seed": seed, "density": density, "world_size": P,
