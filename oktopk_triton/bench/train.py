@@ -1,7 +1,20 @@
-"""Train a small CNN on scikit-learn's digits with every allreduce and compare (``oktopk-bench
-train`` / ``oktopk-bench demo`` / ``make demo``).
+"""Train a model with every allreduce and compare (``oktopk-bench train`` / ``oktopk-bench demo``
+/ ``make demo``).
 
-The data is ``sklearn.datasets.load_digits`` (1797 8x8 images, bundled: no download), split once
+Two models:
+
+* ``--model cnn`` (default; ``mlp`` too): a small CNN on scikit-learn's digits; the metric is
+  test accuracy. ``make demo`` runs this one (a run is seconds).
+* ``--model gpt``: a byte-level decoder-only transformer (:mod:`oktopk_triton.bench.gpt`) trained
+  as a language model on the Python standard library's own ``.py`` files, split by file; the
+  metric is the validation loss in nats per byte (and bits per byte). ``--size`` picks the
+  model: ``1m`` (CPU default), ``25m`` and ``100m`` (GPU presets, ``--device cuda``; ranks may
+  share a GPU), ``tiny`` (tests). AdamW by default (the sparse algorithms then run plain error
+  feedback). Every run also counts, per parameter tensor, the entries of the reduced gradient
+  that are nonzero each step (what the algorithm applied) and the steps that applied none, so a
+  gap to dense can be traced to the layers that starve (``tools/lm_results.py`` tabulates it).
+
+The digits data is ``sklearn.datasets.load_digits`` (1797 8x8 images, bundled: no download), split once
 (fixed split seed) into a training and a held-out test set. ``world_size`` ranks are launched by
 ``torchrun`` (gloo on CPU; NCCL, through CuPy when installed, when there are at least
 ``world_size`` GPUs). Every rank builds the model from the same seed, trains on its own shard of
@@ -44,6 +57,13 @@ from typing import Any, Dict, List, Optional
 DEFAULTS = dict(world_size=4, density=0.01, epochs=30, model="cnn", seeds=[0], batch_size=16,
                 lr=0.1, momentum=0.9, schedule="cosine", warmup_epochs=1.0, weight_decay=0.0,
                 test_fraction=0.25, width=32, eval_every=0, tag=None, momentum_correction=True)
+# --model gpt (byte-level LM on the stdlib's .py files, bench/gpt.py): the --size preset gives
+# the model and its batch, steps, eval size and lr; these are the rest. AdamW is what
+# transformers train with (the Ok-Topk paper trains BERT with Adam); the sparse algorithms then
+# run plain error feedback (momentum correction is SGD's).
+# Warm-up: 20% of the steps (with 5% the 1m model stalled near 2.8 nats/byte for 100+ steps).
+GPT_DEFAULTS = dict(size="1m", optimizer="adamw", betas=(0.9, 0.95), warmup_fraction=0.2,
+                    val_fraction=0.1, eval_times=5)
 RESULTS_DIR = os.path.join("bench", "results")
 
 
@@ -57,21 +77,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fraction of the gradient each sparse algorithm sends (k = density*n)")
     p.add_argument("--world-size", type=int, default=DEFAULTS["world_size"], help="ranks")
     p.add_argument("--epochs", type=int, default=DEFAULTS["epochs"])
-    p.add_argument("--model", choices=["cnn", "mlp"], default=DEFAULTS["model"])
+    p.add_argument("--model", choices=["cnn", "mlp", "gpt"], default=DEFAULTS["model"],
+                   help="cnn/mlp: the digits classifier; gpt: a byte-level transformer LM on the "
+                        "Python standard library's .py files (see --size)")
     p.add_argument("--width", type=int, default=DEFAULTS["width"],
                    help="channels of the first conv (cnn) / hidden units / 8 (mlp)")
     p.add_argument("--seeds", "--seed", type=int, nargs="+", default=DEFAULTS["seeds"],
                    help="training seeds (model init and data order); results are averaged")
-    p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"], help="per rank")
-    p.add_argument("--lr", type=float, default=DEFAULTS["lr"])
+    p.add_argument("--batch-size", type=int, default=None,
+                   help=f"per rank (default {DEFAULTS['batch_size']}; gpt: the --size preset's)")
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"peak learning rate (default {DEFAULTS['lr']}; gpt: the --size preset's)")
     p.add_argument("--momentum", type=float, default=DEFAULTS["momentum"])
     p.add_argument("--momentum-correction", action=argparse.BooleanOptionalAction,
-                   default=DEFAULTS["momentum_correction"],
+                   default=None,
                    help="sparse algorithms: apply the momentum in the reducer, before "
                         "sparsification, with momentum factor masking (Deep Gradient "
                         "Compression); their optimizer then runs without momentum. dense always "
                         "runs plain momentum SGD. --no-momentum-correction: every algorithm uses "
-                        "the optimizer's momentum on the reduced gradient")
+                        "the optimizer's momentum on the reduced gradient. Default: on with sgd, "
+                        "off with adamw")
     p.add_argument("--schedule", choices=["cosine", "constant"], default=DEFAULTS["schedule"],
                    help="learning rate: linear warm-up then cosine decay to 0, or constant")
     p.add_argument("--warmup-epochs", type=float, default=DEFAULTS["warmup_epochs"])
@@ -81,6 +106,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="use only this many training samples (0 = all; for quick tests)")
     p.add_argument("--eval-every", type=int, default=0,
                    help="evaluate every N steps as well as at every epoch end (0 = epochs only)")
+    g = p.add_argument_group("--model gpt")
+    g.add_argument("--size", choices=sorted(_gpt_sizes()), default=GPT_DEFAULTS["size"],
+                   help="model preset: 1m (CPU default), 25m / 100m (GPU, --device cuda), tiny "
+                        "(tests)")
+    g.add_argument("--steps", type=int, default=None, help="training steps (default: preset's)")
+    g.add_argument("--context", type=int, default=None,
+                   help="bytes per training sequence (default and maximum: the preset's)")
+    g.add_argument("--eval-sequences", type=int, default=None,
+                   help="validation windows per evaluation, spread over the validation files "
+                        "and split over the ranks (default: preset's)")
+    g.add_argument("--eval-times", type=int, default=GPT_DEFAULTS["eval_times"],
+                   help="evaluations spread over the run, besides the one at step 0 (gpt; "
+                        "--eval-every overrides)")
+    g.add_argument("--optimizer", choices=["sgd", "adamw"], default=None,
+                   help="default: sgd for cnn/mlp, adamw for gpt")
+    g.add_argument("--warmup-fraction", type=float, default=GPT_DEFAULTS["warmup_fraction"],
+                   help="gpt: linear warm-up over this fraction of the steps, then cosine decay")
+    g.add_argument("--val-fraction", type=float, default=GPT_DEFAULTS["val_fraction"],
+                   help="gpt: fraction of the stdlib files held out for validation")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="extra option passed to the sparse algorithms (repeatable)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
@@ -112,17 +156,27 @@ def main(args) -> int:
     if not algos:
         print("nothing to run", file=sys.stderr)
         return 2
-    tag = args.tag or f"digits-d{args.density:g}"
+    config = build_config(args, algos)
+    lm = config["model"] == "gpt"
+    tag = args.tag or (f"lm-{config['size']}-d{args.density:g}" if lm else
+                       f"digits-d{args.density:g}")
     json_path = args.json or os.path.join(RESULTS_DIR, f"train-{tag}.json")
     plot_path = None if args.no_plot else (args.plot or os.path.splitext(json_path)[0] + ".png")
-    config = build_config(args, algos)
+    length = (f"size {config['size']}, {config['steps']} steps of {config['batch_size']} x "
+              f"{config['gpt']['context']} bytes per rank, {config['optimizer']}" if lm
+              else f"{args.epochs} epochs")
     print(f"oktopk-bench train: {args.world_size} ranks, {args.model}, density {args.density:g}, "
-          f"{args.epochs} epochs, seeds {list(args.seeds)}, algorithms {algos}", flush=True)
+          f"{length}, seeds {list(args.seeds)}, algorithms {algos}", flush=True)
+    corpus = _corpus_summary(config) if lm else None
     runs, failures = launch(config, timeout=args.timeout)
     summary = summarize(runs, algos, failures)
     wall = time.time() - t0
     report = {"config": config, "git": _git_describe(), "skipped": [{"algorithm": n, "why": w} for n, w in skipped],
-              "failures": failures, "summary": summary, "runs": runs, "wall_s": wall}
+              "failures": failures, "summary": summary, "runs": runs, "wall_s": wall,
+              "date": time.strftime("%Y-%m-%d"), "versions": _versions(),
+              "host": {"cpus": os.cpu_count(), "platform": sys.platform}}
+    if corpus is not None:
+        report["corpus"] = corpus
     os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
     with open(json_path, "w") as f:
         json.dump(report, f, separators=(",", ":"))
@@ -145,6 +199,23 @@ def main(args) -> int:
         print(f"ERROR: replicas diverged in {len(bad)} run(s)", file=sys.stderr)
         return 1
     return 1 if failures else 0
+
+
+def _corpus_summary(config) -> Dict[str, Any]:
+    """Where the LM's bytes came from and the unigram entropy (nats/byte) to beat."""
+    from .gpt import load_corpus
+    c = load_corpus(config["val_fraction"])
+    return dict(c.info, unigram_nats_per_byte=c.unigram_entropy())
+
+
+def _versions() -> Dict[str, Optional[str]]:
+    out: Dict[str, Optional[str]] = {"python": sys.version.split()[0]}
+    for mod in ("torch", "triton", "oktopk_triton"):
+        try:
+            out[mod] = getattr(__import__(mod), "__version__", None)
+        except Exception:
+            out[mod] = None
+    return out
 
 
 def _git_describe() -> Optional[str]:
@@ -190,17 +261,51 @@ def _parse_option(s: str):
     return k, v
 
 
+def _gpt_sizes():
+    from .gpt import SIZES
+    return SIZES
+
+
 def build_config(args, algos) -> Dict[str, Any]:
-    return dict(algorithms=algos, density=args.density, world_size=args.world_size,
-                epochs=args.epochs, model=args.model, width=args.width, seeds=list(args.seeds),
-                batch_size=args.batch_size, lr=args.lr, momentum=args.momentum,
-                momentum_correction=bool(getattr(args, "momentum_correction",
-                                                 DEFAULTS["momentum_correction"])),
-                schedule=args.schedule, warmup_epochs=args.warmup_epochs,
-                weight_decay=args.weight_decay, test_fraction=args.test_fraction,
-                train_subset=args.train_subset, eval_every=args.eval_every,
-                options=dict(_parse_option(o) for o in args.option), device=args.device,
-                quiet=args.quiet)
+    """The run's configuration (what the workers get and the JSON records): the command line
+    with every model-dependent default resolved."""
+    model = args.model
+    optimizer = getattr(args, "optimizer", None) or ("adamw" if model == "gpt" else "sgd")
+    mc = getattr(args, "momentum_correction", None)
+    if mc is None:  # DGC's momentum correction is an SGD-momentum device
+        mc = DEFAULTS["momentum_correction"] and optimizer == "sgd"
+    cfg = dict(algorithms=algos, density=args.density, world_size=args.world_size,
+               epochs=args.epochs, model=model, width=args.width, seeds=list(args.seeds),
+               batch_size=args.batch_size or DEFAULTS["batch_size"],
+               lr=args.lr if args.lr is not None else DEFAULTS["lr"], momentum=args.momentum,
+               momentum_correction=bool(mc), optimizer=optimizer,
+               schedule=args.schedule, warmup_epochs=args.warmup_epochs,
+               weight_decay=args.weight_decay, test_fraction=args.test_fraction,
+               train_subset=args.train_subset, eval_every=args.eval_every,
+               options=dict(_parse_option(o) for o in args.option), device=args.device,
+               quiet=args.quiet)
+    if model == "gpt":
+        size = getattr(args, "size", None) or GPT_DEFAULTS["size"]
+        gcfg, train_defaults = _gpt_sizes()[size]
+        gpt = gcfg.as_dict()
+        if getattr(args, "context", None):
+            if args.context > gcfg.context:
+                raise SystemExit(f"--context {args.context} exceeds the {size} preset's "
+                                 f"{gcfg.context} (learned positions)")
+            gpt["context"] = args.context
+        steps = getattr(args, "steps", None) or int(train_defaults["steps"])
+        eval_times = max(1, int(getattr(args, "eval_times", None) or GPT_DEFAULTS["eval_times"]))
+        cfg.update(size=size, gpt=gpt, steps=steps,
+                   batch_size=args.batch_size or int(train_defaults["batch_size"]),
+                   lr=args.lr if args.lr is not None else float(train_defaults["lr"]),
+                   eval_sequences=(getattr(args, "eval_sequences", None)
+                                   or int(train_defaults["eval_sequences"])),
+                   eval_every=args.eval_every or max(1, math.ceil(steps / eval_times)),
+                   warmup_fraction=getattr(args, "warmup_fraction", GPT_DEFAULTS["warmup_fraction"]),
+                   val_fraction=getattr(args, "val_fraction", GPT_DEFAULTS["val_fraction"]),
+                   betas=list(GPT_DEFAULTS["betas"]), epochs=None, width=None, test_fraction=None,
+                   train_subset=None)
+    return cfg
 
 
 # ------------------------------------------------------------------------------------------
@@ -271,34 +376,54 @@ def _read_jsonl(path: str) -> List[dict]:
 
 
 def summarize(runs: List[dict], algos: List[str], failures: List[dict]) -> List[dict]:
+    """One row per algorithm: mean and sample sd over seeds of the final metric (test accuracy
+    for the digits, validation loss for the LM), bytes and time per step, and the comparison
+    with dense (points of accuracy; relative loss gap in percent for the LM)."""
     rows = []
     for alg in algos:
         rs = [r for r in runs if r["algorithm"] == alg]
         if not rs:
             rows.append({"algorithm": alg, "status": "failed", "n_seeds": 0})
             continue
-        acc = [r["final_test_acc"] for r in rs]
-        m = sum(acc) / len(acc)
-        sd = math.sqrt(sum((a - m) ** 2 for a in acc) / (len(acc) - 1)) if len(acc) > 1 else 0.0
-        rows.append({
-            "algorithm": alg, "status": "ok", "n_seeds": len(rs),
-            "final_test_acc": m, "final_test_acc_std": sd, "final_test_acc_per_seed": acc,
-            "final_train_loss": sum(r["final_train_loss"] for r in rs) / len(rs),
-            "bytes_per_step": sum(r["bytes_per_step"] for r in rs) / len(rs),
-            "time_per_step_ms": sum(r["time_per_step_ms"] for r in rs) / len(rs),
-            "reduce_ms": sum(r["reduce_ms"] for r in rs) / len(rs),
-            "numel": rs[0]["numel"], "k": rs[0]["k"],
-            "replicas_identical": all(r["replicas_identical"] for r in rs),
-        })
+        lm = "final_val_loss" in rs[0]
+        key = "final_val_loss" if lm else "final_test_acc"
+        vals = [r[key] for r in rs]
+        m = sum(vals) / len(vals)
+        sd = math.sqrt(sum((a - m) ** 2 for a in vals) / (len(vals) - 1)) if len(vals) > 1 else 0.0
+        row = {"algorithm": alg, "status": "ok", "n_seeds": len(rs),
+               "seeds": [r["seed"] for r in rs],
+               key: m, key + "_std": sd, key + "_per_seed": vals,
+               "final_train_loss": sum(r["final_train_loss"] for r in rs) / len(rs),
+               "bytes_per_step": sum(r["bytes_per_step"] for r in rs) / len(rs),
+               "time_per_step_ms": sum(r["time_per_step_ms"] for r in rs) / len(rs),
+               "reduce_ms": sum(r["reduce_ms"] for r in rs) / len(rs),
+               "numel": rs[0]["numel"], "k": rs[0]["k"],
+               "replicas_identical": all(r["replicas_identical"] for r in rs)}
+        if lm:
+            row["final_val_bpb"] = m / math.log(2)
+            row["applied_per_step"] = (sum(sum(r["applied_curve"]) / len(r["applied_curve"])
+                                           for r in rs) / len(rs))
+        rows.append(row)
     dense = next((r for r in rows if r["algorithm"] == "dense" and r["status"] == "ok"), None)
     for r in rows:
         if r["status"] == "ok" and dense is not None:
-            r["acc_vs_dense_points"] = 100.0 * (r["final_test_acc"] - dense["final_test_acc"])
+            if "final_val_loss" in r:
+                r["loss_vs_dense_pct"] = 100.0 * (r["final_val_loss"] / dense["final_val_loss"] - 1)
+                # paired over the seeds both ran (same init and batches): the gap's spread
+                common = [s for s in r["seeds"] if s in dense["seeds"]]
+                gaps = [100.0 * (r["final_val_loss_per_seed"][r["seeds"].index(s)] /
+                                 dense["final_val_loss_per_seed"][dense["seeds"].index(s)] - 1)
+                        for s in common]
+                r["loss_vs_dense_pct_per_seed"] = gaps
+            else:
+                r["acc_vs_dense_points"] = 100.0 * (r["final_test_acc"] - dense["final_test_acc"])
             r["bytes_vs_dense"] = r["bytes_per_step"] / dense["bytes_per_step"]
     return rows
 
 
 def format_table(summary: List[dict], config: Dict[str, Any]) -> str:
+    if config.get("model") == "gpt":
+        return _format_lm_table(summary, config)
     n_seeds = len(config["seeds"])
     acc_hdr = "test acc %" + (f" (mean±sd, {n_seeds} seeds)" if n_seeds > 1 else "")
     head = (f"{'algorithm':<10} {acc_hdr:>28} {'vs dense':>9} {'bytes/rank/step':>16} "
@@ -325,6 +450,38 @@ def format_table(summary: List[dict], config: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _format_lm_table(summary: List[dict], config: Dict[str, Any]) -> str:
+    n_seeds = len(config["seeds"])
+    hdr = "val nats/byte" + (f" (mean±sd, {n_seeds} seeds)" if n_seeds > 1 else "")
+    head = (f"{'algorithm':<10} {hdr:>32} {'bits/byte':>9} {'vs dense':>9} {'applied/step':>12} "
+            f"{'bytes/rank/step':>16} {'x dense':>8} {'time/step ms':>13} {'reduce ms':>10} "
+            f"{'replicas':>9}")
+    g = config["gpt"]
+    lines = [f"density {config['density']:g}, {config['world_size']} ranks, gpt {config['size']} "
+             f"(d {g['d_model']}, {g['n_layer']} layers, context {g['context']}), "
+             f"{config['steps']} steps, {config['optimizer']}", head, "-" * len(head)]
+    for r in summary:
+        if r["status"] != "ok":
+            lines.append(f"{r['algorithm']:<10} {'FAILED':>32}")
+            continue
+        v = f"{r['final_val_loss']:.4f}"
+        if n_seeds > 1:
+            v += f" ± {r['final_val_loss_std']:.4f}"
+        vs = f"{r.get('loss_vs_dense_pct', 0.0):+.2f}%"
+        xd = f"{r.get('bytes_vs_dense', float('nan')):.4f}"
+        lines.append(f"{r['algorithm']:<10} {v:>32} {r['final_val_bpb']:>9.3f} {vs:>9} "
+                     f"{r['applied_per_step']:>12.0f} {_fmt_bytes(r['bytes_per_step']):>16} "
+                     f"{xd:>8} {r['time_per_step_ms']:>13.1f} {r['reduce_ms']:>10.2f} "
+                     f"{'identical' if r['replicas_identical'] else 'DIVERGED':>9}")
+    ok = [r for r in summary if r.get("numel")]
+    if ok:
+        n = ok[0]["numel"]
+        lines.append(f"(model: {n} parameters; sparse k = {max(1, round(config['density'] * n))} "
+                     f"at density {config['density']:g}; applied = nonzero entries of the reduced "
+                     f"gradient; bytes counted by the communicator)")
+    return "\n".join(lines)
+
+
 def _fmt_bytes(b: float) -> str:
     for unit in ("B", "kB", "MB", "GB"):
         if abs(b) < 1000 or unit == "GB":
@@ -340,25 +497,41 @@ def plot(report: Dict[str, Any], path: str) -> None:
 
     cfg = report["config"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.6))
+    lm = cfg.get("model") == "gpt"
+    curve = "val_curve" if lm else "acc_curve"
+    scale = 1.0 if lm else 100.0
+    lo, hi = float("inf"), -float("inf")
     for alg in cfg["algorithms"]:
         rs = [r for r in report["runs"] if r["algorithm"] == alg]
         if not rs:
             continue
-        # accuracy: mean over seeds at the common evaluation steps
-        steps = [s for s, _ in rs[0]["acc_curve"]]
-        acc = [100 * sum(r["acc_curve"][i][1] for r in rs) / len(rs) for i in range(len(steps))]
+        # the metric: mean over seeds at the common evaluation steps
+        steps = [s for s, _ in rs[0][curve]]
+        ys = [scale * sum(r[curve][i][1] for r in rs) / len(rs) for i in range(len(steps))]
+        if len(ys) > 1:
+            lo, hi = min(lo, min(ys[1:])), max(hi, max(ys[1:]))
         style = dict(lw=2.2, color="black") if alg == "dense" else dict(lw=1.4)
-        (line,) = ax1.plot(steps, acc, label=alg, marker=".", **style)
+        (line,) = ax1.plot(steps, ys, label=alg, marker=".", **style)
         b = rs[0]["bytes_curve"]
         ax2.plot(range(1, len(b) + 1), b, label=alg, color=line.get_color(),
                  lw=style["lw"])
     ax1.set_xlabel("step")
-    ax1.set_ylabel("test accuracy (%)")
-    lo = 80.0
-    ax1.set_ylim(lo, 100)
     ax1.grid(alpha=0.3)
-    ax1.legend(loc="lower right", fontsize=8)
-    ax1.set_title(f"digits, {cfg['world_size']} ranks, density {cfg['density']:g}")
+    if lm:
+        uni = (report.get("corpus") or {}).get("unigram_nats_per_byte")
+        if uni:
+            ax1.axhline(uni, color="gray", ls=":", lw=1, label="unigram entropy")
+        ax1.set_ylabel("validation loss (nats/byte)")
+        if hi > lo:
+            ax1.set_ylim(lo - 0.05 * (hi - lo), max(hi, uni or hi) + 0.05 * (hi - lo))
+        ax1.legend(loc="upper right", fontsize=8)
+        ax1.set_title(f"byte LM ({cfg['size']}), {cfg['world_size']} ranks, "
+                      f"density {cfg['density']:g}")
+    else:
+        ax1.set_ylabel("test accuracy (%)")
+        ax1.set_ylim(80.0, 100)
+        ax1.legend(loc="lower right", fontsize=8)
+        ax1.set_title(f"digits, {cfg['world_size']} ranks, density {cfg['density']:g}")
     ax2.set_yscale("log")
     ax2.set_xlabel("step")
     ax2.set_ylabel("bytes sent per rank per step")
@@ -417,7 +590,15 @@ def _comm_and_device(cfg):
                  and torch.cuda.device_count() >= world))
     import datetime
     if use_cuda:
-        device = torch.device("cuda", local_rank)
+        n_gpu = torch.cuda.device_count()
+        if n_gpu == 0:
+            raise RuntimeError("--device cuda: no CUDA device is visible")
+        device = torch.device("cuda", local_rank % n_gpu)
+        if n_gpu < world:
+            # ranks share a GPU: NCCL refuses two ranks on one device of one host, so every rank
+            # claims its own host (NCCL then talks over loopback sockets; start MPS first, see
+            # ../shared/GPU-MEASURED.md)
+            os.environ.setdefault("NCCL_HOSTID", f"oktopk-train-rank{local_rank}")
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=300),
                                 device_id=device)
@@ -479,9 +660,7 @@ def train_one(cfg, algorithm: str, seed: int, comm, device, data, log) -> Dict[s
     # optimizer runs without momentum; dense stays the plain momentum SGD baseline (at density 1
     # the masking would remove every entry's momentum)
     corrected = bool(cfg.get("momentum_correction")) and algorithm != "dense"
-    opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"],
-                          momentum=0.0 if corrected else cfg["momentum"],
-                          weight_decay=cfg["weight_decay"])
+    opt = _make_optimizer(cfg, model.parameters(), corrected)
     options = dict(cfg.get("options") or {}) if algorithm != "dense" else {}
     if corrected:
         options["momentum"] = cfg["momentum"]
@@ -575,6 +754,216 @@ def train_one(cfg, algorithm: str, seed: int, comm, device, data, log) -> Dict[s
     }
 
 
+def _make_optimizer(cfg, params, corrected: bool):
+    import torch
+    if cfg.get("optimizer", "sgd") == "adamw":
+        return torch.optim.AdamW(params, lr=cfg["lr"], betas=tuple(cfg.get("betas", (0.9, 0.95))),
+                                 weight_decay=cfg["weight_decay"])
+    return torch.optim.SGD(params, lr=cfg["lr"], momentum=0.0 if corrected else cfg["momentum"],
+                           weight_decay=cfg["weight_decay"])
+
+
+def _lm_eval(model, val, starts, length: int, device, batch: int = 64) -> float:
+    """Mean next-byte cross entropy (nats) over the validation windows ``starts``; each rank
+    evaluates every P-th window and one allreduce sums (the replicas are identical, so this is
+    the loss of the one model, P times faster)."""
+    import torch
+    import torch.distributed as dist
+    from .gpt import batch_at
+    P, rank = dist.get_world_size(), dist.get_rank()
+    mine = starts[rank::P]
+    tot = torch.zeros(2, dtype=torch.float64, device=device)
+    model.eval()
+    with torch.no_grad(), _autocast(device):
+        for i in range(0, len(mine), batch):
+            x = batch_at(val, mine[i:i + batch].to(val.device), length)
+            tot[0] += model.loss(x).double() * x.shape[0]
+            tot[1] += x.shape[0]
+    model.train()
+    dist.all_reduce(tot)
+    return float(tot[0] / tot[1])
+
+
+def _autocast(device):
+    """bf16 autocast on CUDA (how a GPU trains a transformer); nothing on CPU."""
+    import contextlib
+    import torch
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+class _LayerCounter:
+    """Per parameter tensor: how many entries of the reduced gradient are nonzero each step (the
+    entries an algorithm applied), how many steps applied none (starved), and the squared norms
+    of the local and the reduced gradient. Kept on the device (no host read per step); one
+    segmented sum and one fused norm per step, no gradient-sized int64 temporaries."""
+
+    def __init__(self, model, steps: int, device) -> None:
+        import torch
+        self.names, self.sizes = [], []
+        for name, p in model.named_parameters():   # the order SparseAllreduce flattens in
+            if p.requires_grad:
+                self.names.append(name)
+                self.sizes.append(p.numel())
+        self.lengths = torch.tensor(self.sizes, device=device)
+        z = lambda dt: torch.zeros(len(self.sizes), dtype=dt, device=device)
+        self.applied = z(torch.int64)
+        self.starved = z(torch.int64)
+        self.sq_local = z(torch.float64)
+        self.sq_reduced = z(torch.float64)
+        self.per_step = torch.zeros(steps, dtype=torch.int64, device=device)
+
+    def start(self, params) -> None:
+        """Remember the initial weights: a run's movement per tensor is the end minus these."""
+        self.init = [p.detach().clone() for p in params]
+
+    def moved(self, params) -> List[float]:
+        import torch
+        d = torch._foreach_sub([p.detach() for p in params], self.init)
+        return [float(x) ** 2 for x in torch._foreach_norm(d)]
+
+    def local(self, params) -> None:
+        import torch
+        norms = torch._foreach_norm([p.grad for p in params])
+        self.sq_local += torch.stack(norms).double() ** 2
+
+    def reduced(self, step: int, flat) -> None:
+        import torch
+        # fp32 sums of 0/1 are exact below 2^24 entries per tensor (the 100m preset's largest
+        # tensor has 2.4M)
+        per = torch.segment_reduce((flat != 0).float(), "sum", lengths=self.lengths)
+        per = per.round().to(torch.int64)
+        self.applied += per
+        self.starved += (per == 0).to(torch.int64)
+        self.per_step[step] = per.sum()
+        views = list(flat.float().split(self.sizes))
+        self.sq_reduced += torch.stack(torch._foreach_norm(views)).double() ** 2
+
+    def report(self, steps: int, params) -> Dict[str, Any]:
+        applied = self.applied.cpu().tolist()
+        starved = self.starved.cpu().tolist()
+        sl, sr = self.sq_local.cpu().tolist(), self.sq_reduced.cpu().tolist()
+        mv = self.moved(params)
+        layers = {n: {"numel": s, "applied_per_step": a / max(1, steps), "starved_steps": st,
+                      "grad_sq_local": l, "grad_sq_reduced": r, "moved_sq": m}
+                  for n, s, a, st, l, r, m in zip(self.names, self.sizes, applied, starved, sl,
+                                                  sr, mv)}
+        return {"layers": layers, "applied_curve": self.per_step.cpu().tolist()}
+
+
+def train_one_lm(cfg, algorithm: str, seed: int, comm, device, data, log) -> Dict[str, Any]:
+    """One run of the byte-level LM (``--model gpt``); the record mirrors :func:`train_one`'s
+    with validation loss (nats/byte) and bits per byte in place of accuracy."""
+    import torch
+    import torch.distributed as dist
+    from .. import SparseAllreduce
+    from .gpt import GPT, GPTConfig, batch_at, val_starts
+
+    train_bytes, val_bytes = data
+    P, rank = dist.get_world_size(), dist.get_rank()
+    gcfg = GPTConfig(**cfg["gpt"])
+    L = gcfg.context + 1                      # a window: context inputs and their next bytes
+    torch.manual_seed(seed)                    # the same init on every rank
+    model = GPT(gcfg).to(device)
+    corrected = bool(cfg.get("momentum_correction")) and algorithm != "dense"
+    opt = _make_optimizer(cfg, model.parameters(), corrected)
+    options = dict(cfg.get("options") or {}) if algorithm != "dense" else {}
+    if corrected:
+        options["momentum"] = cfg["momentum"]
+    density = cfg["density"] if algorithm != "dense" else 1.0
+    params = [p for p in model.parameters() if p.requires_grad]
+    sar = SparseAllreduce(params, comm=comm, density=density, algorithm=algorithm, **options)
+    numel = sar.numel
+    k = sar.k
+    init_identical = replicas_identical(model)
+    counter = _LayerCounter(model, cfg["steps"], device)
+    assert sum(counter.sizes) == numel
+    counter.start(params)
+
+    steps, bs = cfg["steps"], cfg["batch_size"]
+    warmup = int(round(cfg.get("warmup_fraction", 0.0) * steps))
+
+    def lr_at(i):
+        if cfg.get("schedule", "cosine") == "constant":
+            return cfg["lr"]
+        if i < warmup:
+            return cfg["lr"] * (i + 1) / warmup
+        return cfg["lr"] * 0.5 * (1 + math.cos(math.pi * (i - warmup) / max(1, steps - warmup)))
+
+    # this rank's windows: the same for every algorithm at a given seed, different per rank
+    g = torch.Generator().manual_seed(1_000_003 * seed + 7919 * rank + 17)
+    vstarts = val_starts(len(val_bytes), cfg["eval_sequences"], L)
+    val_curve = [(0, _lm_eval(model, val_bytes, vstarts, L, device))]
+    train_curve: List[tuple] = []
+    bytes_curve: List[int] = []
+    stats_curve: Dict[str, List[float]] = {}
+    step_times: List[float] = []
+    reduce_times: List[float] = []
+    loss_acc = torch.zeros((), dtype=torch.float64, device=device)
+    since = 0
+    eval_every = int(cfg["eval_every"])
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    for step in range(steps):
+        starts = torch.randint(0, len(train_bytes) - L, (bs,), generator=g)
+        x = batch_at(train_bytes, starts.to(train_bytes.device), L)
+        sync()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=False)
+        with _autocast(device):
+            loss = model.loss(x)
+        loss.backward()
+        counter.local(params)
+        sync()
+        t1 = time.perf_counter()
+        flat = sar.reduce_gradients()   # averages .grad over ranks, error feedback inside
+        sync()
+        t2 = time.perf_counter()
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        opt.step()
+        sync()
+        t3 = time.perf_counter()
+        counter.reduced(step, flat)
+        step_times.append(t3 - t0)
+        reduce_times.append(t2 - t1)
+        bytes_curve.append(int(sar.stats["bytes_sent"]))
+        _record_stats(stats_curve, sar.stats)
+        loss_acc += loss.detach().double()
+        since += 1
+        done = step + 1
+        if done % eval_every == 0 or done == steps:
+            lt = (loss_acc / since).reshape(1)
+            dist.all_reduce(lt)
+            train_curve.append((done, float(lt) / P))
+            loss_acc.zero_()
+            since = 0
+            val_curve.append((done, _lm_eval(model, val_bytes, vstarts, L, device)))
+            if rank == 0 and log:
+                recent = step_times[-eval_every:]
+                print(f"  [{algorithm:>9} seed {seed}] step {done:>5}/{steps}  train "
+                      f"{train_curve[-1][1]:.4f}  val {val_curve[-1][1]:.4f} nats/byte "
+                      f"({val_curve[-1][1] / math.log(2):.3f} bits/byte)  bytes/step "
+                      f"{_fmt_bytes(sum(bytes_curve[-eval_every:]) / len(recent)):>9}  "
+                      f"{1000 * sum(recent) / len(recent):7.1f} ms/step", flush=True)
+    identical = replicas_identical(model) and init_identical
+    warm = 2 if len(step_times) > 4 else 0
+    layer_report = counter.report(steps, params)
+    final = val_curve[-1][1]
+    return {
+        "algorithm": algorithm, "seed": seed, "density": density, "world_size": P,
+        "numel": numel, "k": k, "steps": steps,
+        "final_val_loss": final, "final_val_bpb": final / math.log(2), "val_curve": val_curve,
+        "final_train_loss": train_curve[-1][1], "train_curve": train_curve,
+        "bytes_per_step": sum(bytes_curve) / len(bytes_curve), "bytes_curve": bytes_curve,
+        "time_per_step_ms": 1000 * sum(step_times[warm:]) / len(step_times[warm:]),
+        "reduce_ms": 1000 * sum(reduce_times[warm:]) / len(reduce_times[warm:]),
+        "replicas_identical": bool(identical), "device": str(device),
+        "stats_curve": stats_curve, "applied_curve": layer_report["applied_curve"],
+        "layers": layer_report["layers"], "backend": type(comm).__name__,
+    }
+
+
 def _record_stats(curves: Dict[str, List[float]], stats: Dict[str, Any]) -> None:
     """Per-step numeric stats of the algorithm (counts, overflow, thresholds, capacities): a host
     read of a few scalars per step, fine for this benchmark (and free on CPU)."""
@@ -604,12 +993,19 @@ def worker_main(cfg_path: str, out_path: str) -> int:
         cfg = json.load(f)
     comm, device = _comm_and_device(cfg)
     rank = dist.get_rank()
-    Xtr, ytr, Xte, yte = load_data(cfg["test_fraction"], cfg.get("train_subset", 0))
-    data = (Xtr.to(device), ytr.to(device), Xte.to(device), yte.to(device))
+    if cfg["model"] == "gpt":
+        from .gpt import load_corpus
+        corpus = load_corpus(cfg["val_fraction"])
+        data = (corpus.train.to(device), corpus.val.to(device))
+        train_fn = train_one_lm
+    else:
+        Xtr, ytr, Xte, yte = load_data(cfg["test_fraction"], cfg.get("train_subset", 0))
+        data = (Xtr.to(device), ytr.to(device), Xte.to(device), yte.to(device))
+        train_fn = train_one
     for seed, alg in cfg["jobs"]:
         t0 = time.time()
         try:
-            rec = train_one(cfg, alg, seed, comm, device, data, log=not cfg.get("quiet"))
+            rec = train_fn(cfg, alg, seed, comm, device, data, log=not cfg.get("quiet"))
         except Exception as e:
             err = f"{type(e).__name__}: {e}"
             tb = traceback.format_exc()
@@ -623,8 +1019,11 @@ def worker_main(cfg_path: str, out_path: str) -> int:
             with open(out_path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
             if not cfg.get("quiet"):
-                print(f"  [{alg:>9} seed {seed}] done in {rec['wall_s']:.1f} s: test acc "
-                      f"{100 * rec['final_test_acc']:.2f}%, {_fmt_bytes(rec['bytes_per_step'])}"
+                metric = (f"val loss {rec['final_val_loss']:.4f} nats/byte "
+                          f"({rec['final_val_bpb']:.3f} bits/byte)" if "final_val_loss" in rec
+                          else f"test acc {100 * rec['final_test_acc']:.2f}%")
+                print(f"  [{alg:>9} seed {seed}] done in {rec['wall_s']:.1f} s: "
+                      f"{metric}, {_fmt_bytes(rec['bytes_per_step'])}"
                       f"/step, {rec['time_per_step_ms']:.1f} ms/step, replicas "
                       f"{'identical' if rec['replicas_identical'] else 'DIVERGED'}", flush=True)
     dist.barrier()
