@@ -27,7 +27,7 @@ sys.path.insert(0, ROOT)
 # config keys that must agree between parts (density, algorithms, seeds may differ)
 SAME = ("model", "size", "gpt", "steps", "batch_size", "lr", "optimizer", "betas", "schedule",
         "warmup_fraction", "val_fraction", "eval_sequences", "eval_every", "world_size",
-        "momentum_correction", "weight_decay", "options")
+        "momentum_correction", "weight_decay", "options", "reduce")
 # stats curves worth keeping in the merged file (the rest are in the parts)
 KEEP_STATS = ("global_selected", "local_selected", "sent", "overflow", "reduce_overflow",
               "gather_overflow", "global_count", "collectives", "kernel_launches")
