@@ -2,6 +2,7 @@
 
     python tools/lm_results.py merge OUT.json PART.json [PART.json ...]
     python tools/lm_results.py tables bench/results/lm-cpu-2026-11-23.json
+    python tools/lm_results.py movement dense=A.json:dense oktopk=B.json:oktopk ...
 
 A campaign is several launches (one per density and group of algorithms, so that a failure or
 the time budget only costs what it was running). Dense does not depend on the density, so its
@@ -27,7 +28,7 @@ sys.path.insert(0, ROOT)
 # config keys that must agree between parts (density, algorithms, seeds may differ)
 SAME = ("model", "size", "gpt", "steps", "batch_size", "lr", "optimizer", "betas", "schedule",
         "warmup_fraction", "val_fraction", "eval_sequences", "eval_every", "world_size",
-        "momentum_correction", "weight_decay", "options")
+        "momentum_correction", "weight_decay", "options", "reduce")
 # stats curves worth keeping in the merged file (the rest are in the parts)
 KEEP_STATS = ("global_selected", "local_selected", "sent", "overflow", "reduce_overflow",
               "gather_overflow", "global_count", "collectives", "kernel_launches")
@@ -75,11 +76,14 @@ def merge(out_path: str, parts: List[str]) -> Dict[str, Any]:
         layers[f"{d:g}"] = layer_table(sel)
     cfg = {k: base["config"].get(k) for k in SAME}
     cfg["densities"] = densities
+    first = runs_l[0] if runs_l else {}
+    dev = str(first.get("device", "?"))
+    device = (f"cpu ({base.get('host', {}).get('cpus')} cores, shared with other jobs)"
+              if dev.startswith("cpu") else dev) + f", {first.get('backend', '?')}"
     report = {
-        "what": "byte-level GPT on the Python stdlib's .py files, 4 gloo ranks on CPU: final "
-                "validation loss (nats/byte) of every algorithm against dense",
-        "date": base.get("date"), "device": "cpu, gloo (%s cores shared with other jobs)"
-                                            % base.get("host", {}).get("cpus"),
+        "what": f"byte-level GPT on the Python stdlib's .py files, {cfg['world_size']} ranks: "
+                "final validation loss (nats/byte) of every algorithm against dense",
+        "date": base.get("date"), "device": device,
         "versions": base.get("versions"), "git": sorted({r.get("git") for r in reports} - {None}),
         "corpus": base.get("corpus"), "config": cfg, "parts": [os.path.basename(p) for p in parts],
         "wall_s": sum(r.get("wall_s", 0.0) for r in reports), "failures": failures,
@@ -133,7 +137,7 @@ def tables(path: str) -> str:
     n = next(iter(d["summary"].values()))[0]["numel"]
     lines = [f"`{os.path.basename(path)}`: GPT ({n:,} parameters: d {g['d_model']}, "
              f"{g['n_layer']} layers, {g['n_head']} heads, context {g['context']}), "
-             f"{c['world_size']} ranks (gloo, CPU), {c['steps']} steps of {c['batch_size']} x "
+             f"{c['world_size']} ranks ({d.get('device')}), {c['steps']} steps of {c['batch_size']} x "
              f"{g['context']} bytes per rank, {c['optimizer']} lr {c['lr']:g}; corpus "
              f"{corpus.get('files')} stdlib files of Python {corpus.get('python')} "
              f"({corpus.get('train_bytes', 0) / 1e6:.1f} MB train, "
@@ -190,7 +194,41 @@ def layer_markdown(d: Dict[str, Any], algs=("dense", "oktopk")) -> List[str]:
     return out
 
 
+def movement(labelled: List[str]) -> str:
+    """``LABEL=FILE.json[:ALGORITHM]`` ...: per tensor kind, |w_end - w_0| (the norm over the
+    kind's tensors, mean over the file's runs of that algorithm), one column per label: whether
+    a gap comes from weights that did not move or from weights that moved the wrong way."""
+    cols, finals = {}, {}
+    for item in labelled:
+        label, spec = item.split("=", 1)
+        path, _, alg = spec.partition(":")
+        rs = [r for r in json.load(open(path))["runs"] if not alg or r["algorithm"] == alg]
+        rs = [r for r in rs if all("moved_sq" in L for L in r.get("layers", {}).values())]
+        if not rs:
+            raise SystemExit(f"{item}: no run with movement records")
+        acc: Dict[str, float] = {}
+        for r in rs:
+            per: Dict[str, float] = {}
+            for name, L in r["layers"].items():
+                per[layer_kind(name)] = per.get(layer_kind(name), 0.0) + L["moved_sq"]
+            for k, v in per.items():
+                acc[k] = acc.get(k, 0.0) + math.sqrt(v) / len(rs)
+        cols[label] = acc
+        finals[label] = sum(r["final_val_loss"] for r in rs) / len(rs)
+    labels = list(cols)
+    kinds = list(next(iter(cols.values())))
+    out = ["| tensor kind | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
+    for k in kinds:
+        out.append(f"| {k} | " + " | ".join(f"{cols[lb].get(k, float('nan')):.2f}"
+                                             for lb in labels) + " |")
+    out.append("| final val loss | " + " | ".join(f"{finals[lb]:.3f}" for lb in labels) + " |")
+    return "\n".join(out)
+
+
 def main(argv: List[str]) -> int:
+    if len(argv) >= 2 and argv[0] == "movement":
+        print(movement(argv[1:]))
+        return 0
     if len(argv) >= 3 and argv[0] == "merge":
         merge(argv[1], argv[2:])
         print(tables(argv[1]))

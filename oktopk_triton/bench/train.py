@@ -123,6 +123,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="default: sgd for cnn/mlp, adamw for gpt")
     g.add_argument("--warmup-fraction", type=float, default=GPT_DEFAULTS["warmup_fraction"],
                    help="gpt: linear warm-up over this fraction of the steps, then cosine decay")
+    g.add_argument("--reduce", choices=["gradients", "updates"], default="gradients",
+                   help="gpt: what the reducer averages. gradients (default): the optimizer steps "
+                        "on the reduced gradient. updates: each rank's optimizer steps on its own "
+                        "gradient (local state) and the reducer averages the resulting parameter "
+                        "updates, with error feedback in update space (an experiment: Adam's "
+                        "per-coordinate normalisation then comes before the sparsification)")
     g.add_argument("--val-fraction", type=float, default=GPT_DEFAULTS["val_fraction"],
                    help="gpt: fraction of the stdlib files held out for validation")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
@@ -303,6 +309,7 @@ def build_config(args, algos) -> Dict[str, Any]:
                    eval_every=args.eval_every or max(1, math.ceil(steps / eval_times)),
                    warmup_fraction=getattr(args, "warmup_fraction", GPT_DEFAULTS["warmup_fraction"]),
                    val_fraction=getattr(args, "val_fraction", GPT_DEFAULTS["val_fraction"]),
+                   reduce=getattr(args, "reduce", "gradients"),
                    betas=list(GPT_DEFAULTS["betas"]), epochs=None, width=None, test_fraction=None,
                    train_subset=None)
     return cfg
@@ -903,6 +910,7 @@ def train_one_lm(cfg, algorithm: str, seed: int, comm, device, data, log) -> Dic
     loss_acc = torch.zeros((), dtype=torch.float64, device=device)
     since = 0
     eval_every = int(cfg["eval_every"])
+    reduce_updates = cfg.get("reduce", "gradients") == "updates"
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     for step in range(steps):
         starts = torch.randint(0, len(train_bytes) - L, (bs,), generator=g)
@@ -914,14 +922,27 @@ def train_one_lm(cfg, algorithm: str, seed: int, comm, device, data, log) -> Dic
             loss = model.loss(x)
         loss.backward()
         counter.local(params)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        if reduce_updates:
+            # the optimizer runs on this rank's own gradient (its state stays local); what is
+            # reduced is the update it would make, and the reduced update is applied
+            with torch.no_grad():
+                before = [p.detach().clone() for p in params]
+                opt.step()
+                for p, b in zip(params, before):
+                    p.grad.copy_(p.detach() - b)
+                    p.copy_(b)
         sync()
         t1 = time.perf_counter()
         flat = sar.reduce_gradients()   # averages .grad over ranks, error feedback inside
         sync()
         t2 = time.perf_counter()
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step)
-        opt.step()
+        if reduce_updates:
+            with torch.no_grad():
+                torch._foreach_add_(params, [p.grad for p in params])
+        else:
+            opt.step()
         sync()
         t3 = time.perf_counter()
         counter.reduced(step, flat)
