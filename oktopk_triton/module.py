@@ -2,9 +2,12 @@
 
     from oktopk_triton import SparseAllreduce
 
-    # over a model's gradients
+    # over a model's gradients (SGD and friends: the optimizer steps on the reduced gradient)
     sar = SparseAllreduce(model.parameters(), density=0.01)      # algorithm="oktopk"
     loss.backward(); sar.reduce_gradients(); opt.step()
+
+    # over the optimizer's updates (Adam and friends, see reduce_updates)
+    loss.backward(); sar.reduce_updates(opt)
 
     # over a flat vector
     sar = SparseAllreduce(n, comm=comm, density=0.01, algorithm="oktopk", device="cuda")
@@ -128,6 +131,7 @@ class SparseAllreduce(torch.nn.Module):
         # reduce_gradients: a persistent flat buffer; after a step every .grad is a view of it
         self._params = params
         self._flat: Optional[torch.Tensor] = None
+        self._before: Optional[List[torch.Tensor]] = None   # reduce_updates' weight snapshot
         if params is not None:
             dtypes = {p.dtype for p in params}
             self._flat_dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
@@ -171,6 +175,61 @@ class SparseAllreduce(torch.nn.Module):
                 p.grad = v
             else:
                 p.grad = v.to(p.dtype)
+        return flat
+
+    @torch.no_grad()
+    def reduce_updates(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """Error feedback in update space, for adaptive optimizers (Adam, AdamW, ...).
+
+        Runs ``optimizer.step()`` on this rank's own ``.grad`` (its state stays local to the
+        rank), takes the parameter change it made, reduces that change with the algorithm
+        (error feedback included: the residual holds the update not yet applied) and sets every
+        replica's weights to ``before + out``. Returns the flat reduced update; afterwards each
+        ``.grad`` is a view of it.
+
+        Why: error feedback sends a coordinate's gradient summed over the steps it waited, and
+        an adaptive optimizer divides that sum by its own running scale, so T steps of owed
+        gradient move the weight about as far as one dense step (measured on the byte-level GPT,
+        1% density, 150 AdamW steps: every sparse algorithm stalled at 3.32 nats/byte against
+        dense 2.55, the unigram level; reducing updates instead gave Ok-Topk 2.96). Reducing the
+        update keeps the sum linear: what a coordinate is owed is delivered whole.
+
+        Costs per step over ``reduce_gradients``: one copy of the weights into a persistent
+        snapshot (``numel`` elements, the parameters' dtypes), one subtraction and one addition
+        over the weights; no host read. The optimizer's state differs across ranks (save it per
+        rank); the weights stay bitwise identical. An update that is not finite (with
+        ``check_finite="skip"``, one rank's NaN makes ``out`` NaN everywhere) leaves the weights
+        unchanged on every rank. Not available through the DDP hook (it runs before the step).
+        """
+        if self._params is None:
+            raise RuntimeError("reduce_updates needs a SparseAllreduce built from parameters")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"reduce_updates: expected a torch.optim.Optimizer, got "
+                            f"{type(optimizer).__name__}")
+        ours = {id(p) for p in self._params}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and id(p) not in ours:
+                    raise ValueError("reduce_updates: the optimizer steps a parameter this "
+                                     "SparseAllreduce does not reduce (its update would stay "
+                                     "local and the replicas would drift apart)")
+        params = self._params
+        if self._before is None:
+            self._before = [torch.empty_like(p) for p in params]
+        before = self._before
+        torch._foreach_copy_(before, params)
+        optimizer.step()
+        # the update, written where reduce_gradients reads the gradient
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        torch._foreach_copy_([p.grad for p in params], torch._foreach_sub(params, before))
+        flat = self.reduce_gradients()
+        finite = torch.isfinite(flat)
+        flat_upd = torch.where(finite, flat, torch.zeros((), dtype=flat.dtype, device=flat.device))
+        torch._foreach_copy_(params, before)
+        torch._foreach_add_(params, [flat_upd[off:off + p.numel()].view(p.shape)
+                                     for p, off in zip(params, self._offsets)])
         return flat
 
     # -- views of the algorithm ----------------------------------------------------------------

@@ -72,6 +72,20 @@ def test_tiny_lm_learns_on_two_ranks_with_identical_replicas(monkeypatch):
     assert min(dense["applied_curve"]) > 0.9 * dense["numel"]
     assert max(ok["applied_curve"][1:]) <= ok["k"]
     assert ok["bytes_per_step"] < 0.5 * dense["bytes_per_step"]
+    # --reduce auto: the sparse run reduced AdamW's updates, dense stayed plain data parallel
+    assert ok["reduce"] == "updates" and dense["reduce"] == "gradients"
+
+
+def test_reduce_mode_resolution():
+    cfg = _config()
+    assert cfg["reduce"] == "auto"
+    assert train.resolve_reduce(cfg, "oktopk") == "updates"
+    assert train.resolve_reduce(cfg, "dense") == "gradients"
+    assert train.resolve_reduce(dict(cfg, optimizer="sgd"), "oktopk") == "gradients"
+    g = _config("--reduce", "gradients")
+    assert train.resolve_reduce(g, "oktopk") == "gradients"
+    u = _config("--reduce", "updates")
+    assert train.resolve_reduce(u, "dense") == "updates"
 
 
 def test_corpus_is_the_stdlib_split_by_file():
