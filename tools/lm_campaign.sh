@@ -2,19 +2,25 @@
 # The CPU language-model campaign of issue 17: 4 gloo ranks, the 1m GPT, every algorithm at
 # density 1% and 0.1%, seeds 0-2, dense once (it does not depend on the density). Sequential, in
 # priority order (dense and Ok-Topk first), one launch per group so a failure or a cut-off only
-# costs that group; then merges the parts into one file.
-#   nohup nice -n 15 tools/lm_campaign.sh OUT_DIR > OUT_DIR/campaign.log 2>&1 &
+# costs that group; merge the parts with tools/lm_results.py merge.
+#   nohup nice -n 15 tools/lm_campaign.sh OUT_DIR [python] [extra train args] > OUT_DIR/campaign.log 2>&1 &
+# The default --reduce auto makes the sparse algorithms reduce AdamW's updates
+# (SparseAllreduce.reduce_updates); pass "--reduce gradients" to rerun the stalled setup.
 set -u
-OUT=${1:?usage: tools/lm_campaign.sh OUT_DIR [python]}
+OUT=${1:?usage: tools/lm_campaign.sh OUT_DIR [python] [extra args]}
 PY=${2:-python3}
+shift $(( $# < 2 ? $# : 2 ))
+EXTRA=("$@")
 mkdir -p "$OUT"
 run() {  # tag, density, algorithms..., --seeds ...
   local tag=$1 d=$2; shift 2
   echo "=== $(date +%T) $tag d=$d $*"
   "$PY" -m oktopk_triton.cli train --model gpt --density "$d" --no-plot \
-      --json "$OUT/$tag.json" --algorithms "$@" || echo "!!! $tag exited with $?"
+      --json "$OUT/$tag.json" ${EXTRA[@]+"${EXTRA[@]}"} --algorithms "$@" \
+      || echo "!!! $tag exited with $?"
 }
-run p1-d0.01-dense-oktopk 0.01 dense oktopk --seeds 0 1 2
+run p0-dense 0.01 dense --seeds 0 1 2
+run p1-d0.01-oktopk 0.01 oktopk --seeds 0 1 2
 run p2-d0.001-oktopk 0.001 oktopk --seeds 0 1 2
 OTHERS="topka gtopk spardl topkdsa gaussiank"
 for s in 0 1 2; do

@@ -3,6 +3,7 @@
     python tools/lm_results.py merge OUT.json PART.json [PART.json ...]
     python tools/lm_results.py tables bench/results/lm-cpu-2026-11-23.json
     python tools/lm_results.py movement dense=A.json:dense oktopk=B.json:oktopk ...
+    python tools/lm_results.py ablation OUT.json LABEL=PART.json[:algorithm[:seed]] ...
 
 A campaign is several launches (one per density and group of algorithms, so that a failure or
 the time budget only costs what it was running). Dense does not depend on the density, so its
@@ -201,7 +202,8 @@ def movement(labelled: List[str]) -> str:
     cols, finals = {}, {}
     for item in labelled:
         label, spec = item.split("=", 1)
-        path, _, alg = spec.partition(":")
+        path, _, sel = spec.partition(":")
+        alg, _, seed = sel.partition(":")
         rs = [r for r in json.load(open(path))["runs"] if not alg or r["algorithm"] == alg]
         rs = [r for r in rs if all("moved_sq" in L for L in r.get("layers", {}).values())]
         if not rs:
@@ -225,7 +227,60 @@ def movement(labelled: List[str]) -> str:
     return "\n".join(out)
 
 
+# config keys an ablation's runs may differ in (the rest must agree, as for merge)
+ABLATION_KEYS = ("density", "lr", "reduce", "steps", "options")
+
+
+def ablation(out_path: str, labelled: List[str]) -> str:
+    """Single runs with different settings (reduce mode, density, lr, ...) side by side: one
+    compact file (final and curve of the validation loss, bytes, applied entries, the settings
+    that differ) and a markdown table."""
+    rows, base = [], None
+    for item in labelled:
+        label, _, spec = item.partition("=")
+        path, _, sel = spec.partition(":")
+        alg, _, seed = sel.partition(":")
+        with open(path) as f:
+            d = json.load(f)
+        cfg = d["config"]
+        same = {k: cfg.get(k) for k in SAME if k not in ABLATION_KEYS}
+        if base is None:
+            base = same
+        elif same != base:
+            diff = sorted(k for k in same if same[k] != base.get(k))
+            raise SystemExit(f"{path}: differs from the first part in {diff}")
+        for r in d["runs"]:
+            if (alg and r["algorithm"] != alg) or (seed and r["seed"] != int(seed)):
+                continue
+            # records before the per-run "reduce" field: the config's mode applied to every run
+            mode = r.get("reduce") or ("updates" if cfg.get("reduce") == "updates"
+                                       else "gradients")
+            rows.append({"label": label, "file": os.path.basename(path),
+                         "algorithm": r["algorithm"], "seed": r["seed"],
+                         "reduce": mode,
+                         "density": r["density"], "lr": cfg.get("lr"), "steps": r["steps"],
+                         "final_val_loss": r["final_val_loss"], "val_curve": r["val_curve"],
+                         "bytes_per_step": r["bytes_per_step"],
+                         "applied_per_step": sum(r["applied_curve"]) / len(r["applied_curve"]),
+                         "moved": (math.sqrt(sum(L["moved_sq"] for L in r["layers"].values()))
+                                   if all("moved_sq" in L for L in r["layers"].values())
+                                   else None)})
+    with open(out_path, "w") as f:
+        json.dump({"config": base, "runs": rows}, f, indent=1)
+    lines = ["| run | algorithm | reduce | density | lr | seed | val loss nats/byte | "
+             "bytes/rank/step | applied/step | ‖w_end − w_0‖ |", "|---" * 10 + "|"]
+    for r in rows:
+        lines.append(f"| {r['label']} | {r['algorithm']} | {r['reduce']} | {r['density']:g} | "
+                     f"{r['lr']:g} | {r['seed']} | {r['final_val_loss']:.4f} | "
+                     f"{r['bytes_per_step'] / 1e3:,.1f} kB | {r['applied_per_step']:,.0f} | "
+                     f"{'n/a' if r['moved'] is None else format(r['moved'], '.2f')} |")
+    return "\n".join(lines)
+
+
 def main(argv: List[str]) -> int:
+    if len(argv) >= 3 and argv[0] == "ablation":
+        print(ablation(argv[1], argv[2:]))
+        return 0
     if len(argv) >= 2 and argv[0] == "movement":
         print(movement(argv[1:]))
         return 0
