@@ -177,6 +177,30 @@ def test_reduce_updates_adam_conserves_and_keeps_replicas_identical():
     assert res[0][2].abs().sum() > 0 and sum(r[3] for r in res).abs().sum() > 0
 
 
+@pytest.mark.parametrize("alg", ["dense", "oktopk"])
+def test_reduce_updates_mixed_dtypes_world_of_one(alg):
+    """fp32 and bf16 parameters in one reducer (its flat buffer is fp32): the weights end at
+    before + out, each in its own dtype, and with density 1 that is plain SGD."""
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(40, generator=g).requires_grad_()
+    b = torch.randn(24, generator=g).to(torch.bfloat16).requires_grad_()
+    a0, b0 = a.detach().clone(), b.detach().clone()
+    opt = torch.optim.SGD([a, b], lr=0.5)
+    sar = SparseAllreduce([a, b], density=1.0 if alg == "dense" else 0.25, algorithm=alg,
+                          **_opts(alg))
+    (a.pow(2).sum() + b.float().pow(3).sum()).backward()
+    ga, gb = a.grad.clone(), b.grad.clone()
+    out = sar.reduce_updates(opt)
+    assert out.dtype == torch.float32 and a.dtype == torch.float32 and b.dtype == torch.bfloat16
+    assert torch.equal(a.detach(), a0 + out[:40])
+    assert torch.equal(b.detach(), (b0.float() + out[40:]).to(torch.bfloat16))
+    if alg == "dense":
+        assert torch.allclose(a.detach(), a0 - 0.5 * ga, atol=1e-6)
+        assert torch.allclose(b.detach().float(), (b0 - 0.5 * gb).float(), atol=0.1)
+    else:
+        assert int((out != 0).sum()) <= 16 and sar.residual.abs().sum() > 0
+
+
 def _foreign_body(comm):
     m, other = _model(3), torch.nn.Linear(2, 2)
     sar = SparseAllreduce(m.parameters(), comm=comm, density=0.1, algorithm="oktopk", **BE)
