@@ -68,6 +68,46 @@ def test_global_count_after_calibration(gen):
     assert bool((sel[:, 0] <= k + 2).all())
 
 
+# -- the rank threshold -------------------------------------------------------------------------
+@pytest.mark.parametrize("target", [50, 400, 3000])
+def test_rank_threshold_from_histograms_with_different_centres(target):
+    """_rank_threshold_at: rows binned around different thresholds (one row capped higher, as
+    the staging fill does) still add up: the returned |acc| holds the target within a bin's
+    worth (1/8 binade) of entries."""
+    from oktopk_triton import kernels as K
+    from oktopk_triton.kernels.selection import select_hist_bins
+    g = torch.Generator().manual_seed(0)
+    P, n = 3, 30000
+    acc = torch.randn(n, generator=g) * torch.linspace(0.5, 2.0, n)
+    rid = torch.arange(n) * P // n
+    th = torch.tensor([1.5, 2.5, 1.8])        # each row's own centre
+    hist = torch.zeros(P, K.SELECT_HIST_BINS, dtype=torch.int64)
+    bins = select_hist_bins(acc, (th.view(torch.int32) & 0x7FFFFFFF)[rid])
+    hist.index_put_((rid, bins), torch.ones(n, dtype=torch.int64), accumulate=True)
+    x = OkTopk._rank_threshold_at(hist, th, torch.tensor([float(target)]))
+    got = int((acc.abs() >= x).sum())
+    lo = int((acc.abs() >= x * 2 ** 0.125).sum())
+    hi = int((acc.abs() >= x / 2 ** 0.125).sum())
+    assert lo <= target <= hi, (target, got, lo, hi)
+
+
+def _calib_body(comm, n, steps):
+    alg = OkTopk(n, comm, 0.02, backend=BE, calibrate_steps=steps)
+    g = torch.Generator().manual_seed(10 + comm.rank)
+    staged = []
+    for t in range(steps + 2):
+        alg(torch.randn(n, generator=g) * (1.0 + 0.5 * t))   # a scale that moves every step
+        staged.append(int(alg.stats["local_selected"]))
+    return staged, alg.k
+
+
+def test_calibrate_steps_stage_the_exact_k():
+    """calibrate_steps: those steps place the rows at this rank's exact k-th largest, so a rank
+    stages exactly k (continuous values, no row at its staging cap); then the prediction."""
+    for staged, k in LocalCluster(3).run(_calib_body, 6000, 4):
+        assert staged[:4] == [k] * 4, staged
+
+
 # -- volume -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("P", [2, 4, 7, 8])
 @pytest.mark.parametrize("check_finite", ["skip", "off"])
@@ -234,6 +274,8 @@ def test_unknown_option_and_bad_values():
         OkTopk(100, comm, 0.1, capacity_split=1.0)
     with pytest.raises(ValueError, match="stage_factor"):
         OkTopk(100, comm, 0.1, stage_factor=0.5)
+    with pytest.raises(ValueError, match="row_threshold"):
+        OkTopk(100, comm, 0.1, row_threshold="global")
 
 
 def test_nonfinite_step_keeps_state():

@@ -22,10 +22,13 @@ A steady step on rank r of P (k = density·n), all on the device, in the paper's
    them when they hold at most k), writes ``out[region_j + idx] = value`` for I (one
    ``scatter_rows`` launch, regions are disjoint: bitwise identical on every rank) and clears its
    residual (and velocity: momentum factor masking) at ``S_r ∩ I`` (``clear_sent``).
-5. **Next step, on the device** (:meth:`_prepare_next`): each row threshold is placed at the
-   count ``row_target[j]`` of this step's histogram (interpolated in bit space inside the bin),
-   where ``row_target`` is steered so that the realized row count lands at
-   ``row_fill·cap_r``; the regions are re-balanced from I (each gathered entry of region j
+5. **Next step, on the device** (:meth:`_prepare_next`): ``row_threshold="rank"`` (default,
+   the paper's local threshold): one threshold for the rank, the k·m/n-th largest |acc| of
+   this step's acc at m fixed random positions, taken just before the select pass
+   (``threshold_sample``; with 0, where the rows' histograms together hold a steered target);
+   a row is never aimed above 3/4 of its staging (its threshold is raised to the one its last
+   histogram puts there), because a full row keeps entries by position. ``row_threshold="region"``: each row its own threshold, aimed
+   at filling its staging to the geometric middle of ``[cap_r, cap_s]``. The regions are re-balanced from I (each gathered entry of region j
    weighted by how many of its sums reached the global threshold); ``th_global`` becomes the
    smallest |value| in I.
 
@@ -45,6 +48,18 @@ non-finite flag included (default 4: SparDL's volume, two thirds of the paper's 
 by ``capacity_split`` (default: half each). An entry that does not fit a row stays in the residual;
 the row thresholds aim at ``row_fill`` (0.9) of a row so that overflow is rare (a full row keeps
 whichever entries its programs reached first: the lowest indices on CPU).
+
+**Why the rank threshold from a sample** (measured on the byte-level GPT, 4 ranks, 1%, AdamW
+updates reduced with ``reduce_updates``, seed 0, validation nats/byte after 150 steps): with a
+threshold per region predicted from the last step's histogram, every region's row was filled
+to cap_r whatever its share of the rank's top-k, and the staging rows overflowed on 84 of 150
+steps (Adam's first updates are all ±lr, massive ties, and the warm-up then doubles them from
+one step to the next, faster than a threshold from the last step can follow): 2.957. A rank
+threshold predicted from the histograms: 2.949 (the first steps staged 90% of n). Exact
+thresholds every step (``exact_thresholds``, passes over n): 2.674, as gTop-k (2.668). The rank
+threshold from this step's acc at 65,536 fixed random positions (``threshold_sample``, the
+default): 2.674, with no pass over n. ``calibrate_steps=N`` makes the first N steps exact
+instead (the passes of ``magnitude_threshold``).
 
 ``wire_dtype="bf16"`` sends the reduce rows' values as bf16 (two per int32 word: a row entry
 costs 1.5 words instead of 2, so the rows hold 4/3 as many in the same budget). Nothing is lost:
@@ -69,6 +84,7 @@ from .base import Algorithm
 __all__ = ["OkTopk", "source_order"]
 
 _HEADER = 2   # int32 words in front of every row and slot
+_STAGE_FILL = 0.75   # rank thresholds: no row is aimed above this fraction of its staging
 
 
 def source_order(owner: int, P: int) -> list:
@@ -83,6 +99,12 @@ class OkTopk(Algorithm):
         "capacity_split": 0.5,     # fraction of the budget's entries given to the reduce rows
         "stage_factor": 4.0,       # staging rows hold stage_factor·cap_r candidates
         "exact_thresholds": False,  # reference mode: every row at this rank's exact k-th largest
+        "calibrate_steps": 0,      # the first steps place the rows at exact thresholds (passes)
+        "threshold_sample": 65536,  # rank mode: the rank threshold from this step's acc at this
+                                    # many fixed random positions (0: from the last histogram)
+        "row_threshold": "rank",   # rank: one threshold per rank at its (predicted) k-th largest
+                                   # (the paper's local threshold); region: each row its own,
+                                   # aimed at filling the row's staging
         "wire_dtype": "fp32",      # reduce rows' values on the wire: fp32 | bf16 (rounding kept)
         "backend": "auto",         # kernels backend: auto | triton | torch
     }
@@ -101,6 +123,10 @@ class OkTopk(Algorithm):
                              f"{o['capacity_split']!r}")
         if not (isinstance(o["stage_factor"], (int, float)) and o["stage_factor"] >= 1):
             raise ValueError(f"oktopk: stage_factor must be >= 1, got {o['stage_factor']!r}")
+        if o["row_threshold"] not in ("rank", "region"):
+            raise ValueError(f"oktopk: row_threshold must be 'rank' or 'region', got "
+                             f"{o['row_threshold']!r}")
+        self.rank_threshold = o["row_threshold"] == "rank"
         if o["wire_dtype"] not in ("fp32", "bf16"):
             raise ValueError(f"oktopk: wire_dtype must be 'fp32' or 'bf16', got {o['wire_dtype']!r}")
         self.bf16_wire = o["wire_dtype"] == "bf16"
@@ -116,8 +142,21 @@ class OkTopk(Algorithm):
         self.cap_s = max(self.cap_r + 1, int(math.ceil(float(o["stage_factor"]) * self.cap_r)))
         self.stage_mid = math.sqrt(self.cap_r * self.cap_s)
         self.th_rows = torch.zeros(P, dtype=torch.float32, device=dev)
-        self.row_target = torch.full((P,), self.stage_mid, dtype=torch.float32, device=dev)
+        # the count each row threshold aims at: in rank mode the rank's total (k), else per row
+        self.row_target = torch.full((P,), float(self.k) if self.rank_threshold else self.stage_mid,
+                                     dtype=torch.float32, device=dev)
         self.th_global = torch.zeros((), dtype=torch.float32, device=dev)
+        self._cap_rows = torch.zeros(P, dtype=torch.float32, device=dev)
+        m = o["threshold_sample"]
+        if not (isinstance(m, int) and not isinstance(m, bool) and m >= 0):
+            raise ValueError(f"oktopk: threshold_sample must be an int >= 0, got {m!r}")
+        self._sample_idx = None
+        if self.rank_threshold and m > 0:
+            m = min(m, n)
+            gen = torch.Generator().manual_seed(0x5EED)
+            self._sample_idx = (torch.randperm(n, generator=gen)[:m].sort().values.to(dev)
+                                if m < n else torch.arange(n, device=dev))
+            self._sample_k = max(1, min(m, int(round(self.k * m / n))))
         self._calibrated = False
         cr, cg = self.cap_r, self.cap_g
         row = self.row_words(cr, o["wire_dtype"])
@@ -187,8 +226,11 @@ class OkTopk(Algorithm):
     # -- the step --------------------------------------------------------------------------------
     def step(self, grad: torch.Tensor, out: torch.Tensor,
              nonfinite: Optional[torch.Tensor]) -> None:
-        if not self._calibrated or self.opts["exact_thresholds"]:
+        if (not self._calibrated or self.opts["exact_thresholds"]
+                or self.step_count < self.opts["calibrate_steps"]):
             self._calibrate(grad, nonfinite)
+        elif self._sample_idx is not None:
+            self._sample_threshold(grad, nonfinite)
         offs = self.region_offsets                    # this step's regions
         sel = self._select(grad, nonfinite)
         self._reduce(sel)
@@ -210,6 +252,16 @@ class OkTopk(Algorithm):
         P, n, be = self.P, self.numel, self.backend
         if self.opts["exact_thresholds"]:
             th = K.magnitude_threshold(acc, self.k, backend=be).reshape(1).expand(P)
+        elif self.rank_threshold:   # this rank's k-th largest, no row above its staging fill
+            x = K.magnitude_threshold(acc, self.k, backend=be).reshape(1)
+            if not self._calibrated:   # the initial equal regions, known to the host
+                fill = max(1, int(self.cap_s * _STAGE_FILL))
+                cap = torch.stack([K.magnitude_threshold(acc, fill, start=n * j // P,
+                                                         end=n * (j + 1) // P, backend=be)
+                                   for j in range(P)])
+            else:                      # later ones: the fill thresholds of the last histogram
+                cap = self._cap_rows
+            th = torch.maximum(x.expand(P), cap)
         else:   # the first step: the initial equal regions, known to the host
             target = max(1, int(round(self.stage_mid)))
             th = torch.stack([K.magnitude_threshold(acc, target, start=n * j // P,
@@ -217,6 +269,24 @@ class OkTopk(Algorithm):
                               for j in range(P)])
         th = torch.where(th > 0, th, _smallest_positive(acc).expand(P))
         self.th_rows = self._keep_if_nonfinite(th.contiguous(), self.th_rows, nonfinite)
+
+    def _sample_threshold(self, grad: torch.Tensor, nonfinite: Optional[torch.Tensor]) -> None:
+        """Rank mode: the rank threshold from THIS step's acc at ``threshold_sample`` fixed
+        random positions (the k·m/n-th largest of the sample), so a step whose scale jumped
+        (Adam's updates during a learning-rate warm-up double from one step to the next) is
+        not selected with last step's threshold; no row above its staging-fill threshold from
+        the last histogram. Costs a gather of m entries of grad and residual and a top-k of m
+        (torch ops, not counted in ``kernel_launches``); no pass over n, no host read."""
+        idx = self._sample_idx
+        g = grad.reshape(-1).index_select(0, idx).float()
+        if self.velocity is not None:
+            g = self.velocity.index_select(0, idx) * self.momentum + g
+        acc = (self.residual.index_select(0, idx) + g).abs()
+        acc = torch.where(torch.isfinite(acc), acc, torch.zeros_like(acc))
+        x = torch.topk(acc, self._sample_k, sorted=False).values.min()
+        x = torch.where(x > 0, x, self.th_rows.min())      # an all-zero sample keeps the old
+        th = torch.maximum(x.expand(self.P), self._cap_rows).contiguous()
+        self.th_rows = self._keep_if_nonfinite(th, self.th_rows, nonfinite)
 
     def _velocity_preview(self, grad: torch.Tensor) -> torch.Tensor:
         """What fused_select will accumulate: grad, or (u·m) + grad with momentum correction."""
@@ -340,10 +410,24 @@ class OkTopk(Algorithm):
         # next row thresholds: at row_target entries of this step's histogram, where row_target is
         # steered so that the realized staged count lands at stage_mid (the entries above a
         # threshold grow from step to step: error feedback), within [stage_mid/64, 4·stage_mid]
-        mid = self.stage_mid
-        ratio = (mid / staged.clamp(min=1.0)).sqrt().clamp(0.25, 4.0)
-        target = (self.row_target * ratio).clamp(mid / 64.0, 4.0 * mid)
-        th = self._threshold_at(self._hist, self.th_rows, target)
+        if self.rank_threshold:
+            # the rank's threshold: where its rows together hold row_target entries of this
+            # step's histograms, steered so the rank stages about k; no row above the threshold
+            # that fills its staging to _STAGE_FILL (a full row would keep entries by position)
+            kf = float(self.k)
+            ratio = (kf / staged.sum().clamp(min=1.0)).sqrt().clamp(0.25, 4.0)
+            target = (self.row_target[:1] * ratio).clamp(kf / 64.0, 4.0 * kf)
+            x = self._rank_threshold_at(self._hist, self.th_rows, target)
+            cap = self._threshold_at(self._hist, self.th_rows,
+                                     torch.full_like(self.row_target, self.cap_s * _STAGE_FILL))
+            self._cap_rows = cap
+            th = torch.maximum(x.expand(P), cap)
+            target = target.expand(P).contiguous()
+        else:
+            mid = self.stage_mid
+            ratio = (mid / staged.clamp(min=1.0)).sqrt().clamp(0.25, 4.0)
+            target = (self.row_target * ratio).clamp(mid / 64.0, 4.0 * mid)
+            th = self._threshold_at(self._hist, self.th_rows, target)
         if self.opts["exact_thresholds"]:
             th = self.th_rows
         smallest = self._gval_keep.min()
@@ -403,6 +487,43 @@ class OkTopk(Algorithm):
         bits = (lo + (frac * width.to(torch.float32)).to(torch.int64)).clamp(1, 0x7F7FFFFF)
         new = bits.to(torch.int32).view(torch.float32)
         return torch.where(h.sum(1) > 0, new, th)
+
+    @staticmethod
+    def _rank_threshold_at(hist: torch.Tensor, th: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The |acc| at which the rows together hold ``target`` entries at or above, from the
+        rows' histograms (each binned around its own threshold ``th[j]``): every row's count is
+        evaluated at every row's bin edges (piecewise linear in bit space inside a bin), the
+        totals are cut at the target and interpolated between the two edges around it. [1]"""
+        B, shift = K.SELECT_HIST_BINS, K.SELECT_HIST_SHIFT
+        W = 1 << shift
+        P = hist.shape[0]
+        h = hist.to(torch.float32)
+        suffix = torch.flip(torch.cumsum(torch.flip(h, (1,)), 1), (1,))
+        suffix = torch.cat([suffix, torch.zeros_like(suffix[:, :1])], 1)      # [P, B+1]
+        tb = (th.contiguous().view(torch.int32) & 0x7FFFFFFF).to(torch.int64)  # [P]
+        # candidates: the lower edges of bins 1..B-1 and the top edge, of every row
+        edges = (tb.reshape(-1, 1) + (torch.arange(1, B + 1, device=th.device) - B // 2)
+                 .reshape(1, -1) * W).reshape(-1).clamp(1, 0x7F7FFFFF)        # [C]
+        edges = torch.sort(edges).values
+        rel = edges.reshape(1, -1) - tb.reshape(-1, 1)                         # [P, C]
+        b = torch.div(rel, W, rounding_mode="floor") + B // 2
+        frac = (rel - (b - B // 2) * W).to(torch.float32) / W
+        bc = b.clamp(0, B - 1)
+        cnt = suffix.gather(1, bc + 1) + h.gather(1, bc) * (1.0 - frac)
+        cnt = torch.where(b >= B, torch.zeros_like(cnt), cnt)
+        cnt = torch.where(b < 1, suffix[:, :1].expand_as(cnt), cnt)
+        total = cnt.sum(0)                                                     # [C], nonincreasing
+        t = target.reshape(())
+        above = (total > t).sum()                       # candidates still holding more than t
+        C = edges.numel()
+        i_hi = above.clamp(max=C - 1)
+        i_lo = (above - 1).clamp(min=0)
+        t_lo, t_hi = total[i_lo], total[i_hi]
+        e_lo, e_hi = edges[i_lo], edges[i_hi]
+        w = ((t_lo - t) / (t_lo - t_hi).clamp(min=1e-6)).clamp(0.0, 1.0)
+        bits = (e_lo + (w * (e_hi - e_lo).to(torch.float32)).to(torch.int64)).clamp(1, 0x7F7FFFFF)
+        new = bits.to(torch.int32).view(torch.float32).reshape(1)
+        return torch.where(h.sum() > 0, new, th.min().reshape(1))
 
     def _balanced_offsets(self, vcounts: torch.Tensor, gcounts: torch.Tensor, gidx: torch.Tensor,
                           cg: int) -> torch.Tensor:
