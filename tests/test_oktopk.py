@@ -276,6 +276,8 @@ def test_unknown_option_and_bad_values():
         OkTopk(100, comm, 0.1, stage_factor=0.5)
     with pytest.raises(ValueError, match="row_threshold"):
         OkTopk(100, comm, 0.1, row_threshold="global")
+    with pytest.raises(ValueError, match="threshold_sample"):
+        OkTopk(100, comm, 0.1, threshold_sample=-1)
 
 
 def test_nonfinite_step_keeps_state():
