@@ -223,7 +223,9 @@ class SparseAllreduce(torch.nn.Module):
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        torch._foreach_copy_([p.grad for p in params], torch._foreach_sub(params, before))
+        grads = [p.grad for p in params]
+        torch._foreach_copy_(grads, params)
+        torch._foreach_sub_(grads, before)
         flat = self.reduce_gradients()
         finite = torch.isfinite(flat)
         flat_upd = torch.where(finite, flat, torch.zeros((), dtype=flat.dtype, device=flat.device))

@@ -27,9 +27,10 @@ A steady step on rank r of P (k = density·n), all on the device, in the paper's
    this step's acc at m fixed random positions, taken just before the select pass
    (``threshold_sample``; with 0, where the rows' histograms together hold a steered target);
    a row is never aimed above 3/4 of its staging (its threshold is raised to the one its last
-   histogram puts there), because a full row keeps entries by position. ``row_threshold="region"``: each row its own threshold, aimed
-   at filling its staging to the geometric middle of ``[cap_r, cap_s]``. The regions are re-balanced from I (each gathered entry of region j
-   weighted by how many of its sums reached the global threshold); ``th_global`` becomes the
+   histogram puts there), because a full row keeps entries by position.
+   ``row_threshold="region"``: each row its own threshold, aimed at filling its staging to the
+   geometric middle of ``[cap_r, cap_s]``. The regions are re-balanced from I (each gathered
+   entry of region j weighted by how many of its sums reached the global threshold); ``th_global`` becomes the
    smallest |value| in I.
 
 Why it is shaped so (measured on an H100, 4 ranks on one GPU over sockets, n = 2^26, 1%;
@@ -411,18 +412,22 @@ class OkTopk(Algorithm):
         # steered so that the realized staged count lands at stage_mid (the entries above a
         # threshold grow from step to step: error feedback), within [stage_mid/64, 4·stage_mid]
         if self.rank_threshold:
-            # the rank's threshold: where its rows together hold row_target entries of this
-            # step's histograms, steered so the rank stages about k; no row above the threshold
-            # that fills its staging to _STAGE_FILL (a full row would keep entries by position)
-            kf = float(self.k)
-            ratio = (kf / staged.sum().clamp(min=1.0)).sqrt().clamp(0.25, 4.0)
-            target = (self.row_target[:1] * ratio).clamp(kf / 64.0, 4.0 * kf)
-            x = self._rank_threshold_at(self._hist, self.th_rows, target)
+            # no row above the threshold that fills its staging to _STAGE_FILL (a full row
+            # would keep entries by position)
             cap = self._threshold_at(self._hist, self.th_rows,
                                      torch.full_like(self.row_target, self.cap_s * _STAGE_FILL))
             self._cap_rows = cap
-            th = torch.maximum(x.expand(P), cap)
-            target = target.expand(P).contiguous()
+            if self._sample_idx is not None:   # the next step samples its own threshold
+                th, target = self.th_rows, self.row_target
+            else:
+                # the rank's threshold: where its rows together hold row_target entries of
+                # this step's histograms, steered so the rank stages about k
+                kf = float(self.k)
+                ratio = (kf / staged.sum().clamp(min=1.0)).sqrt().clamp(0.25, 4.0)
+                target = (self.row_target[:1] * ratio).clamp(kf / 64.0, 4.0 * kf)
+                x = self._rank_threshold_at(self._hist, self.th_rows, target)
+                th = torch.maximum(x.expand(P), cap)
+                target = target.expand(P).contiguous()
         else:
             mid = self.stage_mid
             ratio = (mid / staged.clamp(min=1.0)).sqrt().clamp(0.25, 4.0)
@@ -493,7 +498,8 @@ class OkTopk(Algorithm):
         """The |acc| at which the rows together hold ``target`` entries at or above, from the
         rows' histograms (each binned around its own threshold ``th[j]``): every row's count is
         evaluated at every row's bin edges (piecewise linear in bit space inside a bin), the
-        totals are cut at the target and interpolated between the two edges around it. [1]"""
+        totals are cut at the target and interpolated between the two edges around it. Returns
+        a 1-element tensor (``th.min()`` when every histogram is empty)."""
         B, shift = K.SELECT_HIST_BINS, K.SELECT_HIST_SHIFT
         W = 1 << shift
         P = hist.shape[0]

@@ -13,9 +13,10 @@ Two models:
   optimizer's *updates* (``SparseAllreduce.reduce_updates``: each rank's AdamW steps on its own
   gradient, error feedback in update space), because AdamW on an error-fed sparse gradient
   divides a coordinate's summed owed gradient by its own scale and stalls (all sparse algorithms
-  at 3.32 nats/byte against dense 2.55 at 1%); ``--reduce gradients`` runs that setup. Every run also counts, per parameter tensor, the entries of the reduced gradient
-  that are nonzero each step (what the algorithm applied) and the steps that applied none, so a
-  gap to dense can be traced to the layers that starve (``tools/lm_results.py`` tabulates it).
+  at 3.32 nats/byte against dense 2.55 at 1%); ``--reduce gradients`` runs that setup. Every
+  run also counts, per parameter tensor, the entries of the reduced gradient that are nonzero
+  each step (what the algorithm applied) and the steps that applied none, so a gap to dense can
+  be traced to the layers that starve (``tools/lm_results.py`` tabulates it).
 
 The digits data is ``sklearn.datasets.load_digits`` (1797 8x8 images, bundled: no download), split once
 (fixed split seed) into a training and a held-out test set. ``world_size`` ranks are launched by
@@ -947,12 +948,11 @@ def train_one_lm(cfg, algorithm: str, seed: int, comm, device, data, log) -> Dic
             # this rank's AdamW steps on its own gradient; the reducer averages the updates
             # (error feedback in update space) and sets the weights; reduce ms includes the step
             flat = sar.reduce_updates(opt)
-            sync()
-            t2 = time.perf_counter()
         else:
             flat = sar.reduce_gradients()   # averages .grad over ranks, error feedback inside
-            sync()
-            t2 = time.perf_counter()
+        sync()
+        t2 = time.perf_counter()
+        if not reduce_updates:
             opt.step()
         sync()
         t3 = time.perf_counter()
