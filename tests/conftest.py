@@ -15,8 +15,3 @@ if not HAS_CUDA:
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 
 
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

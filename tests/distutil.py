@@ -37,11 +37,12 @@ from __future__ import annotations
 import os
 import pickle
 import queue as _queue
-import socket
 import sys
 import time
 import traceback
 from typing import Any, Callable, List
+
+from oktopk_triton.bench._procs import environ, exit_rank, free_port
 
 _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 if _TESTS_DIR not in sys.path:  # so spawned children (and odd import modes) find test modules
@@ -61,12 +62,6 @@ class RemoteError(RuntimeError):
         if others:
             msg += f"\nother ranks:\n{others}"
         super().__init__(msg)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _to_cpu(obj: Any) -> Any:
@@ -121,13 +116,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, q,
         except Exception:
             pass
     finally:
-        try:
-            q.close()
-            q.join_thread()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)  # skip gloo teardown, which can block on dead peers
+        exit_rank(q, code)
 
 
 def run_gloo(world_size: int, fn: Callable, *args: Any, timeout: float = 120,
@@ -153,11 +142,8 @@ def _run(world_size: int, fn: Callable, args: tuple, timeout: float,
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     procs = []
-    try:
-        os.environ["OMP_NUM_THREADS"] = "1"
-        os.environ["MKL_NUM_THREADS"] = "1"
+    with environ({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}):
         for r in range(world_size):
             p = ctx.Process(target=_worker, args=(r, world_size, port, fn, args, q, pg_timeout, backend),
                             name=f"run_gloo-rank{r}", daemon=True)
@@ -169,12 +155,6 @@ def _run(world_size: int, fn: Callable, args: tuple, timeout: float,
                     started.join(timeout=5.0)
                 raise
             procs.append(p)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
     results: List[Any] = [None] * world_size
     got = [False] * world_size

@@ -57,11 +57,12 @@ import math
 import os
 import platform
 import resource
-import socket
 import sys
 import time
 import traceback
 from typing import Any, Dict, List, Optional
+
+from ._procs import exit_rank, free_port
 
 __all__ = ["add_arguments", "main", "run_benchmark", "make_grad", "formula_words",
            "lower_bound_words", "rank_env", "detect_mps", "mps_warning", "out_checksum",
@@ -366,12 +367,6 @@ def _run_local_probes(P, n, reps, timeout):
     return LocalCluster(P, timeout=timeout).run(_rank_probes, n, reps)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _nccl_version_text(v) -> Optional[str]:
     if v is None:
         return None
@@ -453,13 +448,7 @@ def _proc_entry(rank, P, port, cfg, algs, q):
         except Exception:  # noqa: BLE001
             pass
     finally:
-        try:
-            q.close()
-            q.join_thread()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+        exit_rank(q, code)
 
 
 def _run_group(P: int, algs: List[str], cfg: Dict[str, Any], log=print) -> Dict[str, Any]:
@@ -474,7 +463,7 @@ def _run_group(P: int, algs: List[str], cfg: Dict[str, Any], log=print) -> Dict[
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_proc_entry, args=(r, P, port, cfg, algs, q), daemon=True,
                          name=f"oktopk-bench-rank{r}") for r in range(P)]
     for pr in procs:

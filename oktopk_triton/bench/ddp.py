@@ -59,12 +59,13 @@ import inspect
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional
+
+from ._procs import environ, exit_rank, free_port
 
 __all__ = ["add_arguments", "main", "run_benchmark", "format_markdown", "format_table",
            "HOOKS", "make_model", "sparse_modes", "default_json_path"]
@@ -426,12 +427,6 @@ def _train_step(ddp, opt, x, y, F):
     return loss
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def rank_placement(rank: int, P: int, ngpu: int):
     """(GPU index, NCCL_HOSTID or None) of ``rank``: GPUs round robin; when ranks share a GPU
     each claims its own host id, since NCCL refuses two ranks of one host on one GPU and, seeing
@@ -492,13 +487,7 @@ def _rank_entry(rank: int, cfg: Dict[str, Any], plan: List[Dict[str, Any]], port
         except Exception:  # noqa: BLE001
             pass
     finally:
-        try:
-            q.close()
-            q.join_thread()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)   # no process-group teardown, which can block on a dead peer
+        exit_rank(q, code)
 
 
 def _spawn_ranks(cfg: Dict[str, Any], plan: List[Dict[str, Any]], timeout: float,
@@ -509,7 +498,7 @@ def _spawn_ranks(cfg: Dict[str, Any], plan: List[Dict[str, Any]], timeout: float
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     P = cfg["P"]
     # the children read these when they import torch / the kernels: on CPU, the torch kernel
     # references unless the Triton interpreter is asked for (TRITON_INTERPRET is read at import)
@@ -520,25 +509,13 @@ def _spawn_ranks(cfg: Dict[str, Any], plan: List[Dict[str, Any]], timeout: float
             env["TRITON_INTERPRET"] = None
         elif cfg["kernel_backend"] == "triton":
             env["TRITON_INTERPRET"] = "1"
-    saved = {k: os.environ.get(k) for k in env}
     procs = []
-    try:
-        for k, v in env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with environ(env):
         for r in range(P):
             pr = ctx.Process(target=_rank_entry, args=(r, cfg, plan, port, q), daemon=True,
                              name=f"ddp-bench-rank{r}")
             pr.start()
             procs.append(pr)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
     recs: Dict[int, List[Any]] = {i: [None] * P for i in range(len(plan))}
     errors: Dict[int, str] = {}
