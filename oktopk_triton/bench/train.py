@@ -436,63 +436,62 @@ def summarize(runs: List[dict], algos: List[str], failures: List[dict]) -> List[
 
 
 def format_table(summary: List[dict], config: Dict[str, Any]) -> str:
+    n_seeds = len(config["seeds"])
+    seeds = f" (mean±sd, {n_seeds} seeds)" if n_seeds > 1 else ""
     if config.get("model") == "gpt":
-        return _format_lm_table(summary, config)
-    n_seeds = len(config["seeds"])
-    acc_hdr = "test acc %" + (f" (mean±sd, {n_seeds} seeds)" if n_seeds > 1 else "")
-    head = (f"{'algorithm':<10} {acc_hdr:>28} {'vs dense':>9} {'bytes/rank/step':>16} "
-            f"{'x dense':>8} {'time/step ms':>13} {'reduce ms':>10} {'replicas':>9}")
-    lines = [f"density {config['density']:g}, {config['world_size']} ranks, {config['model']}, "
-             f"{config['epochs']} epochs", head, "-" * len(head)]
+        g = config["gpt"]
+
+        def loss(r):
+            v = f"{r['final_val_loss']:.4f}"
+            return v + (f" ± {r['final_val_loss_std']:.4f}" if n_seeds > 1 else "")
+
+        title = (f"density {config['density']:g}, {config['world_size']} ranks, gpt "
+                 f"{config['size']} (d {g['d_model']}, {g['n_layer']} layers, context "
+                 f"{g['context']}), {config['steps']} steps, {config['optimizer']}")
+        columns = [("val nats/byte" + seeds, 32, loss),
+                   ("bits/byte", 9, lambda r: f"{r['final_val_bpb']:.3f}"),
+                   ("vs dense", 9, lambda r: f"{r.get('loss_vs_dense_pct', 0.0):+.2f}%"),
+                   ("applied/step", 12, lambda r: f"{r['applied_per_step']:.0f}")]
+        return _table(summary, config, title, columns,
+                      "applied = nonzero entries of the reduced gradient; ")
+
+    def acc(r):
+        a = f"{100 * r['final_test_acc']:.2f}"
+        return a + (f" ± {100 * r['final_test_acc_std']:.2f}" if n_seeds > 1 else "")
+
+    title = (f"density {config['density']:g}, {config['world_size']} ranks, {config['model']}, "
+             f"{config['epochs']} epochs")
+    columns = [("test acc %" + seeds, 28, acc),
+               ("vs dense", 9, lambda r: f"{r.get('acc_vs_dense_points', 0.0):+.2f}")]
+    return _table(summary, config, title, columns, "")
+
+
+# the columns every results table ends with: (header, width, cell of a summary row)
+_TABLE_TAIL = [
+    ("bytes/rank/step", 16, lambda r: _fmt_bytes(r["bytes_per_step"])),
+    ("x dense", 8, lambda r: f"{r.get('bytes_vs_dense', float('nan')):.4f}"),
+    ("time/step ms", 13, lambda r: f"{r['time_per_step_ms']:.1f}"),
+    ("reduce ms", 10, lambda r: f"{r['reduce_ms']:.2f}"),
+    ("replicas", 9, lambda r: "identical" if r["replicas_identical"] else "DIVERGED"),
+]
+
+
+def _table(summary: List[dict], config: Dict[str, Any], title: str, columns, note: str) -> str:
+    """A results table: one row per algorithm, ``columns`` (the metric first) then the tail
+    columns, a FAILED row for a run that failed, and the model's size and k below."""
+    cols = list(columns) + _TABLE_TAIL
+    head = f"{'algorithm':<10} " + " ".join(f"{h:>{w}}" for h, w, _ in cols)
+    lines = [title, head, "-" * len(head)]
     for r in summary:
         if r["status"] != "ok":
-            lines.append(f"{r['algorithm']:<10} {'FAILED':>28}")
+            lines.append(f"{r['algorithm']:<10} {'FAILED':>{cols[0][1]}}")
             continue
-        acc = f"{100 * r['final_test_acc']:.2f}"
-        if n_seeds > 1:
-            acc += f" ± {100 * r['final_test_acc_std']:.2f}"
-        vs = f"{r.get('acc_vs_dense_points', 0.0):+.2f}"
-        xd = f"{r.get('bytes_vs_dense', float('nan')):.4f}"
-        lines.append(f"{r['algorithm']:<10} {acc:>28} {vs:>9} {_fmt_bytes(r['bytes_per_step']):>16} "
-                     f"{xd:>8} {r['time_per_step_ms']:>13.1f} {r['reduce_ms']:>10.2f} "
-                     f"{'identical' if r['replicas_identical'] else 'DIVERGED':>9}")
+        lines.append(f"{r['algorithm']:<10} " + " ".join(f"{cell(r):>{w}}" for _, w, cell in cols))
     ok = [r for r in summary if r.get("numel")]
     if ok:
         n = ok[0]["numel"]
         lines.append(f"(model: {n} parameters; sparse k = {max(1, round(config['density'] * n))} "
-                     f"at density {config['density']:g}; bytes counted by the communicator)")
-    return "\n".join(lines)
-
-
-def _format_lm_table(summary: List[dict], config: Dict[str, Any]) -> str:
-    n_seeds = len(config["seeds"])
-    hdr = "val nats/byte" + (f" (mean±sd, {n_seeds} seeds)" if n_seeds > 1 else "")
-    head = (f"{'algorithm':<10} {hdr:>32} {'bits/byte':>9} {'vs dense':>9} {'applied/step':>12} "
-            f"{'bytes/rank/step':>16} {'x dense':>8} {'time/step ms':>13} {'reduce ms':>10} "
-            f"{'replicas':>9}")
-    g = config["gpt"]
-    lines = [f"density {config['density']:g}, {config['world_size']} ranks, gpt {config['size']} "
-             f"(d {g['d_model']}, {g['n_layer']} layers, context {g['context']}), "
-             f"{config['steps']} steps, {config['optimizer']}", head, "-" * len(head)]
-    for r in summary:
-        if r["status"] != "ok":
-            lines.append(f"{r['algorithm']:<10} {'FAILED':>32}")
-            continue
-        v = f"{r['final_val_loss']:.4f}"
-        if n_seeds > 1:
-            v += f" ± {r['final_val_loss_std']:.4f}"
-        vs = f"{r.get('loss_vs_dense_pct', 0.0):+.2f}%"
-        xd = f"{r.get('bytes_vs_dense', float('nan')):.4f}"
-        lines.append(f"{r['algorithm']:<10} {v:>32} {r['final_val_bpb']:>9.3f} {vs:>9} "
-                     f"{r['applied_per_step']:>12.0f} {_fmt_bytes(r['bytes_per_step']):>16} "
-                     f"{xd:>8} {r['time_per_step_ms']:>13.1f} {r['reduce_ms']:>10.2f} "
-                     f"{'identical' if r['replicas_identical'] else 'DIVERGED':>9}")
-    ok = [r for r in summary if r.get("numel")]
-    if ok:
-        n = ok[0]["numel"]
-        lines.append(f"(model: {n} parameters; sparse k = {max(1, round(config['density'] * n))} "
-                     f"at density {config['density']:g}; applied = nonzero entries of the reduced "
-                     f"gradient; bytes counted by the communicator)")
+                     f"at density {config['density']:g}; {note}bytes counted by the communicator)")
     return "\n".join(lines)
 
 
