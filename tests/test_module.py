@@ -201,6 +201,46 @@ def test_reduce_updates_mixed_dtypes_world_of_one(alg):
         assert int((out != 0).sum()) <= 16 and sar.residual.abs().sum() > 0
 
 
+def _updates_sync_body(comm):
+    dev = comm.device
+    m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
+                            torch.nn.Linear(256, 64)).to(dev)
+    with torch.no_grad():
+        for i, p in enumerate(m.parameters()):          # identical weights on every rank
+            p.copy_(torch.linspace(-0.1, 0.1, p.numel(), device=dev).reshape(p.shape) * (i + 1))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, capturable=True)
+    sar = SparseAllreduce(m.parameters(), comm=comm, density=0.05, algorithm="oktopk")
+    xs = [torch.randn(8, 64, generator=torch.Generator().manual_seed(comm.rank * 10 + t)).to(dev)
+          for t in range(5)]
+    for x in xs[:2]:                    # calibration + one steady step, syncs allowed
+        opt.zero_grad(set_to_none=False)
+        m(x).pow(2).mean().backward()
+        sar.reduce_updates(opt)
+    torch.cuda.synchronize()
+    comm.barrier()
+    if comm.rank == 0:
+        torch.cuda.set_sync_debug_mode("error")
+    comm.barrier()
+    try:
+        for x in xs[2:]:
+            opt.zero_grad(set_to_none=False)
+            m(x).pow(2).mean().backward()
+            sar.reduce_updates(opt)
+    finally:
+        comm.barrier()
+        if comm.rank == 0:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return True
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_reduce_updates_never_syncs():
+    """A steady reduce_updates step (AdamW with capturable=True, whose own step does not read
+    the host) on CUDA under torch.cuda.set_sync_debug_mode('error')."""
+    assert LocalCluster(2, device="cuda").run(_updates_sync_body) == [True, True]
+
+
 def _foreign_body(comm):
     m, other = _model(3), torch.nn.Linear(2, 2)
     sar = SparseAllreduce(m.parameters(), comm=comm, density=0.1, algorithm="oktopk", **BE)
