@@ -27,7 +27,12 @@ How it works (cf. ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook``)
   15-60 µs each on a GPU), while the hook is synchronous either way (it does not overlap with the
   backward pass the way DDP's asynchronous allreduce does). Measured on CPU gloo (P=2, see
   ``oktopk-bench ddp``); the GPU comparison is owed (README).
+* The element order a reducer sees is fixed by *parameters*, not by DDP's bucket layout (which
+  differs between a fresh instance's first iteration and later ones): a resumed run applies
+  every saved residual to the parameter it was computed for, bit for bit (see ``_Layout``).
 * Iterations are counted on the bucket for which ``bucket.is_last()`` is true.
+* Loss scaling: give the state ``scaler=`` (a ``torch.amp.GradScaler``) and the residuals follow
+  its scale changes (see :meth:`Algorithm.__call__`'s ``scale``).
 * The sparse result (``out``: the average over ranks, bitwise identical on every rank) is
   returned as an already completed ``torch.futures.Future`` of the bucket buffer's shape: the
   algorithms are synchronous with respect to the host on gloo and enqueue on the current stream
@@ -46,6 +51,73 @@ import torch.distributed as dist
 __all__ = ["SparseAllreduceState", "sparse_allreduce_hook"]
 
 
+class _Layout:
+    """The hook's element order, fixed by parameters rather than by DDP's buckets.
+
+    DDP lays out a fresh instance's buckets in one order for its first iteration and rebuilds
+    them in gradient-ready order after it. A residual kept in bucket order would therefore, on a
+    resume whose first iteration runs before the rebuild, be applied to other parameters than
+    those it was computed for (same length, no error). Here every parameter gets a *canonical
+    index*: its position in the first iteration this state sees (a fresh DDP's first layout,
+    identical for an uninterrupted run and for a resumed one), and every reducer reads and writes
+    its vector in canonical order. ``groups`` (bucket mode) are the parameter sets of the
+    reducers, fixed by the first sparse iteration's buckets and saved with the state.
+    """
+
+    __slots__ = ("index", "shapes", "groups", "group_of", "expected")
+
+    def __init__(self) -> None:
+        self.index: Dict[int, int] = {}            # id(parameter) -> canonical index
+        self.shapes: List[Tuple[int, ...]] = []     # canonical index -> shape
+        self.groups: Optional[List[Tuple[int, ...]]] = None
+        self.group_of: Dict[int, int] = {}
+        self.expected: Optional[List[Tuple[int, ...]]] = None   # shapes of a loaded state
+
+    def indices(self, params: List[torch.Tensor]) -> List[int]:
+        """Canonical indices of a bucket's parameters, assigning new ones on first sight."""
+        out = []
+        for p in params:
+            c = self.index.get(id(p))
+            if c is None:
+                c = len(self.shapes)
+                self.index[id(p)] = c
+                self.shapes.append(tuple(p.shape))
+                if self.expected is not None and (c >= len(self.expected)
+                                                  or self.expected[c] != self.shapes[c]):
+                    raise ValueError(
+                        "sparse_allreduce_hook: the loaded state was saved for other parameters "
+                        f"(parameter {c} has shape {self.shapes[c]}, the saved state expects "
+                        f"{self.expected[c] if c < len(self.expected) else 'no such parameter'}); "
+                        "load a state saved from this model")
+            out.append(c)
+        return out
+
+    def check_complete(self) -> None:
+        if self.expected is not None and len(self.shapes) != len(self.expected):
+            raise ValueError(f"sparse_allreduce_hook: the loaded state was saved for "
+                             f"{len(self.expected)} parameters, this model has {len(self.shapes)}")
+
+    def set_groups(self, groups: List[Tuple[int, ...]]) -> None:
+        self.groups = [tuple(g) for g in groups]
+        self.group_of = {c: gi for gi, g in enumerate(self.groups) for c in g}
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"shapes": [list(s) for s in self.shapes],
+                "groups": None if self.groups is None else [list(g) for g in self.groups]}
+
+    def load(self, sd: Dict[str, Any]) -> None:
+        self.expected = [tuple(s) for s in sd["shapes"]]
+        if self.shapes:      # already seen: check now
+            for c, s in enumerate(self.shapes):
+                if c >= len(self.expected) or self.expected[c] != s:
+                    raise ValueError("SparseAllreduceState.load_state_dict: the state was saved "
+                                     f"for other parameters (parameter {c}: shape {s} here, "
+                                     f"{self.expected[c] if c < len(self.expected) else 'none'} "
+                                     "saved)")
+        if sd.get("groups") is not None:
+            self.set_groups([tuple(g) for g in sd["groups"]])
+
+
 class SparseAllreduceState:
     """The state of :func:`sparse_allreduce_hook` (pass it to ``model.register_comm_hook``).
 
@@ -62,12 +134,16 @@ class SparseAllreduceState:
             builds one on first use (``TorchCommunicator(process_group)`` for a non-default
             group or gloo, else ``default_communicator(device)``, i.e. CuPy NCCL when
             available).
+        scaler: a ``torch.amp.GradScaler`` whose scale the gradients carry (or ``None``); the
+            residuals are kept in its current scale across its backoffs and growths, read from
+            its device tensor (no host read). May also be set later (``state.scaler = ...``).
         **options: passed to the algorithm (e.g. ``check_finite="raise"``, algorithm options).
 
     Attributes:
         iter: completed iterations (counted on the last bucket).
-        reducers: ``{bucket index: Algorithm}`` (``{-1: Algorithm}`` in flat mode), created
-            lazily.
+        reducers: ``{group index: Algorithm}`` (``{-1: Algorithm}`` in flat mode), created
+            lazily; a group is the parameters of one bucket of the first sparse iteration.
+        layout: the canonical parameter order and groups (saved with the state).
         bytes_sent: bytes this rank sent in the last completed iteration (all buckets; the
             dense iterations are counted as a ring allreduce, 2(P-1)/P * bucket bytes).
         total_bytes_sent: bytes this rank sent since the state was created.
@@ -75,14 +151,15 @@ class SparseAllreduceState:
 
     __slots__ = ("process_group", "density", "algorithm", "start_iter", "options", "comm",
                  "iter", "reducers", "bytes_sent", "total_bytes_sent", "_iter_bytes",
-                 "_pending_state", "mode", "_pending")
+                 "_pending_state", "mode", "_pending", "layout", "scaler", "_arrived",
+                 "_reduced", "_new_groups", "_seen")
 
     MODES = ("flat", "bucket")
     FLAT = -1   # the reducers key of the flat reducer
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, density: float = 0.01,
                  algorithm: str = "oktopk", start_iter: int = 1, comm: Any = None,
-                 mode: str = "flat", **options: Any) -> None:
+                 mode: str = "flat", scaler: Any = None, **options: Any) -> None:
         if mode not in self.MODES:
             raise ValueError(f"mode must be one of {self.MODES}, got {mode!r}")
         from .algorithms import get_algorithm
@@ -106,7 +183,14 @@ class SparseAllreduceState:
         self._iter_bytes = 0
         self._pending_state: Dict[int, Dict[str, Any]] = {}
         self.mode = mode
-        self._pending: List[Tuple[torch.Tensor, "torch.futures.Future[torch.Tensor]"]] = []
+        self._pending: List[Tuple[torch.Tensor, "torch.futures.Future[torch.Tensor]",
+                                  Dict[int, torch.Tensor]]] = []
+        self.layout = _Layout()
+        self.scaler = scaler
+        self._arrived: Dict[int, torch.Tensor] = {}    # bucket mode: this iteration's grads
+        self._reduced: set = set()                      # bucket mode: groups reduced this iter
+        self._new_groups = False
+        self._seen = 0                                  # iterations this instance has seen
 
     # -- helpers -----------------------------------------------------------------------------
     def _world_size(self) -> int:
@@ -118,15 +202,16 @@ class SparseAllreduceState:
             if self.process_group is not None or device.type != "cuda":
                 self.comm = TorchCommunicator(self.process_group)
             else:
-                try:
-                    from .comm import default_communicator
-                    self.comm = default_communicator(device)
-                except (ImportError, AttributeError):  # pragma: no cover - select.py missing
-                    self.comm = TorchCommunicator(self.process_group)
+                from .comm import default_communicator
+                self.comm = default_communicator(device)
         return self.comm
 
+    def _scale(self) -> Any:
+        """The loss scale of this iteration's gradients (a device tensor), or ``None``."""
+        return None if self.scaler is None else getattr(self.scaler, "_scale", None)
+
     def reducer(self, index: int, buffer: torch.Tensor):
-        """The reducer of bucket ``index`` (created on first use for ``buffer``'s size)."""
+        """The reducer of group ``index`` (created on first use for ``buffer``'s size)."""
         red = self.reducers.get(index)
         if red is not None and red.numel != buffer.numel():
             warnings.warn(f"sparse_allreduce_hook: bucket {index} changed size from {red.numel} "
@@ -144,12 +229,25 @@ class SparseAllreduceState:
 
     # -- checkpointing -----------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
-        """Iteration count and every bucket reducer's state (residuals, thresholds, ...)."""
+        """Iteration count, the parameter layout (shapes in canonical order, groups) and every
+        reducer's state (residuals, thresholds, ...). Save it with the model and optimizer;
+        load it into a fresh state before the first backward of the resumed run."""
         return {"iter": self.iter, "algorithm": self.algorithm, "density": self.density,
+                "mode": self.mode, "layout": self.layout.state_dict(),
                 "reducers": {i: r.state_dict() for i, r in self.reducers.items()}}
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
-        """Restore; reducers not yet built load their state when they are."""
+        """Restore; reducers not yet built load their state when they are. The saved parameter
+        shapes are checked against the model's at the first backward (a state saved for other
+        parameters raises ``ValueError`` there instead of being applied)."""
+        for key, mine in (("algorithm", self.algorithm), ("mode", self.mode)):
+            if sd.get(key, mine) != mine:
+                raise ValueError(f"SparseAllreduceState.load_state_dict: saved with {key}="
+                                 f"{sd.get(key)!r}, this state has {mine!r}")
+        if "layout" not in sd:
+            raise ValueError("SparseAllreduceState.load_state_dict: the state has no parameter "
+                             "layout (saved by an older version); its residuals cannot be placed")
+        self.layout.load(sd["layout"])
         self.iter = int(sd["iter"])
         for i, rsd in sd.get("reducers", {}).items():
             if int(i) in self.reducers:
@@ -169,57 +267,130 @@ def _completed(t: torch.Tensor) -> "torch.futures.Future[torch.Tensor]":
     return fut
 
 
+def _bucket_views(bucket: dist.GradBucket, buf: torch.Tensor) -> List[torch.Tensor]:
+    """The flat view of each parameter's gradient inside the bucket buffer (DDP packs them in
+    ``bucket.parameters()`` order, back to back)."""
+    views, off = [], 0
+    flat = buf.reshape(-1)
+    for p in bucket.parameters():
+        views.append(flat[off:off + p.numel()])
+        off += p.numel()
+    if off != flat.numel():
+        raise RuntimeError(f"sparse_allreduce_hook: bucket {bucket.index()} holds {flat.numel()} "
+                           f"elements but its parameters {off}")
+    return views
+
+
 def sparse_allreduce_hook(state: SparseAllreduceState,
                           bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: the bucket's gradients averaged over ranks with the sparse
     allreduce ``state.algorithm`` (dense for the first ``state.start_iter`` iterations)."""
     buf = bucket.buffer()
     P = state._world_size()
-    if state.iter < state.start_iter:
+    last = bucket.is_last()
+    canon = state.layout.indices(list(bucket.parameters()))
+    if last:
+        state.layout.check_complete()
+    # bucket mode needs its groups from a rebuilt layout: a state that has none yet (saved before
+    # its first sparse iteration) stays dense in the first iteration it sees, a fresh DDP's
+    if state.iter < state.start_iter or (state.mode == "bucket" and state.layout.groups is None
+                                         and state._seen == 0):
         # dense, exactly as DDP's default allreduce hook: divide, then sum
         t = buf.div_(P)
         fut = dist.all_reduce(t, group=state.process_group, async_op=True).get_future()
         state._iter_bytes += 2 * (P - 1) * t.numel() * t.element_size() // P
         result = fut.then(lambda f: f.value()[0])
-    elif state.mode == "bucket":
-        red = state.reducer(bucket.index(), buf)
-        out = red(buf)
-        state._iter_bytes += int(red.stats.get("bytes_sent", 0))
-        result = _completed(out.reshape(buf.shape))
     else:
-        result = _flat_step(state, buf, bucket.is_last())
-    if bucket.is_last():
+        views = _bucket_views(bucket, buf)
+        step = _group_step if state.mode == "bucket" else _flat_step
+        result = step(state, buf, canon, views, last)
+    if last:
         state.bytes_sent = state._iter_bytes
         state.total_bytes_sent += state._iter_bytes
         state._iter_bytes = 0
         state.iter += 1
+        state._seen += 1
     return result
 
 
-def _flat_step(state: SparseAllreduceState, buf: torch.Tensor,
-               last: bool) -> "torch.futures.Future[torch.Tensor]":
-    """Flat mode: hold the bucket until the last one arrives, then reduce them all as one
-    vector and complete every held future with its slice of the result."""
+def _reduce(state: SparseAllreduceState, key: int, members: List[int],
+            grads: Dict[int, torch.Tensor]) -> None:
+    """Reduce the parameters ``members`` (canonical indices) as one vector in canonical order
+    with reducer ``key``; the result is written back into each parameter's gradient view."""
+    flat = torch.cat([grads[c] for c in members])
+    red = state.reducer(key, flat)
+    out = red(flat, scale=state._scale())
+    state._iter_bytes += int(red.stats.get("bytes_sent", 0))
+    off = 0
+    for c in members:
+        g = grads[c]
+        g.copy_(out[off:off + g.numel()])
+        off += g.numel()
+
+
+def _settle(pending: list, error: BaseException) -> None:
+    for _, f, _ in pending:
+        if not f.done():
+            f.set_exception(error)
+
+
+def _flat_step(state: SparseAllreduceState, buf: torch.Tensor, canon: List[int],
+               views: List[torch.Tensor], last: bool) -> "torch.futures.Future[torch.Tensor]":
+    """Flat mode: hold the buckets until the last one arrives, then reduce the whole gradient as
+    one vector in canonical order and complete every held future (each with its own buffer:
+    DDP re-points its views into the future's tensor with as_strided, which ignores a slice's
+    storage offset)."""
     fut: torch.futures.Future = torch.futures.Future()
-    state._pending.append((buf, fut))
+    state._pending.append((buf, fut, dict(zip(canon, views))))
     if not last:
         return fut
     pending, state._pending = state._pending, []
     try:
-        flat = torch.cat([b.reshape(-1) for b, _ in pending])
-        red = state.reducer(SparseAllreduceState.FLAT, flat)
-        out = red(flat)
-        state._iter_bytes += int(red.stats.get("bytes_sent", 0))
-        # each bucket's result goes back into the bucket's own buffer: DDP re-points its views
-        # into the future's tensor with as_strided, which ignores a slice's storage offset
-        offset = 0
-        for b, f in pending:
-            b.copy_(out[offset:offset + b.numel()].view(b.shape))
+        grads: Dict[int, torch.Tensor] = {}
+        for _, _, g in pending:
+            grads.update(g)
+        _reduce(state, SparseAllreduceState.FLAT, list(range(len(state.layout.shapes))), grads)
+        for b, f, _ in pending:
             f.set_result(b)
-            offset += b.numel()
     except BaseException as e:   # every held bucket fails, none is left waiting
-        for _, f in pending:
-            if not f.done():
-                f.set_exception(e)
+        _settle(pending, e)
+        raise
+    return fut
+
+
+def _group_step(state: SparseAllreduceState, buf: torch.Tensor, canon: List[int],
+                views: List[torch.Tensor], last: bool) -> "torch.futures.Future[torch.Tensor]":
+    """Bucket mode: one reducer per parameter group. The groups are the buckets of the first
+    sparse iteration (saved with the state); a group is reduced as soon as all its parameters
+    have arrived, and a bucket completes once all its parameters are reduced. In steady state
+    the groups are DDP's buckets, so each bucket is reduced as it arrives."""
+    lay = state.layout
+    if lay.groups is None:                    # the first sparse iteration: groups = its buckets
+        state._new_groups = True
+        lay.set_groups([])
+    if state._new_groups:
+        lay.set_groups(lay.groups + [tuple(canon)])
+    fut: torch.futures.Future = torch.futures.Future()
+    state._pending.append((buf, fut, dict(zip(canon, views))))
+    state._arrived.update(zip(canon, views))
+    try:
+        for gi in sorted({lay.group_of[c] for c in canon}):
+            members = lay.groups[gi]
+            if gi not in state._reduced and all(c in state._arrived for c in members):
+                _reduce(state, gi, list(members), state._arrived)
+                state._reduced.add(gi)
+        done = [p for p in state._pending if all(lay.group_of[c] in state._reduced for c in p[2])]
+        state._pending = [p for p in state._pending if p not in done]
+        for b, f, _ in done:
+            f.set_result(b)
+        if last:
+            if state._pending:
+                raise RuntimeError("sparse_allreduce_hook: parameter groups left unreduced at "
+                                   "the last bucket")
+            state._arrived, state._reduced, state._new_groups = {}, set(), False
+    except BaseException as e:
+        pending, state._pending = state._pending, []
+        state._arrived, state._reduced = {}, set()
+        _settle(pending, e)
         raise
     return fut

@@ -39,18 +39,8 @@ __all__ = ["SparseAllreduce"]
 
 
 def _default_communicator(device: torch.device) -> Communicator:
-    try:
-        from .comm import default_communicator
-    except (ImportError, AttributeError):  # pragma: no cover - select.py not present
-        default_communicator = None
-    if default_communicator is not None:
-        return default_communicator(device)
-    import torch.distributed as dist  # pragma: no cover
-    if dist.is_available() and dist.is_initialized():  # pragma: no cover
-        from .comm import TorchCommunicator
-        return TorchCommunicator()
-    from .comm.local import SingleCommunicator  # pragma: no cover
-    return SingleCommunicator(device)
+    from .comm import default_communicator
+    return default_communicator(device)
 
 
 class SparseAllreduce(torch.nn.Module):
@@ -142,16 +132,22 @@ class SparseAllreduce(torch.nn.Module):
                 off += p.numel()
 
     # -- the reduction ---------------------------------------------------------------------------
-    def forward(self, flat_grad: torch.Tensor) -> torch.Tensor:
+    def forward(self, flat_grad: torch.Tensor, scale: Any = None) -> torch.Tensor:
         """Reduce ``flat_grad`` (``numel`` elements, any shape); returns ``out`` of the same shape,
-        dtype and device, bitwise identical on every rank."""
-        return self.algorithm(flat_grad)
+        dtype and device, bitwise identical on every rank. ``scale``: the loss scale the
+        gradient carries (a ``torch.amp.GradScaler``, a tensor or a number; see
+        :meth:`Algorithm.__call__`)."""
+        return self.algorithm(flat_grad, scale=scale)
 
     @torch.no_grad()
-    def reduce_gradients(self) -> torch.Tensor:
+    def reduce_gradients(self, scale: Any = None) -> torch.Tensor:
         """Flatten the parameters' ``.grad`` (``None`` → zeros), reduce, and write the result back
         to ``.grad``: afterwards each ``.grad`` is a view of one persistent flat buffer (the copy
-        in is skipped for grads that already are). Returns the flat reduced gradient."""
+        in is skipped for grads that already are). Returns the flat reduced gradient.
+
+        With mixed precision pass the scaler: ``scaler.scale(loss).backward();
+        sar.reduce_gradients(scale=scaler); scaler.step(opt); scaler.update()``. What each rank
+        still owes then follows the scaler's backoffs and growths (read on the device)."""
         if self._params is None:
             raise RuntimeError("reduce_gradients needs a SparseAllreduce built from parameters")
         if self._flat is None:
@@ -168,7 +164,7 @@ class SparseAllreduce(torch.nn.Module):
                 if g.is_sparse:
                     g = g.to_dense()
                 v.copy_(g)
-        out = self.algorithm(flat)
+        out = self.algorithm(flat, scale=scale)
         flat.copy_(out)
         for p, v in zip(self._params, views):
             if p.dtype == flat.dtype:
@@ -178,7 +174,7 @@ class SparseAllreduce(torch.nn.Module):
         return flat
 
     @torch.no_grad()
-    def reduce_updates(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    def reduce_updates(self, optimizer: torch.optim.Optimizer, scaler: Any = None) -> torch.Tensor:
         """Error feedback in update space, for adaptive optimizers (Adam, AdamW, ...).
 
         Runs ``optimizer.step()`` on this rank's own ``.grad`` (its state stays local to the
@@ -186,6 +182,11 @@ class SparseAllreduce(torch.nn.Module):
         (error feedback included: the residual holds the update not yet applied) and sets every
         replica's weights to ``before + out``. Returns the flat reduced update; afterwards each
         ``.grad`` is a view of it.
+
+        ``scaler``: a ``torch.amp.GradScaler`` (mixed precision): the step is taken with
+        ``scaler.step(optimizer)`` (unscaled; skipped on this rank when its gradient is not
+        finite), so the residual holds updates in the weights' units and a change of loss scale
+        does not touch what is owed. Call ``scaler.update()`` afterwards.
 
         Why: error feedback sends a coordinate's gradient summed over the steps it waited, and
         an adaptive optimizer divides that sum by its own running scale, so T steps of owed
@@ -218,7 +219,10 @@ class SparseAllreduce(torch.nn.Module):
             self._before = [torch.empty_like(p) for p in params]
         before = self._before
         torch._foreach_copy_(before, params)
-        optimizer.step()
+        if scaler is not None:
+            scaler.step(optimizer)
+        else:
+            optimizer.step()
         # the update, written where reduce_gradients reads the gradient
         for p in params:
             if p.grad is None:

@@ -353,3 +353,70 @@ def test_state_dict_round_trip():
     for same_out, same_res, step, keys in LocalCluster(2).run(_state_body, 20, 7):
         assert same_out and same_res and step == 20
         assert keys == ["sar._extra_state"]
+
+
+# -- checkpoints of the parameter front: bit for bit -----------------------------------------------
+def _train_body(comm, mode, steps, cut):
+    """``steps`` steps in one go, and ``cut`` steps + save (model, optimizer, reducer) + load into
+    fresh objects + the rest: the weights must be equal bit for bit."""
+    def make():
+        m = _model(5)
+        opt = (torch.optim.AdamW(m.parameters(), lr=0.01) if mode == "updates"
+               else torch.optim.SGD(m.parameters(), lr=0.1))
+        sar = SparseAllreduce(m.parameters(), comm=comm, density=0.05, algorithm="oktopk", **BE)
+        return m, opt, sar
+
+    def run(m, opt, sar, first, last):
+        gen = torch.Generator().manual_seed(100 + comm.rank)
+        for t in range(last):
+            x = torch.randn(6, 8, generator=gen)
+            if t < first:
+                continue
+            opt.zero_grad()
+            m(x).pow(2).mean().backward()
+            if mode == "updates":
+                sar.reduce_updates(opt)
+            else:
+                sar.reduce_gradients()
+                opt.step()
+
+    whole = make()
+    run(*whole, 0, steps)
+    part = make()
+    run(*part, 0, cut)
+    blob = io.BytesIO()
+    torch.save({"m": part[0].state_dict(), "o": part[1].state_dict(), "s": part[2].state_dict()},
+               blob)
+    ck = torch.load(io.BytesIO(blob.getvalue()), weights_only=True)
+    resumed = make()
+    resumed[0].load_state_dict(ck["m"])
+    resumed[1].load_state_dict(ck["o"])
+    resumed[2].load_state_dict(ck["s"])
+    run(*resumed, cut, steps)
+    return all(torch.equal(p, q) for p, q in zip(whole[0].parameters(), resumed[0].parameters()))
+
+
+@pytest.mark.parametrize("mode", ["gradients", "updates"])
+def test_parameter_front_resumes_bit_for_bit(mode):
+    assert all(LocalCluster(3).run(_train_body, mode, 10, 4))
+
+
+def test_reduce_updates_takes_the_scaler_step():
+    """With a GradScaler the update is unscaled (the residual is in the weights' units), and a
+    rank whose gradient is not finite skips its optimizer step."""
+    def body(comm):
+        m = _model(6)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        sar = SparseAllreduce(m.parameters(), comm=comm, density=1.0, algorithm="dense")
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(comm.rank))
+        ref = [p.detach() - 0.1 * torch.autograd.grad(m(x).pow(2).mean(), p)[0]
+               for p in m.parameters()]
+        scaler.scale(m(x).pow(2).mean()).backward()
+        sar.reduce_updates(opt, scaler=scaler)
+        scaler.update()
+        return [p.detach().clone() for p in m.parameters()], ref
+    res = LocalCluster(2).run(body)
+    for w, _ in res:
+        for a, b in zip(w, [(x + y) / 2 for x, y in zip(res[0][1], res[1][1])]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -42,6 +42,7 @@ of the contributions), and ``residual`` afterwards holds exactly what of ``acc``
 from __future__ import annotations
 
 import abc
+import math
 from typing import Any, ClassVar, Dict, Optional
 
 import torch
@@ -67,6 +68,9 @@ class Algorithm(abc.ABC):
     OPTIONS: ClassVar[Dict[str, Any]] = {}
     STATE: ClassVar[tuple] = ()
     sparse: ClassVar[bool] = True
+    # attributes in the gradient's units (thresholds): rescaled with the residual when the loss
+    # scale changes
+    SCALED: ClassVar[tuple] = ()
     # True: step() receives the raw gradient and updates self.velocity itself (fused into its
     # selection pass), masking included; the dense warm-up steps still use the base's update
     fuses_velocity: ClassVar[bool] = False
@@ -116,6 +120,10 @@ class Algorithm(abc.ABC):
         self.step_count = 0
         self.stats: Dict[str, Any] = {}
         self.residual = torch.zeros(numel, dtype=torch.float32, device=self.device)
+        # the loss scale the residual (and velocity, thresholds) are in: None until a scale is
+        # given; _scale_host is the last scale given as a Python number (no pass when equal)
+        self.loss_scale: Optional[torch.Tensor] = None
+        self._scale_host: Optional[float] = None
         self._check_numel_across_ranks()
         # the rounding error of a low-precision `out` goes to this rank's slice of the residual
         lo = numel * self.rank // self.P
@@ -148,10 +156,21 @@ class Algorithm(abc.ABC):
         if grad.device != self.device:
             raise ValueError(f"{self.name}: gradient is on {grad.device}, expected {self.device}")
 
-    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+    def __call__(self, grad: torch.Tensor, scale: Any = None) -> torch.Tensor:
         """Reduce ``grad`` (any shape with ``numel`` elements); returns ``out`` of the same shape,
-        dtype and device, bitwise identical on every rank."""
+        dtype and device, bitwise identical on every rank.
+
+        ``scale``: the loss scale ``grad`` carries (a ``torch.amp.GradScaler``, its scale as a
+        device tensor, or a number), or ``None`` (no loss scaling). The residual holds gradients
+        owed in the units of the scale they were computed at; when the scale changes (GradScaler
+        halves it after a skipped step and doubles it every ``growth_interval`` steps) everything
+        owed is rescaled by new/old before it is accumulated, so what is delivered, unscaled, is
+        what a run at a constant scale delivers (powers of two: exactly). Cost: a number equal to
+        the last one costs nothing; a tensor (GradScaler's, read on the device, no host sync)
+        costs one multiply over the residual (and velocity) per step."""
         self.check_input(grad)
+        if scale is not None:
+            self._follow_scale(scale)
         shape, dtype = grad.shape, grad.dtype
         flat = grad.reshape(-1)
         if not flat.is_contiguous():
@@ -262,6 +281,40 @@ class Algorithm(abc.ABC):
             delivered = delivered & (nonfinite == 0)
         self.velocity.masked_fill_(delivered, 0.0)
 
+    def _follow_scale(self, scale: Any) -> None:
+        """Put the residual, velocity and ``SCALED`` thresholds into the units of ``scale``."""
+        if hasattr(scale, "_scale"):            # a GradScaler: its device tensor
+            scale = scale._scale
+            if scale is None:
+                raise ValueError(f"{self.name}: the GradScaler has no scale yet; call "
+                                 "scaler.scale(loss) before reducing")
+        if isinstance(scale, torch.Tensor):
+            if scale.numel() != 1:
+                raise ValueError(f"{self.name}: scale must hold one number, got shape "
+                                 f"{tuple(scale.shape)}")
+            new = scale.reshape(()).to(device=self.device, dtype=torch.float32)
+            host = None
+        elif isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale > 0 \
+                and math.isfinite(scale):
+            if self._scale_host == float(scale):
+                return
+            new = torch.tensor(float(scale), dtype=torch.float32, device=self.device)
+            host = float(scale)
+        else:
+            raise ValueError(f"{self.name}: scale must be a GradScaler, a tensor or a positive "
+                             f"finite number, got {scale!r}")
+        if self.loss_scale is None:             # what is owed so far is in this scale
+            self.loss_scale = new.clone()
+        else:
+            ratio = new / self.loss_scale
+            self.residual.mul_(ratio)
+            if self.velocity is not None:
+                self.velocity.mul_(ratio)
+            for key in self.SCALED:
+                getattr(self, key).mul_(ratio)
+            self.loss_scale.copy_(new)
+        self._scale_host = host
+
     # -- helpers for subclasses ----------------------------------------------------------------
     def accumulate(self, grad: torch.Tensor) -> torch.Tensor:
         """``acc = residual + grad`` in fp32, as a new tensor (residual untouched)."""
@@ -282,6 +335,8 @@ class Algorithm(abc.ABC):
                               "step": self.step_count, "residual": self.residual.clone()}
         if self.velocity is not None:
             sd["velocity"] = self.velocity.clone()
+        if self.loss_scale is not None:
+            sd["loss_scale"] = self.loss_scale.clone()
         for key in self.STATE:
             v = getattr(self, key)
             sd[key] = v.clone() if isinstance(v, torch.Tensor) else _copy(v)
@@ -299,6 +354,9 @@ class Algorithm(abc.ABC):
                                  "state_dict holds no velocity")
             self.velocity.copy_(sd["velocity"].to(self.velocity.device))
         self.step_count = int(sd["step"])
+        ls = sd.get("loss_scale")
+        self.loss_scale = None if ls is None else ls.clone().to(self.device)
+        self._scale_host = None
         for key in self.STATE:
             v = sd[key]
             cur = getattr(self, key, None)

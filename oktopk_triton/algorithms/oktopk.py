@@ -110,6 +110,7 @@ class OkTopk(Algorithm):
         "backend": "auto",         # kernels backend: auto | triton | torch
     }
     STATE = ("th_rows", "row_target", "th_global", "region_offsets", "_calibrated")
+    SCALED = ("th_rows", "th_global", "_cap_rows")   # in the gradient's units
     fuses_velocity = True      # fused_select updates the velocity (and masks it) in its pass
 
     def __init__(self, numel: int, comm, density: float = 0.01, **kw: Any) -> None:
