@@ -128,3 +128,29 @@ def inside_kernel():
         yield
     finally:
         _STATE.depth -= 1
+
+
+def scatter_valid(buf: torch.Tensor, pos: torch.Tensor, vals: torch.Tensor, valid: torch.Tensor,
+                  add: bool = False) -> None:
+    """``buf[pos[valid]] = vals[valid]`` (``+=`` with ``add``; positions unique) for the torch
+    paths of the scatter kernels. CPU: boolean indexing, which costs only the valid entries (a
+    host read is free there). Elsewhere, with no host read: the invalid entries go to one extra
+    slot past the end, at the price of a copy of ``buf`` in and out (two passes over n)."""
+    pos = pos.reshape(-1)
+    vals = vals.reshape(-1)
+    valid = valid.reshape(-1)
+    if buf.device.type == "cpu":
+        p, v = pos[valid], vals[valid].to(buf.dtype)
+        if add:
+            buf.index_add_(0, p, v)
+        else:
+            buf.index_copy_(0, p, v)
+        return
+    n = buf.numel()
+    tgt = torch.where(valid, pos, torch.full_like(pos, n))
+    ext = torch.cat([buf, buf.new_zeros(1)])
+    if add:
+        ext.index_add_(0, tgt, torch.where(valid, vals, torch.zeros_like(vals)).to(buf.dtype))
+    else:
+        ext.scatter_(0, tgt, vals.to(buf.dtype))
+    buf.copy_(ext[:n])

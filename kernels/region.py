@@ -244,16 +244,15 @@ def _clear_sent_torch(residual, sent_indices, sent_counts, region_offsets, globa
     tgt = torch.where(found, region_offsets[:P].reshape(P, 1).to(torch.int64) + t,
                       torch.full_like(t, n))
     zeros = torch.zeros(tgt.numel(), dtype=residual.dtype, device=dev)
+    safe = torch.where(found, tgt, torch.zeros_like(tgt)).reshape(-1)
     for buf in (residual, velocity):
         if buf is None:
             continue
-        ext = torch.cat([buf, buf.new_zeros(1)])
         left = zeros
         if keep_bf16 and buf is residual:
-            r = ext.gather(0, tgt.reshape(-1))
+            r = buf.gather(0, safe)
             left = r - r.to(torch.bfloat16).to(torch.float32)
-        ext.scatter_(0, tgt.reshape(-1), left)
-        buf.copy_(ext[:n])
+        _dispatch.scatter_valid(buf, safe, left, found)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -118,10 +118,14 @@ def _scatter_add_torch(dense, indices, values, counts, base):
     n = dense.numel()
     for s in range(S):
         valid = slots < counts[s].to(torch.int64)
+        if dense.dtype == torch.float32:   # indices unique within a source: order-free sum
+            _dispatch.scatter_valid(dense, b + indices[s].to(torch.int64), values[s], valid,
+                                    add=True)
+            continue
         tgt = torch.where(valid, b + indices[s].to(torch.int64), torch.full_like(slots, n))
         add = torch.where(valid, values[s], torch.zeros_like(values[s]))
         ext = torch.cat([dense.to(torch.float32), dense.new_zeros(1, dtype=torch.float32)])
-        ext.index_add_(0, tgt, add)   # indices unique within a source: same order-free sum
+        ext.index_add_(0, tgt, add)
         dense.copy_(ext[:n])
 
 
@@ -133,14 +137,11 @@ def _scatter_rows_torch(dense, indices, values, counts, row_base, add):
     valid = (slots < counts.to(torch.int64).reshape(S, 1)) & (indices >= 0)
     pos = torch.where(valid, row_base.reshape(S, 1) + indices.to(torch.int64),
                       torch.full_like(indices, n, dtype=torch.int64))
-    vals = torch.where(valid, values, torch.zeros_like(values))
-    ext = torch.cat([dense, dense.new_zeros(1)])
     if add:
         for s in range(S):
-            ext.index_add_(0, pos[s], vals[s])
+            _dispatch.scatter_valid(dense, pos[s], values[s], valid[s], add=True)
     else:
-        ext.scatter_(0, pos.reshape(-1), vals.reshape(-1))
-    dense.copy_(ext[:n])
+        _dispatch.scatter_valid(dense, pos, values, valid)
 
 
 def scatter_rows(dense: Tensor, indices: Tensor, values: Tensor, counts: Tensor,

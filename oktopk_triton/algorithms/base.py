@@ -315,6 +315,25 @@ class Algorithm(abc.ABC):
             self.loss_scale.copy_(new)
         self._scale_host = host
 
+    def persistent_bytes(self) -> int:
+        """Bytes of the tensors this reducer keeps between steps (residual, velocity, buffers,
+        thresholds; each storage once). Every algorithm keeps its residual (4n bytes) plus O(k)."""
+        seen: set = set()
+
+        def walk(obj: Any) -> int:
+            if isinstance(obj, torch.Tensor):
+                st = obj.untyped_storage()
+                if st.data_ptr() in seen:
+                    return 0
+                seen.add(st.data_ptr())
+                return st.nbytes()
+            if isinstance(obj, (list, tuple)):
+                return sum(walk(x) for x in obj)
+            if isinstance(obj, dict):
+                return sum(walk(x) for x in obj.values())
+            return 0
+        return walk([v for key, v in vars(self).items() if key not in ("comm", "stats")])
+
     # -- helpers for subclasses ----------------------------------------------------------------
     def accumulate(self, grad: torch.Tensor) -> torch.Tensor:
         """``acc = residual + grad`` in fp32, as a new tensor (residual untouched)."""

@@ -10,8 +10,8 @@ A steady step on rank r of P (k = density·n), all on the device, in the paper's
    in 64 bins around the row's threshold (1/8 binade each, from 1/16 to 16 times it).
 2. **Split and reduce** (:meth:`_reduce`): ONE grouped send/recv (destination rotation: rank r
    sends row (r+i)%P to (r+i)%P and receives from (r−i)%P), then the owner scatter-adds its own
-   row and the received rows, in that fixed order (deterministic sums), into a dense fp32
-   scratch at its region.
+   row and the received rows, in that fixed order (deterministic sums), into one fp32
+   slot per distinct index (no n-sized scratch).
 3. **Owner selection** (:meth:`_owner_select`): the owner keeps the ``cap_g`` largest |sums| of its
    region (exact: the nonzero sums are at most P·cap_r, compacted in ascending order and cut at
    their ``cap_g``-th largest), as ``[count, count at th_global, cap_g indices (ascending), cap_g
@@ -156,8 +156,9 @@ class OkTopk(Algorithm):
         if self.rank_threshold and m > 0:
             m = min(m, n)
             gen = torch.Generator().manual_seed(0x5EED)
-            self._sample_idx = (torch.randperm(n, generator=gen)[:m].sort().values.to(dev)
-                                if m < n else torch.arange(n, device=dev))
+            # int32: the sample is kept between steps (m words, not 2m)
+            self._sample_idx = (torch.randperm(n, generator=gen)[:m].sort().values
+                                if m < n else torch.arange(n)).to(device=dev, dtype=torch.int32)
             self._sample_k = max(1, min(m, int(round(self.k * m / n))))
         self._calibrated = False
         cr, cg = self.cap_r, self.cap_g
@@ -172,8 +173,9 @@ class OkTopk(Algorithm):
         self._row_slots = torch.arange(self.cap_r, device=dev).reshape(1, -1)
         if self.bf16_wire:   # cap_r values padded to an even count: whole int32 words
             self._wire_vals = torch.zeros(P, 2 * ((cr + 1) // 2), dtype=torch.bfloat16, device=dev)
-        self._scratch = torch.zeros(n, dtype=torch.float32, device=dev)
-        self._zeros_r = torch.zeros(P, cr, dtype=torch.float32, device=dev)
+        # the owner's sums: one slot per distinct received index (at most P·cap_r), not an
+        # n-sized scratch (that was 1.0n of the 2.33n words this reducer kept between steps)
+        self._sums = torch.zeros(P * cr, dtype=torch.float32, device=dev)
         self._inv_P = 1.0 / P
         self._zero = torch.zeros((), dtype=torch.float32, device=dev)
 
@@ -236,7 +238,7 @@ class OkTopk(Algorithm):
         offs = self.region_offsets                    # this step's regions
         sel = self._select(grad, nonfinite)
         self._reduce(sel)
-        self._owner_select(offs)
+        self._owner_select()
         keep, irow_idx, irow_val, irow_cnt = self._gather()
         K.scatter_rows(out, irow_idx, irow_val, irow_cnt, offs[:self.P], backend=self.backend)
         K.clear_sent(self.residual, sel.indices, sel.counts, offs, irow_idx, irow_cnt,
@@ -244,6 +246,7 @@ class OkTopk(Algorithm):
                      keep_bf16_rounding=self.bf16_wire, backend=self.backend)
         self._prepare_next(sel, keep, irow_idx, irow_cnt, nonfinite)
         self._calibrated = True
+        self._rows = self._sorted = self._gval_keep = None   # nothing O(k) outlives the step
 
     # -- phases --------------------------------------------------------------------------------------
     def _calibrate(self, grad: torch.Tensor, nonfinite: Optional[torch.Tensor]) -> None:
@@ -324,8 +327,9 @@ class OkTopk(Algorithm):
                            counts=msg[:, 0], nonfinite=msg[:, 1])
 
     def _reduce(self, sel: K.Selection) -> None:
-        """One grouped send/recv of the rows, then the owner's sums in the scratch (own row
-        first, then the received rows in rotation order: sources r, r−1, r−2, ...)."""
+        """One grouped send/recv of the rows, then the owner's sums, one slot per distinct index
+        (own row first, then the received rows in rotation order: sources r, r−1, r−2, ...;
+        the same fp32 additions in the same order as a dense scratch would see)."""
         P, r, cr = self.P, self.rank, self.cap_r
         msg, recv = self._msg, self._recv
         if P > 1:
@@ -333,35 +337,32 @@ class OkTopk(Algorithm):
                                 [((r - i) % P, recv[i - 1]) for i in range(1, P)])
         rows = torch.cat([msg[r:r + 1], recv[:P - 1]]) if P > 1 else msg
         self._rows = rows
-        start = self.region_offsets[r]
         vals = rows[:, _HEADER + cr:]
         vals = vals.view(torch.bfloat16)[:, :cr].float() if self.bf16_wire else vals.view(torch.float32)
-        K.scatter_add(self._scratch, rows[:, _HEADER:_HEADER + cr], vals, rows[:, 0], base=start,
-                      backend=self.backend)
+        idx = rows[:, _HEADER:_HEADER + cr].to(torch.int64)
+        valid = self._row_slots < rows[:, :1]                  # [P, cr]: slot < count
+        key = torch.where(valid, idx, torch.full_like(idx, self.numel)).reshape(-1)
+        sidx, perm = torch.sort(key, stable=True)               # ascending; padding last
+        first = torch.ones_like(sidx, dtype=torch.bool)
+        first[1:] = sidx[1:] != sidx[:-1]                       # one slot per position
+        slot = torch.cumsum(first.to(torch.int64), 0) - 1
+        slot_of = torch.empty_like(slot).scatter_(0, perm, slot).to(torch.int32).view(P, cr)
+        self._sums.zero_()
+        K.scatter_add(self._sums, slot_of, vals, rows[:, 0], base=0, backend=self.backend)
+        self._sorted = (sidx, first, slot)
 
-    def _owner_select(self, offs: torch.Tensor) -> None:
+    def _owner_select(self) -> None:
         """The owner's slot: the cap_g largest |sums| of its region, ascending, as sum/P.
 
         The nonzero sums sit where the rows landed, so they are read there (P·cap_r gathers
         after one sort of the received indices), not by scanning the region: the step's only
         pass over n stays the select pass."""
-        P, r, cr, cg = self.P, self.rank, self.cap_r, self.cap_g
-        start = offs[r]
-        rows = self._rows
-        idx = rows[:, _HEADER:_HEADER + cr].to(torch.int64)
-        valid = self._row_slots < rows[:, :1]                  # [P, cr]: slot < count
-        key = torch.where(valid, idx, torch.full_like(idx, self.numel)).reshape(-1)
-        sidx = torch.sort(key).values                           # ascending; padding last
-        first = torch.ones_like(sidx, dtype=torch.bool)
-        first[1:] = sidx[1:] != sidx[:-1]                       # one candidate per position
-        pos = (start + sidx).clamp(max=self.numel - 1)
-        cval = self._scratch.gather(0, pos) * self._inv_P
+        P, cr, cg = self.P, self.cap_r, self.cap_g
+        sidx, first, slot = self._sorted
+        cval = self._sums.gather(0, slot) * self._inv_P
         valid = first & (sidx < self.numel) & (cval != 0)
         cidx = torch.where(valid, sidx, torch.full_like(sidx, -1)).to(torch.int32)
         m = P * cr                                              # every nonzero sum is here
-        # zero the scratch where it received (the rest is zero already): one launch
-        K.scatter_rows(self._scratch, rows[:, _HEADER:_HEADER + cr], self._zeros_r, rows[:, 0],
-                       start.expand(P), backend=self.backend)
         mag = torch.where(valid, cval.abs(), torch.full_like(cval, -1.0))
         if m > cg:
             kth = torch.topk(mag, cg, sorted=False).values.min()

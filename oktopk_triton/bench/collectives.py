@@ -239,8 +239,34 @@ def _rank_run(comm, name: str, n: int, density: float, steps: int, seed: int,
         rec["host_syncs"], out = count_host_syncs(lambda: alg(g))
         _sync(dev)
         del out, g
+    elif not cuda:      # one more step, rank 0 under the profiler's memory view (not timed;
+        # one profiler per process: LocalCluster's ranks are threads of one)
+        g = make_grad(n, seed, comm.rank, steps, device=dev, scale=scale)
+        _start_together(comm)
+        if comm.rank == 0:
+            rec["peak_transient_bytes"] = peak_transient_bytes(lambda: alg(g))
+        else:
+            alg(g)
+        del g
+    rec["persistent_bytes"] = alg.persistent_bytes()
     rec["k"] = alg.k
     return rec
+
+
+def peak_transient_bytes(fn) -> int:
+    """The peak of the bytes ``fn`` allocated and had not yet freed, on this thread, from the
+    torch profiler's memory view (CPU): each op's own allocations and frees in time order.
+    What stays allocated after ``fn`` (its result) counts up to the peak too."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events()
+                    if e.self_cpu_memory_usage)
+    cur = peak = 0
+    for _, b in events:
+        cur += b
+        peak = max(peak, cur)
+    return int(peak)
 
 
 def probe_sizes(n: int) -> List[int]:
@@ -607,6 +633,12 @@ def _summary(name, P, n, density, per_rank, wall_s, check_finite, warmup: int = 
         "out_bitwise_equal": all(None not in row and len(set(row)) == 1 for row in sums),
         "collectives_per_rank_per_step": colls,
         "collectives_per_step": max(steady_colls) if steady_colls else None,
+        # between steps (the reducer's tensors) and within one step (CPU: profiler), in units
+        # of n fp32 words, the largest rank's
+        "persistent_words_per_n": max(r.get("persistent_bytes", 0) for r in per_rank) / (4.0 * n),
+        "peak_transient_words_per_n": (per_rank[0]["peak_transient_bytes"] / (4.0 * n)
+                                       if per_rank[0].get("peak_transient_bytes") is not None
+                                       else None),
     }
 
 
@@ -865,7 +897,7 @@ def _fmt_bytes(b: float) -> str:
 def format_table(report: Dict[str, Any]) -> str:
     hdr = ("algorithm", "P", "bytes/rank/step (mean)", "max", "formula §6", "meas/formula",
            "lower bound", "meas/LB", "step ms mean", "min", "vs dense", "syncs", "bitwise",
-           "colls", "nnz(out)")
+           "colls", "nnz(out)", "state/n", "peak/n")
     rows = [hdr]
     for s in report["results"]:
         lo, hi = s["formula_bytes_low"], s["formula_bytes_high"]
@@ -885,7 +917,9 @@ def format_table(report: Dict[str, Any]) -> str:
                      "-" if s.get("host_syncs") is None else str(s["host_syncs"]),
                      "yes" if s.get("out_bitwise_equal") else "NO",
                      "-" if s.get("collectives_per_step") is None else str(s["collectives_per_step"]),
-                     f"{s['nnz_mean']:.0f}"))
+                     f"{s['nnz_mean']:.0f}", f"{s.get('persistent_words_per_n', 0):.3f}",
+                     "-" if s.get("peak_transient_words_per_n") is None
+                     else f"{s['peak_transient_words_per_n']:.2f}"))
     w = [max(len(r[i]) for r in rows) for i in range(len(hdr))]
     lines = [" | ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(r))
              for r in rows]
