@@ -13,7 +13,7 @@ decorated as compiled JIT functions); tests/test_kernels.py runs it in a subproc
 1 when a variant fails to compile.
 
 Why it exists: the first H100 run found a fused_select failure that only the compiled kernel
-had (an overflowing row held unselected indices; GPU-MEASURED.md), and the interpreter never
+had (an overflowing row held unselected indices; docs/gpu-measurements.md), and the interpreter never
 shows whether a streaming load is vectorised (``ld.global.v4``), which decides its bandwidth.
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Why it is shaped so: on an H100 a two-level 2048-bin histogram threshold took 38 ms at n = 2^28
 (``tl.histogram`` costs grow with the bins: 256 bins 0.81 ms, 2048 bins 9.1 ms per pass at 2^28),
 six times ``torch.topk`` (5.93 ms at 2^28, 1.56 ms at 2^26, 0.42 ms at 2^24); one read of 2^28
-fp32 takes 0.37 ms (2.93 TB/s).  The goal (issue 15) is <= 0.8 ms at 2^28, 7x torch.topk.  So:
+fp32 takes 0.37 ms (2.93 TB/s).  The goal is <= 0.8 ms at 2^28, 7x torch.topk.  So:
 
 1. **Sample.** S = 2^12..2^18 positions spread over the range (a fixed jittered stride); their
    |x| bit patterns are sorted (S is small).  The k-th largest of the range sits, with very high

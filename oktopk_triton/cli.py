@@ -21,7 +21,7 @@ SUBCOMMANDS = {
     "ddp": ("ddp", "step time of DDP on a Linear stack with each comm hook: none, allreduce, fp16, PowerSGD, sparse"),
     "train": ("train", "train a model with each algorithm and compare: the digits CNN (default) or "
                        "a byte-level GPT on the Python stdlib (--model gpt)"),
-    "demo": ("train", "the main job: 4 ranks, dense and every sparse algorithm at density 1%%"),
+    "demo": ("train", "the main job: 4 ranks, dense and every sparse algorithm at density 1%"),
     "project": ("project", "project every algorithm's step time to 1024 GPUs for a model size and a network"),
 }
 
@@ -33,7 +33,8 @@ def build_parser(command=None) -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     for name, (mod, help_) in SUBCOMMANDS.items():
-        sp = sub.add_parser(name, help=help_, description=help_)
+        # help strings are %-formatted by argparse, descriptions are not
+        sp = sub.add_parser(name, help=help_.replace("%", "%%"), description=help_)
         if name != command:
             continue
         m = importlib.import_module(f"oktopk_triton.bench.{mod}")

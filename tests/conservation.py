@@ -1,4 +1,4 @@
-"""Reusable checks of the step contract (ALGORITHMS.md §1) for every algorithm.
+"""Reusable checks of the step contract (docs/algorithms.md §1) for every algorithm.
 
 Usage (from any test module in ``tests/``)::
 

@@ -1,4 +1,4 @@
-"""The step contract (ALGORITHMS.md §1), checked for EVERY registered algorithm.
+"""The step contract (docs/algorithms.md §1), checked for EVERY registered algorithm.
 
 Parametrized over ``("dense",) + SPARSE_ALGORITHMS``; an algorithm whose module is not present
 yet is skipped (reason shown), any other import failure is a test failure.
@@ -40,7 +40,7 @@ STEPS = 24
 
 # Stated capacity slack over the §6 formula, per algorithm (1.0: the formula already holds with
 # headers only). Ok-Topk's §6 bound "< 6k(P-1)/P" is for exact counts; its fixed capacities add
-# slack (ALGORITHMS.md §3).
+# slack (docs/algorithms.md §3).
 SLACK = {"oktopk": 1.5}
 HEADER_WORDS_PER_MESSAGE = 8
 FLAG_BYTES = 8  # the base class's 4-byte non-finite allreduce, 2(P-1)/P * 4 <= 8

@@ -98,7 +98,7 @@ def test_collectives_cli_entry(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# the one-GPU benchmark's schema (issue 14): same on every backend
+# the one-GPU benchmark's schema: same on every backend
 # ---------------------------------------------------------------------------------------------
 TOP_KEYS = ("benchmark", "backend", "comm", "date", "git_commit", "host", "device", "gpus", "mps",
             "versions", "config", "probes", "results")

@@ -271,7 +271,7 @@ def test_fused_select_threshold_shape_is_checked():
 @pytest.mark.parametrize("thr_v", [1.3, 0.0, float("inf")])
 def test_fused_select_torch_path_reads_nothing_from_the_host(monkeypatch, thr_v, cuda_visible):
     """The torch path is the one path for CPU tensors, on a CPU-only machine and on a CUDA one
-    (issue 14.3: a CPU tensor on a CUDA machine took a path with a host read); it reads no tensor
+    (a CPU tensor on a CUDA machine once took a path with a host read); it reads no tensor
     value on the host (item / tolist / nonzero / bool / int / float are forbidden while it runs)
     and still selects exactly, non-finite entries included."""
     from oktopk_triton.kernels.selection import _fused_select_torch, empty_selection

@@ -1,4 +1,4 @@
-"""The kernels of issue 15 against their torch references: fused_select's velocity and in-pass
+"""The kernels against their torch references: fused_select's velocity and in-pass
 histogram, magnitude_threshold / window_pass, scatter_rows, the dense step kernels, histogram
 ``skip`` and clear_sent with a velocity.
 

@@ -403,7 +403,7 @@ def _sync_body(comm, n, momentum, wire):
 @pytest.mark.parametrize("P", [1, 2, 4])
 @pytest.mark.parametrize("momentum,wire", [(0.0, "fp32"), (0.9, "bf16")])
 def test_cuda_steady_step_never_syncs(P, momentum, wire):
-    """Issue 16.1: compiled kernels on CUDA tensors, steps 2-4 under
+    """Compiled kernels on CUDA tensors, steps 2-4 under
     torch.cuda.set_sync_debug_mode('error') (any synchronising CUDA call raises)."""
     assert LocalCluster(P, device="cuda").run(_sync_body, 1 << 20, momentum, wire) == [True] * P
 

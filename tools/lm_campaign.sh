@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CPU language-model campaign of issue 17: 4 gloo ranks, the 1m GPT, every algorithm at
+# The CPU language-model campaign: 4 gloo ranks, the 1m GPT, every algorithm at
 # density 1% and 0.1%, seeds 0-2, dense once (it does not depend on the density). Sequential, in
 # priority order (dense and Ok-Topk first), one launch per group so a failure or a cut-off only
 # costs that group; merge the parts with tools/lm_results.py merge.

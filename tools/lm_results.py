@@ -33,7 +33,7 @@ SAME = ("model", "size", "gpt", "steps", "batch_size", "lr", "optimizer", "betas
 # stats curves worth keeping in the merged file (the rest are in the parts)
 KEEP_STATS = ("global_selected", "local_selected", "sent", "overflow", "reduce_overflow",
               "gather_overflow", "global_count", "collectives", "kernel_launches")
-GOALS = {0.01: 2.0, 0.001: 5.0}   # issue 17: Ok-Topk's final validation loss within x% of dense
+GOALS = {0.01: 2.0, 0.001: 5.0}   # Ok-Topk's final validation loss within x% of dense
 
 
 def layer_kind(name: str) -> str:

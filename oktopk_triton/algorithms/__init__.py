@@ -1,4 +1,4 @@
-"""One file per algorithm, all keeping the step contract of :mod:`.base` (ALGORITHMS.md §1).
+"""One file per algorithm, all keeping the step contract of :mod:`.base` (docs/algorithms.md §1).
 
 ``get_algorithm(name)`` returns the class; files are imported on first use.
 """

@@ -18,7 +18,7 @@ Public for the other algorithm files (SparDL, TopkDSA, ... may import from here)
 * :func:`scatter_add_sources` -- ``dense += sources`` in source order 0..S-1 (deterministic).
 * :func:`pack_bits` / :func:`unpack_bits` -- a bool vector as ``ceil(m/32)`` int32 words.
 * :func:`volume_formula_words` / :func:`volume_formula_range` -- the per-rank per-step volume
-  formulas of ALGORITHMS.md §6 for every algorithm of the library, in words (4 bytes), so the
+  formulas of docs/algorithms.md §6 for every algorithm of the library, in words (4 bytes), so the
   benchmarks can print "formula" next to the measured ``stats["bytes_sent"] / 4``.
 
 Nothing here calls ``.item()``, ``.tolist()``, ``nonzero()`` or boolean-mask indexing; every
@@ -198,7 +198,7 @@ def unpack_bits(words: torch.Tensor, m: int) -> torch.Tensor:
     return bits.reshape(-1)[:m].to(torch.bool)
 
 
-# -- volume formulas (ALGORITHMS.md §6), words per rank per step --------------------------------
+# -- volume formulas (docs/algorithms.md §6), words per rank per step --------------------------------
 def _log2ceil(P: int) -> int:
     return 0 if P <= 1 else (P - 1).bit_length()
 

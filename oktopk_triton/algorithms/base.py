@@ -1,4 +1,4 @@
-"""The step contract every algorithm keeps (ALGORITHMS.md §1), written once.
+"""The step contract every algorithm keeps (docs/algorithms.md §1), written once.
 
 Error feedback, explained once: every rank keeps a ``residual``, the part of its past gradients
 that has not reached ``out`` yet. A step forms ``acc = residual + grad``, the algorithm decides

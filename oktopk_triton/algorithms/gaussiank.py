@@ -1,5 +1,5 @@
 """Gaussiank (Shi et al.): a threshold from a normal fit of ``acc``, then an allgather of
-fixed-capacity slots (ALGORITHMS.md §6).
+fixed-capacity slots (docs/algorithms.md §6).
 
 Per step:
 
@@ -22,7 +22,7 @@ Per step:
    everywhere) and divides by P.
 5. ``residual = acc`` with the sent entries zeroed: conservation holds exactly.
 
-Caveat (ALGORITHMS.md §6): real gradients are heavy-tailed, not normal: a few huge coordinates
+Caveat (docs/algorithms.md §6): real gradients are heavy-tailed, not normal: a few huge coordinates
 inflate ``sigma`` and the fitted threshold sits far too high, so plain Gaussiank (``iters=0``)
 **under-selects**, often by a large factor (0.1·k in the test with 0.1 % outliers ×1000). The
 correction brings the count back near ``[lo·k, hi·k]`` when ``iters`` gallop/bisection steps

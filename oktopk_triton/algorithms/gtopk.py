@@ -1,4 +1,4 @@
-"""gTop-k (Shi et al., 2019), butterfly variant with a sticky residual mask (ALGORITHMS.md §4).
+"""gTop-k (Shi et al., 2019), butterfly variant with a sticky residual mask (docs/algorithms.md §4).
 
 Per step:
 

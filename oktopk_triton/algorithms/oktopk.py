@@ -1,4 +1,4 @@
-"""Ok-Topk (Li & Hoefler, PPoPP'22) with no host round-trips (ALGORITHMS.md §2–3).
+"""Ok-Topk (Li & Hoefler, PPoPP'22) with no host round-trips (docs/algorithms.md §2–3).
 
 A steady step on rank r of P (k = density·n), all on the device, in the paper's order:
 
@@ -34,7 +34,7 @@ A steady step on rank r of P (k = density·n), all on the device, in the paper's
    smallest |value| in I.
 
 Why it is shaped so (measured on an H100, 4 ranks on one GPU over sockets, n = 2^26, 1%;
-GPU-MEASURED.md): the previous step took 290 ms against 143 ms for a dense allreduce, because
+docs/gpu-measurements.md): the previous step took 290 ms against 143 ms for a dense allreduce, because
 it recomputed both thresholds with histograms every step (13 histogram launches, 70 ms), summed
 the gather into ``out`` with ``index_put_(accumulate=True)`` over every padded slot (40 ms), read
 the host once and issued two threshold allreduces. Here a steady step reads the gradient-sized

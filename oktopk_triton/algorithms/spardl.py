@@ -1,4 +1,4 @@
-"""SparDL (Zhao et al., 2023): block-balanced sparse allreduce, ALGORITHMS.md §5.
+"""SparDL (Zhao et al., 2023): block-balanced sparse allreduce, docs/algorithms.md §5.
 
 The index space is cut into ``P`` equal blocks (block ``b`` = ``[n*b//P, n*(b+1)//P)``), each
 with the budget ``k_b = max(1, round(k/P))`` entries. Every rank keeps a padded dense working

@@ -1,4 +1,4 @@
-"""TopkA: allgather of every rank's local top-k, each rank sums them all (ALGORITHMS.md §6).
+"""TopkA: allgather of every rank's local top-k, each rank sums them all (docs/algorithms.md §6).
 
 Per step, on every rank:
 

@@ -1,4 +1,4 @@
-"""TopkDSA (SparCML-style sparse reduce + allgather, switching to dense), ALGORITHMS.md §6.
+"""TopkDSA (SparCML-style sparse reduce + allgather, switching to dense), docs/algorithms.md §6.
 
 Regions: ``P`` equal static regions (region ``j`` = ``[n*j//P, n*(j+1)//P)``, owned by rank
 ``j``), held padded as ``[P, L]`` with ``L = ceil(n/P)`` (padding is always zero).

@@ -1,5 +1,5 @@
 """``oktopk-bench collectives``: bytes per rank per step and step time of every algorithm over
-world sizes, against the formulas of ALGORITHMS.md §6 and the lower bound ``2k(P-1)/P`` words.
+world sizes, against the formulas of docs/algorithms.md §6 and the lower bound ``2k(P-1)/P`` words.
 
     oktopk-bench collectives --algorithms all --world-sizes 2 4 8 16 32 --n 4194304 \\
         --density 0.01 [--steps 3] [--warmup 1] [--backend local|gloo|nccl] [--comm cupy|torch]
@@ -108,7 +108,7 @@ def _log2ceil(P: int) -> int:
 
 
 def formula_words(name: str, n: int, k: int, P: int):
-    """(low, high) words per rank per step by ALGORITHMS.md §6 (headers not included).
+    """(low, high) words per rank per step by docs/algorithms.md §6 (headers not included).
 
     Uses ``oktopk_triton.algorithms._sparse.volume_formula_range`` when present."""
     try:
@@ -621,7 +621,7 @@ def _summary(name, P, n, density, per_rank, wall_s, check_finite, warmup: int = 
         "nnz_per_step": nnz,
         "nnz_mean": sum(nnz[t] for t in later) / len(later),
         "wall_s": wall_s,
-        # the one-GPU benchmark's figures (issue 14)
+        # the one-GPU benchmark's figures
         "step_ms_mean": 1e3 * sum(step_s[t] for t in timed) / len(timed),
         "step_ms_min": 1e3 * min(step_s[t] for t in timed),
         "mb_sent_per_rank": mean_b / 1e6,

@@ -1,4 +1,4 @@
-"""A small GPT and its corpus for ``oktopk-bench train --model gpt`` (issue 17).
+"""A small GPT and its corpus for ``oktopk-bench train --model gpt``.
 
 Why a language model: the digits CNN has 85k parameters, so at density 0.1% a step moves k = 85
 entries. Users of sparse allreduce train transformers, where k/P is in the thousands and the

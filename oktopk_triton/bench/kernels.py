@@ -25,7 +25,7 @@ Every row has ``kernel`` (a stable id), ``n``, ``ms`` (median), its bytes formul
 the % of the copy bandwidth of the same run.  CUDA: CUDA events after warm-up, median of >= 10
 repeats; JSON to ``bench/results/gpu-kernels-<date>.json`` unless ``--json`` says otherwise.  CPU:
 the torch path (or the Triton interpreter) at small n, a functionality check and no performance
-claim.  The goals of issue 15 are printed (and stored under ``goals``) against the rows.
+claim.  The kernel goals are printed (and stored under ``goals``) against the rows.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ CPU_DEFAULT_SIZES = [1 << 16]
 GPU_DEFAULT_SIZES = [1 << 24, 1 << 26, 1 << 28]
 MIN_CUDA_REPEATS = 10
 
-# Issue 15's goals (H100): threshold <= 0.8 ms at 2^28 and >= 7x torch.topk there, >= 5x at
+# The kernel goals (H100): threshold <= 0.8 ms at 2^28 and >= 7x torch.topk there, >= 5x at
 # 2^24 and 2^26; the fused select >= 80% of the copy bandwidth on its bytes at 2^28.
 THRESHOLD_MS_GOAL = {1 << 28: 0.8}
 THRESHOLD_SPEEDUP_GOAL = {1 << 24: 5.0, 1 << 26: 5.0, 1 << 28: 7.0}
@@ -318,7 +318,7 @@ def run(n: int, density: float, dtype="fp32", regions: int = 8, repeats: int = 5
 
 
 def evaluate_goals(runs: List[Dict]) -> List[Dict]:
-    """Issue 15's goals against the rows: ``met`` is None off CUDA (the goals are an H100's)."""
+    """The kernel goals against the rows: ``met`` is None off CUDA (the goals are an H100's)."""
     goals = []
     for res in runs:
         n, cuda = res["n"], res["device_type"] == "cuda"
@@ -366,7 +366,7 @@ def format_table(res: Dict) -> str:
 
 
 def format_goals(goals: List[Dict]) -> str:
-    lines = ["goals (issue 15; H100):"]
+    lines = ["goals (H100):"]
     for g in goals:
         state = {True: "met", False: "MISSED", None: "not evaluated (not CUDA)"}[g["met"]]
         lines.append(f"  n=2^{math.log2(g['n']):.4g} {g['name']:<36} {g['goal']} {g['target']:g}: "

@@ -654,7 +654,7 @@ def validate(d: Dict[str, Any], kernels: KernelCosts = DEFAULT_KERNELS,
 
     ``fit="per-P"`` (default): one (α, β) per world size, from that world size's probes and dense
     step: on one box the P ranks share the host's loopback and CPU, so the bandwidth per rank
-    falls with P (GPU-MEASURED.md: 3.0 GB/s per rank at P=4, 1.9 at P=8 for the dense
+    falls with P (docs/gpu-measurements.md: 3.0 GB/s per rank at P=4, 1.9 at P=8 for the dense
     allreduce); a world size without two usable points falls back to the global fit.
     ``fit="global"``: one (α, β) for all, as on a cluster whose links do not depend on P."""
     if fit not in ("per-P", "global"):

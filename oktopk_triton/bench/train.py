@@ -152,7 +152,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     add_arguments(p)
-    p.set_defaults(tag="digits-demo")
+    # the demo writes to the ignored out/ (a clone stays clean); the committed reference run is
+    # bench/results/train-digits-demo.json
+    p.set_defaults(tag="digits-demo", json=os.path.join("out", "train-digits-demo.json"))
 
 
 def demo_main(args) -> int:
@@ -610,7 +612,7 @@ def _comm_and_device(cfg):
         if n_gpu < world:
             # ranks share a GPU: NCCL refuses two ranks on one device of one host, so every rank
             # claims its own host (NCCL then talks over loopback sockets; start MPS first, see
-            # ../shared/GPU-MEASURED.md)
+            # docs/gpu-measurements.md)
             os.environ.setdefault("NCCL_HOSTID", f"oktopk-train-rank{local_rank}")
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=300),

@@ -5,7 +5,7 @@ GPU every call can be enqueued on the current stream without reading anything ba
 
 Byte counting (``bytes_sent``) is the same on every backend and counts the per-rank volume of the
 bandwidth-optimal algorithm for each primitive, so measured volumes compare with the papers'
-formulas (ALGORITHMS.md §6):
+formulas (docs/algorithms.md §6):
 
 =====================  ======================================
 primitive              bytes added to ``bytes_sent``
