@@ -1,0 +1,42 @@
+"""The README's first example runs as written, on 2 gloo ranks (so it cannot rot)."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def first_example() -> str:
+    text = open(os.path.join(ROOT, "README.md")).read()
+    m = re.search(r"<!-- first-example[^>]*-->\s*```python\n(.*?)```", text, re.S)
+    assert m, "README.md has no marked first example"
+    return m.group(1)
+
+
+def test_first_example_is_complete_python():
+    code = first_example()
+    compile(code, "first_example.py", "exec")
+    for name in ("import torch", "SparseAllreduce", "init_process_group", "reduce_gradients"):
+        assert name in code
+
+
+@pytest.mark.slow
+def test_first_example_runs_on_two_gloo_ranks(tmp_path):
+    path = tmp_path / "first_example.py"
+    path.write_text(first_example())
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node", "2", str(path)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    losses = [float(x) for x in re.findall(r"loss ([0-9.]+)", proc.stdout)]
+    assert len(losses) == 3, out[-3000:]
+    assert losses[-1] < losses[0], losses                  # it trains
+    assert "sent" in proc.stdout and "Traceback" not in out, out[-3000:]
+    # torch 2.13's gloo teardown sometimes aborts a finished job after destroy_process_group
+    # (a plain torch.distributed script does too): tolerated only after all the work is done
+    assert proc.returncode == 0 or "terminate called" in out, out[-3000:]
