@@ -34,6 +34,7 @@ import torch
 from .algorithms import get_algorithm
 from .algorithms.base import FLOAT_DTYPES, Algorithm
 from .comm.base import Communicator
+from .techniques import FrozenAdam
 
 __all__ = ["SparseAllreduce"]
 
@@ -111,6 +112,7 @@ class SparseAllreduce(torch.nn.Module):
         if device is None:
             device = comm.device
         self.comm = comm
+        adam = options.pop("adam", None)             # techniques.FrozenAdam (reduce_adam)
         self.algorithm: Algorithm = cls(numel, comm, density, device=torch.device(device),
                                         check_finite=check_finite, **options)
         self.algorithm_name = self.algorithm.name
@@ -122,6 +124,7 @@ class SparseAllreduce(torch.nn.Module):
         self._params = params
         self._flat: Optional[torch.Tensor] = None
         self._before: Optional[List[torch.Tensor]] = None   # reduce_updates' weight snapshot
+        self._adam = FrozenAdam.build(adam, self.algorithm, params)
         if params is not None:
             dtypes = {p.dtype for p in params}
             self._flat_dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
@@ -238,6 +241,15 @@ class SparseAllreduce(torch.nn.Module):
                                      for p, off in zip(params, self._offsets)])
         return flat
 
+    def reduce_adam(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """AdamW with a dense warm-up, then frozen variance and the preconditioned gradient
+        reduced sparsely (build with ``adam="frozen"``; see :class:`~oktopk_triton.techniques.
+        FrozenAdam`). Replaces ``optimizer.step()``, whose hyper-parameters (lr, betas, eps,
+        weight_decay) it reads; the optimizer's own state is unused."""
+        if self._adam is None:
+            raise RuntimeError("reduce_adam needs a SparseAllreduce built with adam='frozen'")
+        return self._adam.step(self, optimizer)
+
     # -- views of the algorithm ----------------------------------------------------------------
     @property
     def residual(self) -> torch.Tensor:
@@ -254,10 +266,18 @@ class SparseAllreduce(torch.nn.Module):
 
     # -- state (as the module's extra state) -------------------------------------------------
     def get_extra_state(self) -> Dict[str, Any]:
-        return self.algorithm.state_dict()
+        sd = self.algorithm.state_dict()
+        if self._adam is not None:
+            sd["frozen_adam"] = self._adam.state_dict()
+        return sd
 
     def set_extra_state(self, state: Dict[str, Any]) -> None:
         self.algorithm.load_state_dict(state)
+        if self._adam is not None:
+            if "frozen_adam" not in state:
+                raise ValueError("SparseAllreduce: built with adam='frozen' but the state holds "
+                                 "no frozen_adam entry")
+            self._adam.load_state_dict(state["frozen_adam"])
 
     def extra_repr(self) -> str:
         return (f"numel={self.numel}, density={self.density:g}, algorithm={self.algorithm_name!r}, "

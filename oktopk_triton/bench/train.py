@@ -127,14 +127,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="default: sgd for cnn/mlp, adamw for gpt")
     g.add_argument("--warmup-fraction", type=float, default=GPT_DEFAULTS["warmup_fraction"],
                    help="gpt: linear warm-up over this fraction of the steps, then cosine decay")
-    g.add_argument("--reduce", choices=["auto", "gradients", "updates"], default="auto",
+    g.add_argument("--reduce", choices=["auto", "gradients", "updates", "adam"], default="auto",
                    help="what the sparse reducer averages. gradients: the optimizer steps on the "
                         "reduced gradient (SparseAllreduce.reduce_gradients). updates: each "
                         "rank's optimizer steps on its own gradient and the reducer averages the "
                         "parameter updates, error feedback in update space "
                         "(SparseAllreduce.reduce_updates). auto (default): updates for a sparse "
                         "algorithm under adamw, gradients otherwise (dense stays plain "
-                        "data-parallel AdamW, the baseline users run)")
+                        "data-parallel AdamW, the baseline users run). adam: dense AdamW for "
+                        "warmup_steps (default 20%% of steps), then frozen variance and the "
+                        "preconditioned gradient reduced sparsely (SparseAllreduce.reduce_adam)")
     g.add_argument("--val-fraction", type=float, default=GPT_DEFAULTS["val_fraction"],
                    help="gpt: fraction of the stdlib files held out for validation")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
@@ -899,6 +901,12 @@ def train_one_lm(cfg, algorithm: str, seed: int, comm, device, data, log) -> Dic
         options["momentum"] = cfg["momentum"]
     density = cfg["density"] if algorithm != "dense" else 1.0
     params = [p for p in model.parameters() if p.requires_grad]
+    mode = resolve_reduce(cfg, algorithm)
+    if mode == "adam" and algorithm == "dense":
+        mode = "gradients"   # the baseline stays plain data-parallel AdamW
+    if mode == "adam":   # techniques.FrozenAdam: beta1 is the reducer's momentum correction
+        options.update(adam="frozen", momentum=float(cfg.get("betas", (0.9, 0.95))[0]))
+        options.setdefault("warmup_steps", max(1, int(round(0.2 * cfg["steps"]))))
     sar = SparseAllreduce(params, comm=comm, density=density, algorithm=algorithm, **options)
     numel = sar.numel
     k = sar.k
@@ -945,7 +953,9 @@ def train_one_lm(cfg, algorithm: str, seed: int, comm, device, data, log) -> Dic
             group["lr"] = lr_at(step)
         sync()
         t1 = time.perf_counter()
-        if reduce_updates:
+        if mode == "adam":
+            flat = sar.reduce_adam(opt)
+        elif reduce_updates:
             # this rank's AdamW steps on its own gradient; the reducer averages the updates
             # (error feedback in update space) and sets the weights; reduce ms includes the step
             flat = sar.reduce_updates(opt)
@@ -953,7 +963,7 @@ def train_one_lm(cfg, algorithm: str, seed: int, comm, device, data, log) -> Dic
             flat = sar.reduce_gradients()   # averages .grad over ranks, error feedback inside
         sync()
         t2 = time.perf_counter()
-        if not reduce_updates:
+        if not reduce_updates and mode != "adam":
             opt.step()
         sync()
         t3 = time.perf_counter()
@@ -984,7 +994,7 @@ def train_one_lm(cfg, algorithm: str, seed: int, comm, device, data, log) -> Dic
     layer_report = counter.report(steps, params)
     final = val_curve[-1][1]
     return {
-        "reduce": "updates" if reduce_updates else "gradients",
+        "reduce": mode,
         "algorithm": algorithm, "seed": seed, "density": density, "world_size": P,
         "numel": numel, "k": k, "steps": steps,
         "final_val_loss": final, "final_val_bpb": final / math.log(2), "val_curve": val_curve,

@@ -1,0 +1,161 @@
+"""Training techniques on top of the sparse reducers (see ``docs/techniques.md``).
+
+Two per-step options every algorithm takes (popped by :class:`Algorithm` before its own options
+are checked):
+
+* ``ef_decay`` (DeMo-style error-feedback decay, default 1.0 = off): before a step the residual
+  is multiplied by ``ef_decay``. What is dropped is dropped on purpose, so the contract becomes
+  ``sum_p (ef_decay * residual_p + grad_p) == P * out + sum_p residual_p'``.
+* ``local_clip`` (Deep Gradient Compression's local gradient clipping, default 0 = off): each
+  rank's incoming vector is scaled by ``min(1, local_clip / (sqrt(P) * ||grad||))`` before it is
+  accumulated (decided on the device, no host read). The contract holds with the clipped vector.
+
+And the frozen-variance Adam of 1-bit Adam (:class:`FrozenAdam`, ``SparseAllreduce.reduce_adam``).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional
+
+import torch
+
+__all__ = ["StepTechniques", "FrozenAdam"]
+
+
+class StepTechniques:
+    """``ef_decay`` and ``local_clip`` for one :class:`Algorithm` (stateless)."""
+
+    KEYS = ("ef_decay", "local_clip")
+
+    def __init__(self, ef_decay: float = 1.0, local_clip: float = 0.0) -> None:
+        if isinstance(ef_decay, bool) or not isinstance(ef_decay, (int, float)) or \
+                not 0.0 <= float(ef_decay) <= 1.0:
+            raise ValueError(f"ef_decay must be a float in [0, 1], got {ef_decay!r}")
+        if isinstance(local_clip, bool) or not isinstance(local_clip, (int, float)) or \
+                not (float(local_clip) >= 0.0 and math.isfinite(local_clip)):
+            raise ValueError(f"local_clip must be a finite float >= 0, got {local_clip!r}")
+        self.ef_decay = float(ef_decay)
+        self.local_clip = float(local_clip)
+
+    @classmethod
+    def pop(cls, options: Dict[str, Any]) -> "StepTechniques":
+        return cls(**{k: options.pop(k) for k in cls.KEYS if k in options})
+
+    def before(self, alg: Any, flat: torch.Tensor,
+               nonfinite: Optional[torch.Tensor]) -> torch.Tensor:
+        """Decay ``alg.residual`` in place (not on a non-finite step) and return the (clipped)
+        input."""
+        if self.ef_decay != 1.0:
+            if nonfinite is None:
+                alg.residual.mul_(self.ef_decay)
+            else:
+                alg.residual.copy_(torch.where(nonfinite > 0, alg.residual,
+                                               alg.residual * self.ef_decay))
+        return self.clip(flat, alg.P)
+
+    def clip(self, flat: torch.Tensor, P: int) -> torch.Tensor:
+        """``flat`` scaled to norm <= local_clip/sqrt(P) (DGC: the sum of P clipped vectors then
+        has norm <= local_clip); unchanged when local_clip is 0."""
+        if self.local_clip <= 0.0:
+            return flat
+        norm = torch.linalg.vector_norm(flat.float())
+        factor = torch.clamp(self.local_clip / math.sqrt(P) / (norm + 1e-30), max=1.0)
+        return (flat.float() * factor).to(flat.dtype)
+
+    def decayed(self, residual: torch.Tensor) -> torch.Tensor:
+        """What a finite step accumulates the residual as (for checks)."""
+        return residual * self.ef_decay if self.ef_decay != 1.0 else residual
+
+
+class FrozenAdam:
+    """AdamW with a dense warm-up, then the variance frozen and the preconditioned gradient
+    reduced sparsely with error feedback (1-bit Adam, Tang et al. 2021).
+
+    Needs a reducer built with ``momentum=beta1`` and ``warmup_steps=W`` (``SparseAllreduce``
+    does this for ``adam="frozen"``). Steps 1..W: the reducer sends every rank's velocity
+    ``u = beta1*u + g`` densely; the average gradient is ``out_t - beta1*out_{t-1}`` (identical on
+    every rank), which feeds ``v``; the weights take AdamW's step with ``m = (1-beta1)*out``.
+    After W: ``v`` is frozen, every rank feeds ``g / (sqrt(v_hat) + eps)`` (linear in g, so what
+    error feedback delivers late is delivered exactly), and the weights move by
+    ``-lr * (1-beta1)/(1-beta1^t) * out`` plus AdamW's decoupled weight decay.
+    """
+
+    def __init__(self, numel: int, device: torch.device, warmup_steps: int) -> None:
+        if warmup_steps < 1:
+            raise ValueError(f"adam='frozen' needs warmup_steps >= 1 (dense steps that fill the "
+                             f"variance), got {warmup_steps}")
+        self.warmup_steps = warmup_steps
+        self.v = torch.zeros(numel, dtype=torch.float32, device=device)
+        self.prev_out = torch.zeros(numel, dtype=torch.float32, device=device)
+        self.denom: Optional[torch.Tensor] = None
+        self.t = 0
+
+    @classmethod
+    def build(cls, adam: Any, alg: Any, params: Any) -> Optional["FrozenAdam"]:
+        """``adam=None`` → None; ``adam="frozen"`` → a FrozenAdam over ``alg``'s vector."""
+        if adam is None:
+            return None
+        if adam != "frozen":
+            raise ValueError(f"adam must be None or 'frozen', got {adam!r}")
+        if params is None:
+            raise ValueError("adam='frozen' needs a SparseAllreduce built from parameters")
+        if alg.momentum <= 0.0:
+            raise ValueError("adam='frozen' needs momentum=beta1 (Adam's first moment is the "
+                             "reducer's momentum correction)")
+        return cls(alg.numel, alg.device, alg.warmup_steps)
+
+    @staticmethod
+    def hyper(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+        g = optimizer.param_groups[0]
+        if len(optimizer.param_groups) != 1:
+            raise ValueError("reduce_adam: expected an optimizer with one param group")
+        return dict(lr=float(g["lr"]), betas=tuple(g.get("betas", (0.9, 0.999))),
+                    eps=float(g.get("eps", 1e-8)), wd=float(g.get("weight_decay", 0.0)))
+
+    def _denominator(self, t: int, b2: float, eps: float) -> torch.Tensor:
+        return (self.v / (1 - b2 ** t)).sqrt_().add_(eps)
+
+    @torch.no_grad()
+    def step(self, sar: Any, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        h = self.hyper(optimizer)
+        b1, b2 = h["betas"]
+        alg = sar.algorithm
+        if abs(alg.momentum - b1) > 1e-12:
+            raise ValueError(f"reduce_adam: the reducer's momentum {alg.momentum} must equal "
+                             f"Adam's beta1 {b1}")
+        params: List[torch.Tensor] = sar._params
+        warm = self.t < self.warmup_steps
+        if not warm:
+            if self.denom is None or self.t == self.warmup_steps:
+                self.denom = self._denominator(self.warmup_steps, b2, h["eps"])
+                if self.t == self.warmup_steps and alg.velocity is not None:
+                    alg.velocity.div_(self.denom)      # the velocity moves into the new space
+            for p, off in zip(params, sar._offsets):
+                if p.grad is not None:
+                    p.grad.div_(self.denom[off:off + p.numel()].view(p.shape).to(p.grad.dtype))
+        out = sar.reduce_gradients().float()
+        self.t += 1
+        if warm:
+            gbar = out - b1 * self.prev_out
+            self.prev_out.copy_(out)
+            self.v.mul_(b2).addcmul_(gbar, gbar, value=1 - b2)
+            upd = out / self._denominator(self.t, b2, h["eps"])
+        else:
+            upd = out
+        upd = upd * ((1 - b1) / (1 - b1 ** self.t))
+        upd = torch.where(torch.isfinite(upd), upd, torch.zeros((), device=upd.device))
+        for p, off in zip(params, sar._offsets):
+            if h["wd"]:
+                p.mul_(1 - h["lr"] * h["wd"])
+            p.add_(upd[off:off + p.numel()].view(p.shape).to(p.dtype), alpha=-h["lr"])
+        return out
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"t": self.t, "v": self.v.clone(), "prev_out": self.prev_out.clone(),
+                "warmup_steps": self.warmup_steps}
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        self.t = int(sd["t"])
+        self.v.copy_(sd["v"])
+        self.prev_out.copy_(sd["prev_out"])
+        self.denom = None
