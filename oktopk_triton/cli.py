@@ -29,8 +29,9 @@ SUBCOMMANDS = {
 def build_parser(command=None) -> argparse.ArgumentParser:
     """The parser; only ``command``'s module is imported (a missing optional dependency of one
     benchmark never breaks the others)."""
-    p = argparse.ArgumentParser(prog="oktopk-bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from .bench._args import Parser
+    p = Parser(prog="oktopk-bench", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     for name, (mod, help_) in SUBCOMMANDS.items():
         # help strings are %-formatted by argparse, descriptions are not
@@ -47,7 +48,11 @@ def build_parser(command=None) -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
-    args = build_parser(command if command in SUBCOMMANDS else None).parse_args(argv)
+    parser = build_parser(command if command in SUBCOMMANDS else None)
+    args = parser.parse_args(argv)
+    if args.command == "collectives" and args.warmup >= args.steps:
+        parser.exit(2, f"oktopk-bench collectives: error: --warmup ({args.warmup}) must be less "
+                       f"than --steps ({args.steps}): no step would be timed\n")
     fn = getattr(args._module, args._entry, None) or args._module.main
     return int(fn(args) or 0)
 

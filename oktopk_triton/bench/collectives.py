@@ -51,6 +51,7 @@ a latency/bandwidth model.
 """
 from __future__ import annotations
 
+from . import _args as A
 import datetime
 import json
 import math
@@ -73,32 +74,32 @@ __all__ = ["add_arguments", "main", "run_benchmark", "make_grad", "formula_words
 def add_arguments(p) -> None:
     p.add_argument("--algorithms", nargs="+", default=["all"],
                    help="algorithm names, or 'all' = dense + every available sparse algorithm")
-    p.add_argument("--world-sizes", nargs="+", type=int, default=[2, 4, 8],
+    p.add_argument("--world-sizes", nargs="+", type=A.positive_int, default=[2, 4, 8],
                    help="world sizes P to run (default: 2 4 8)")
-    p.add_argument("--n", type=int, default=1 << 22, help="gradient length (default 2^22)")
-    p.add_argument("--density", type=float, default=0.01, help="k = density * n (default 0.01)")
-    p.add_argument("--steps", type=int, default=3,
+    p.add_argument("--n", type=A.positive_int, default=1 << 22, help="gradient length (default 2^22)")
+    p.add_argument("--density", type=A.density, default=0.01, help="k = density * n (default 0.01)")
+    p.add_argument("--steps", type=A.positive_int, default=3,
                    help="steps per run; the first is the calibration step (default 3)")
-    p.add_argument("--warmup", type=int, default=1,
+    p.add_argument("--warmup", type=A.nonneg_int, default=1,
                    help="steps left out of step_ms_mean/min (default 1; < --steps)")
     p.add_argument("--backend", choices=("local", "gloo", "nccl"), default="local")
     p.add_argument("--comm", choices=("cupy", "torch"), default="cupy",
                    help="nccl backend: NcclCommunicator (cupy) or TorchCommunicator on an NCCL "
                         "group (torch)")
-    p.add_argument("--probe-reps", type=int, default=10,
+    p.add_argument("--probe-reps", type=A.nonneg_int, default=10,
                    help="timed calls of each probe allreduce per P (0: no probes; default 10)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--check-finite", choices=("skip", "off", "raise"), default="skip",
                    help="the algorithms' non-finite check (skip adds a 4-byte allreduce)")
-    p.add_argument("--timeout", type=float, default=900.0,
+    p.add_argument("--timeout", type=A.positive_float, default=900.0,
                    help="seconds one (algorithm, P) run may take (default 900)")
-    p.add_argument("--comm-timeout", type=float, default=300.0,
+    p.add_argument("--comm-timeout", type=A.positive_float, default=300.0,
                    help="seconds a collective may wait on a peer before the communicator fails "
                         "(gloo group timeout, NcclCommunicator watchdog; default 300)")
-    p.add_argument("--json", default=None,
+    p.add_argument("--json", type=A.out_path, default=None,
                    help="write the results JSON here (nccl default: "
                         "bench/results/gpu-collectives-<date>-<device>.json)")
-    p.add_argument("--plot", default=None, help="write a bytes-vs-P plot (PNG) here")
+    p.add_argument("--plot", type=A.out_path, default=None, help="write a bytes-vs-P plot (PNG) here")
     p.add_argument("--quiet", action="store_true", help="print only the final table")
 
 

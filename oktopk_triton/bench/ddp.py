@@ -53,6 +53,7 @@ all ranks ended with bitwise-equal parameters (true for every averaging hook, fa
 """
 from __future__ import annotations
 
+from . import _args as A
 import datetime
 import hashlib
 import inspect
@@ -83,23 +84,23 @@ def add_arguments(p) -> None:
                    help=f"hooks to run, or 'all' (default): {' '.join(HOOKS)}")
     p.add_argument("--algorithms", nargs="+", default=["all"],
                    help="algorithms of the sparse hook, or 'all' = every available sparse one")
-    p.add_argument("--density", type=float, default=0.01, help="sparse hook density (default 0.01)")
+    p.add_argument("--density", type=A.density, default=0.01, help="sparse hook density (default 0.01)")
     p.add_argument("--modes", nargs="+", default=["auto"],
                    help="SparseAllreduceState modes (bucket, flat); 'auto' = every mode the state "
                         "accepts, or its one behaviour when it has no mode argument")
-    p.add_argument("--world-size", "-P", type=int, default=None,
+    p.add_argument("--world-size", "-P", type=A.positive_int, default=None,
                    help="ranks P (default 4 on CUDA, 2 on CPU)")
-    p.add_argument("--width", type=int, default=None,
+    p.add_argument("--width", type=A.positive_int, default=None,
                    help=f"layer width W (default {GPU_MODEL['width']} on CUDA, "
                         f"{CPU_MODEL['width']} on CPU)")
-    p.add_argument("--layers", type=int, default=None,
+    p.add_argument("--layers", type=A.positive_int, default=None,
                    help=f"Linear(W, W) layers (default {GPU_MODEL['layers']} on CUDA, "
                         f"{CPU_MODEL['layers']} on CPU)")
-    p.add_argument("--batch", type=int, default=None,
+    p.add_argument("--batch", type=A.positive_int, default=None,
                    help=f"samples per rank per step (default {GPU_MODEL['batch']} on CUDA, "
                         f"{CPU_MODEL['batch']} on CPU)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
-    p.add_argument("--warmup", type=int, default=3,
+    p.add_argument("--steps", type=A.positive_int, default=10, help="timed steps (default 10)")
+    p.add_argument("--warmup", type=A.nonneg_int, default=3,
                    help="untimed steps first (default 3; at least PowerSGD's start iteration)")
     p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
                    help="auto: nccl when CUDA is available, else gloo")
@@ -107,16 +108,16 @@ def add_arguments(p) -> None:
                    help="the sparse hook's communicator on nccl (default auto: cupy if importable)")
     p.add_argument("--kernel-backend", choices=("auto", "triton", "torch"), default=None,
                    help="kernels of the sparse algorithms (default: torch on CPU, auto on CUDA)")
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size (default 25)")
-    p.add_argument("--powersgd-rank", type=int, default=4)
-    p.add_argument("--powersgd-start-iter", type=int, default=2)
-    p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank on CPU")
+    p.add_argument("--bucket-cap-mb", type=A.positive_float, default=25.0, help="DDP bucket size (default 25)")
+    p.add_argument("--powersgd-rank", type=A.positive_int, default=4)
+    p.add_argument("--powersgd-start-iter", type=A.nonneg_int, default=2)
+    p.add_argument("--lr", type=A.positive_float, default=0.01)
+    p.add_argument("--threads", type=A.positive_int, default=1, help="torch threads per rank on CPU")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=600.0,
+    p.add_argument("--timeout", type=A.positive_float, default=600.0,
                    help="seconds the whole run may take (default 600)")
-    p.add_argument("--json", default=None, metavar="PATH", help="write the results JSON here")
-    p.add_argument("--markdown", default=None, metavar="PATH",
+    p.add_argument("--json", type=A.out_path, default=None, metavar="PATH", help="write the results JSON here")
+    p.add_argument("--markdown", type=A.out_path, default=None, metavar="PATH",
                    help="write the README table (markdown) here")
     p.add_argument("--quiet", action="store_true", help="print only the final table")
 

@@ -29,6 +29,7 @@ claim.  The kernel goals are printed (and stored under ``goals``) against the ro
 """
 from __future__ import annotations
 
+from . import _args as A
 import argparse
 import datetime
 import json
@@ -55,22 +56,22 @@ FUSED_PCT_COPY_GOAL = {1 << 28: 80.0}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--n", type=int, nargs="+", default=None,
+    p.add_argument("--n", type=A.positive_int, nargs="+", default=None,
                    help="elements, one or more (default 2^24 2^26 2^28 on CUDA, 2^16 on CPU)")
-    p.add_argument("--density", type=float, default=0.01, help="k / n (default 0.01)")
+    p.add_argument("--density", type=A.density, default=0.01, help="k / n (default 0.01)")
     p.add_argument("--dtype", choices=list(DTYPES), nargs="+", default=["fp32", "bf16"],
                    help="gradient dtypes of the fused select rows (default fp32 bf16)")
-    p.add_argument("--regions", type=int, default=8,
+    p.add_argument("--regions", type=A.positive_int, default=8,
                    help="regions P of the fused select (default 8)")
-    p.add_argument("--repeats", type=int, default=None,
+    p.add_argument("--repeats", type=A.positive_int, default=None,
                    help=f"timed repeats (default 20 on CUDA, at least {MIN_CUDA_REPEATS}; "
                         "5 on CPU)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed warm-up runs (default 3)")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--warmup", type=A.nonneg_int, default=3, help="untimed warm-up runs (default 3)")
+    p.add_argument("--device", type=A.device, default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--backend", choices=["auto", "triton", "torch"], default=None,
                    help="kernel backend (default: auto on CUDA, torch on CPU)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, metavar="PATH",
+    p.add_argument("--json", type=A.out_path, default=None, metavar="PATH",
                    help="write the results as JSON here (default on CUDA: "
                         "bench/results/gpu-kernels-<date>.json; none on CPU)")
 

@@ -64,6 +64,7 @@ GPU: their time is multiplied by the ranks per GPU) and prints predicted against
 """
 from __future__ import annotations
 
+from . import _args as A
 import dataclasses
 import datetime
 import glob
@@ -794,13 +795,13 @@ def add_arguments(p) -> None:
     g.add_argument("--model", nargs="+", choices=sorted(MODEL_PRESETS), default=None,
                    help="model size presets (default bert-large): resnet50 25.6M, bert-large "
                         "340M, gpt2-xl 1.5B parameters")
-    g.add_argument("--n", type=int, nargs="+", default=None, help="gradient lengths instead")
-    p.add_argument("--density", type=float, default=0.01, help="k = density * n (default 0.01)")
+    g.add_argument("--n", type=A.positive_int, nargs="+", default=None, help="gradient lengths instead")
+    p.add_argument("--density", type=A.density, default=0.01, help="k = density * n (default 0.01)")
     p.add_argument("--net", nargs="+", default=["100Gbps"],
                    help="networks: BANDWIDTH,LATENCY (e.g. 100Gbps,5us or 3GB/s,50us) or presets "
                         + ", ".join(f"{k} = {v[0]} ({v[1]})" for k, v in NET_PRESETS.items())
                         + " (default 100Gbps)")
-    p.add_argument("--world-sizes", type=int, nargs="+",
+    p.add_argument("--world-sizes", type=A.positive_int, nargs="+",
                    default=[1 << i for i in range(1, 11)], help="P values (default 2 4 ... 1024)")
     p.add_argument("--algorithms", nargs="+", default=["all"], help="default: all")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
@@ -813,15 +814,15 @@ def add_arguments(p) -> None:
     p.add_argument("--topkdsa-fill", type=float, default=None,
                    help="TopkDSA's largest reduced region in units of its cap (default: the fit "
                         "0.74 + 0.465 log2 P)")
-    p.add_argument("--json", default=None, help="write the projection (or validation) JSON here")
-    p.add_argument("--plot", default=None, help="write a step time vs P plot (PNG) here")
+    p.add_argument("--json", type=A.out_path, default=None, help="write the projection (or validation) JSON here")
+    p.add_argument("--plot", type=A.out_path, default=None, help="write a step time vs P plot (PNG) here")
     p.add_argument("--breakdown", action="store_true",
                    help="also print communication / selection per algorithm at each P, and keep "
                         "every call of each schedule in the JSON")
     p.add_argument("--validate", nargs="+", default=None, metavar="JSON",
                    help="validate against one-GPU NCCL collectives JSONs (e.g. the P=4 and P=8 "
                         "files of tools/gpu_check.py) instead of projecting")
-    p.add_argument("--ranks-per-gpu", type=int, default=None,
+    p.add_argument("--ranks-per-gpu", type=A.positive_int, default=None,
                    help="validation: ranks sharing one GPU (default from the JSON, else P)")
     p.add_argument("--fit", choices=("per-P", "global"), default="per-P",
                    help="validation: one (alpha, beta) per world size (default) or one for all")

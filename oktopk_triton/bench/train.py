@@ -46,6 +46,7 @@ reduced gradient is bitwise identical on every rank, so the replicas must be too
 """
 from __future__ import annotations
 
+from . import _args as A
 import argparse
 import json
 import math
@@ -77,22 +78,22 @@ RESULTS_DIR = os.path.join("bench", "results")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--algorithms", nargs="+", default=["all"],
                    help="algorithms to compare ('all' = dense and every available sparse one)")
-    p.add_argument("--density", type=float, default=DEFAULTS["density"],
+    p.add_argument("--density", type=A.density, default=DEFAULTS["density"],
                    help="fraction of the gradient each sparse algorithm sends (k = density*n)")
-    p.add_argument("--world-size", type=int, default=DEFAULTS["world_size"], help="ranks")
-    p.add_argument("--epochs", type=int, default=DEFAULTS["epochs"])
+    p.add_argument("--world-size", type=A.positive_int, default=DEFAULTS["world_size"], help="ranks")
+    p.add_argument("--epochs", type=A.positive_int, default=DEFAULTS["epochs"])
     p.add_argument("--model", choices=["cnn", "mlp", "gpt"], default=DEFAULTS["model"],
                    help="cnn/mlp: the digits classifier; gpt: a byte-level transformer LM on the "
                         "Python standard library's .py files (see --size)")
-    p.add_argument("--width", type=int, default=DEFAULTS["width"],
+    p.add_argument("--width", type=A.positive_int, default=DEFAULTS["width"],
                    help="channels of the first conv (cnn) / hidden units / 8 (mlp)")
-    p.add_argument("--seeds", "--seed", type=int, nargs="+", default=DEFAULTS["seeds"],
+    p.add_argument("--seeds", "--seed", type=A.nonneg_int, nargs="+", default=DEFAULTS["seeds"],
                    help="training seeds (model init and data order); results are averaged")
-    p.add_argument("--batch-size", type=int, default=None,
+    p.add_argument("--batch-size", type=A.positive_int, default=None,
                    help=f"per rank (default {DEFAULTS['batch_size']}; gpt: the --size preset's)")
-    p.add_argument("--lr", type=float, default=None,
+    p.add_argument("--lr", type=A.positive_float, default=None,
                    help=f"peak learning rate (default {DEFAULTS['lr']}; gpt: the --size preset's)")
-    p.add_argument("--momentum", type=float, default=DEFAULTS["momentum"])
+    p.add_argument("--momentum", type=A.fraction, default=DEFAULTS["momentum"])
     p.add_argument("--momentum-correction", action=argparse.BooleanOptionalAction,
                    default=None,
                    help="sparse algorithms: apply the momentum in the reducer, before "
@@ -103,29 +104,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "off with adamw")
     p.add_argument("--schedule", choices=["cosine", "constant"], default=DEFAULTS["schedule"],
                    help="learning rate: linear warm-up then cosine decay to 0, or constant")
-    p.add_argument("--warmup-epochs", type=float, default=DEFAULTS["warmup_epochs"])
-    p.add_argument("--weight-decay", type=float, default=DEFAULTS["weight_decay"])
-    p.add_argument("--test-fraction", type=float, default=DEFAULTS["test_fraction"])
-    p.add_argument("--train-subset", type=int, default=0,
+    p.add_argument("--warmup-epochs", type=A.nonneg_float, default=DEFAULTS["warmup_epochs"])
+    p.add_argument("--weight-decay", type=A.nonneg_float, default=DEFAULTS["weight_decay"])
+    p.add_argument("--test-fraction", type=A.fraction, default=DEFAULTS["test_fraction"])
+    p.add_argument("--train-subset", type=A.nonneg_int, default=0,
                    help="use only this many training samples (0 = all; for quick tests)")
-    p.add_argument("--eval-every", type=int, default=0,
+    p.add_argument("--eval-every", type=A.nonneg_int, default=0,
                    help="evaluate every N steps as well as at every epoch end (0 = epochs only)")
     g = p.add_argument_group("--model gpt")
     g.add_argument("--size", choices=sorted(_gpt_sizes()), default=GPT_DEFAULTS["size"],
                    help="model preset: 1m (CPU default), 25m / 100m (GPU, --device cuda), tiny "
                         "(tests)")
-    g.add_argument("--steps", type=int, default=None, help="training steps (default: preset's)")
-    g.add_argument("--context", type=int, default=None,
+    g.add_argument("--steps", type=A.positive_int, default=None, help="training steps (default: preset's)")
+    g.add_argument("--context", type=A.positive_int, default=None,
                    help="bytes per training sequence (default and maximum: the preset's)")
-    g.add_argument("--eval-sequences", type=int, default=None,
+    g.add_argument("--eval-sequences", type=A.positive_int, default=None,
                    help="validation windows per evaluation, spread over the validation files "
                         "and split over the ranks (default: preset's)")
-    g.add_argument("--eval-times", type=int, default=GPT_DEFAULTS["eval_times"],
+    g.add_argument("--eval-times", type=A.positive_int, default=GPT_DEFAULTS["eval_times"],
                    help="evaluations spread over the run, besides the one at step 0 (gpt; "
                         "--eval-every overrides)")
     g.add_argument("--optimizer", choices=["sgd", "adamw"], default=None,
                    help="default: sgd for cnn/mlp, adamw for gpt")
-    g.add_argument("--warmup-fraction", type=float, default=GPT_DEFAULTS["warmup_fraction"],
+    g.add_argument("--warmup-fraction", type=A.fraction, default=GPT_DEFAULTS["warmup_fraction"],
                    help="gpt: linear warm-up over this fraction of the steps, then cosine decay")
     g.add_argument("--reduce", choices=["auto", "gradients", "updates", "adam"], default="auto",
                    help="what the sparse reducer averages. gradients: the optimizer steps on the "
@@ -137,17 +138,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "data-parallel AdamW, the baseline users run). adam: dense AdamW for "
                         "warmup_steps (default 20%% of steps), then frozen variance and the "
                         "preconditioned gradient reduced sparsely (SparseAllreduce.reduce_adam)")
-    g.add_argument("--val-fraction", type=float, default=GPT_DEFAULTS["val_fraction"],
+    g.add_argument("--val-fraction", type=A.fraction, default=GPT_DEFAULTS["val_fraction"],
                    help="gpt: fraction of the stdlib files held out for validation")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="extra option passed to the sparse algorithms (repeatable)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: NCCL on GPUs when there are >= world-size of them, else gloo/CPU")
     p.add_argument("--tag", default=None, help="results name: bench/results/train-<tag>.json")
-    p.add_argument("--json", default=None, help="results JSON path (default from --tag)")
-    p.add_argument("--plot", default=None, help="PNG path (default: the JSON path with .png)")
+    p.add_argument("--json", type=A.out_path, default=None, help="results JSON path (default from --tag)")
+    p.add_argument("--plot", type=A.out_path, default=None, help="PNG path (default: the JSON path with .png)")
     p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--timeout", type=float, default=1800.0,
+    p.add_argument("--timeout", type=A.positive_float, default=1800.0,
                    help="seconds before a launch is killed")
     p.add_argument("--quiet", action="store_true", help="no per-epoch progress lines")
 
