@@ -8,16 +8,16 @@ judged by the share of a copy's bandwidth they reach (2.94 TB/s for 2^28 fp32 on
 """
 from ._dispatch import BACKENDS, INTERPRET, choose, counters
 from .dense import dense_zeros, fill_if, nonfinite_flag
-from .histogram import (HIST_BINS, abs_histogram, abs_histogram_regions, bin_threshold,
-                        bin_thresholds, exact_threshold, histogram_threshold, kth_bin, kth_bins)
-from .region import clear_sent, region_select
+from .histogram import (HIST_BINS, abs_histogram, bin_threshold, exact_threshold,
+                        histogram_threshold, kth_bin)
+from .region import clear_sent
 from .scatter import scatter_add, scatter_rows
 from .selection import (SELECT_HIST_BINS, SELECT_HIST_SHIFT, Selection, empty_selection,
                         fused_select, select_hist_edges)
 from .threshold import magnitude_threshold, window_pass
 
 __all__ = ["Selection", "fused_select", "empty_selection", "HIST_BINS", "abs_histogram",
-           "kth_bin", "bin_threshold", "abs_histogram_regions", "kth_bins", "bin_thresholds", "histogram_threshold", "exact_threshold", "scatter_add",
-           "region_select", "clear_sent", "BACKENDS", "INTERPRET", "choose", "counters",
+           "kth_bin", "bin_threshold", "histogram_threshold", "exact_threshold", "scatter_add",
+           "clear_sent", "BACKENDS", "INTERPRET", "choose", "counters",
            "scatter_rows", "SELECT_HIST_BINS", "SELECT_HIST_SHIFT", "select_hist_edges",
            "magnitude_threshold", "window_pass", "nonfinite_flag", "dense_zeros", "fill_if"]

@@ -1,10 +1,6 @@
-"""region_select and clear_sent: the sparse kernels around the reduced region.
+"""clear_sent: zero the residual where this rank's sent entries reached the global set.
 
-Why they are shaped so: region_select must return ASCENDING indices on every backend (the
-owner's global set is binary-searched later), so it is two passes over blocks: per-block
-counts, an exclusive cumsum on the device, then each block writes its compacted entries at
-its prefix — deterministic, no atomics.  start/end may be device tensors; the grid is sized from
-the static bound ``max_len``.  clear_sent reads only the sent entries: each one binary-searches
+Why it is shaped so: clear_sent reads only the sent entries: each one binary-searches
 the sorted global indices of its region (a fixed number of steps) and zeroes the residual where
 found, so the cost is O(entries · log capacity) and independent of n (not measured on its
 own; a scan of the region would cost at least a read of it: 0.11 ms at n = 2^26, 0.37 ms at 2^28
@@ -12,7 +8,7 @@ on an H100, bench/results/gpu-kernel-variants-call1.json).
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -24,107 +20,12 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-IntOrTensor = Union[int, Tensor, None]
 
 
 # ----------------------------------------------------------------------------------------------
 # Triton kernels
 # ----------------------------------------------------------------------------------------------
 if HAS_TRITON:
-
-    @triton.jit
-    def _load_range(start_ptr, end_ptr, start_int, end_int,
-                    START_IS_PTR: tl.constexpr, END_IS_PTR: tl.constexpr):
-        if START_IS_PTR:
-            start = tl.load(start_ptr).to(tl.int64)
-        else:
-            start = start_int
-        if END_IS_PTR:
-            end = tl.load(end_ptr).to(tl.int64)
-        else:
-            end = end_int
-        return start, end
-
-    @triton.jit
-    def _region_count_kernel(
-        dense_ptr,          # *fp32|bf16|fp16 [n]  values to select from
-        threshold_ptr,      # *fp32 []             selection threshold
-        start_ptr, end_ptr,  # *int64 []            range (if *_IS_PTR)
-        start_int, end_int,  # the range as Python ints otherwise
-        block_counts_ptr,   # *int32 [num_blocks]  out: selected per block
-        START_IS_PTR: tl.constexpr, END_IS_PTR: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        pid = tl.program_id(0).to(tl.int64)
-        start, end = _load_range(start_ptr, end_ptr, start_int, end_int, START_IS_PTR, END_IS_PTR)
-        offs = start + pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-        in_range = offs < end
-        v = tl.load(dense_ptr + offs, mask=in_range, other=0.0).to(tl.float32)
-        thr = tl.load(threshold_ptr)
-        take = (tl.abs(v) >= thr) & (v != 0.0) & in_range
-        tl.store(block_counts_ptr + pid, tl.sum(take.to(tl.int32), axis=0))
-
-    @triton.jit(do_not_specialize=["capacity", "scale"])
-    def _region_write_kernel(
-        dense_ptr,          # *fp32|bf16|fp16 [n]  values to select from
-        threshold_ptr,      # *fp32 []             selection threshold
-        start_ptr, end_ptr,  # *int64 []            range (if *_IS_PTR)
-        start_int, end_int,  # the range as Python ints otherwise
-        block_prefix_ptr,   # *int64 [num_blocks]  exclusive prefix of the block counts
-        indices_ptr,        # *int32 [capacity]    out: index relative to start, ascending
-        values_ptr,         # *fp32  [capacity]    out: value * scale
-        scale_ptr,          # *fp32 []             scale (if SCALE_IS_PTR)
-        scale,              # the scale as a Python float otherwise
-        capacity,
-        START_IS_PTR: tl.constexpr, END_IS_PTR: tl.constexpr, SCALE_IS_PTR: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        pid = tl.program_id(0).to(tl.int64)
-        start, end = _load_range(start_ptr, end_ptr, start_int, end_int, START_IS_PTR, END_IS_PTR)
-        rel = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-        offs = start + rel
-        in_range = offs < end
-        v = tl.load(dense_ptr + offs, mask=in_range, other=0.0).to(tl.float32)
-        thr = tl.load(threshold_ptr)
-        take = (tl.abs(v) >= thr) & (v != 0.0) & in_range
-        slot = tl.load(block_prefix_ptr + pid) + tl.cumsum(take.to(tl.int32), axis=0).to(tl.int64) - 1
-        write = take & (slot < capacity)
-        if SCALE_IS_PTR:
-            s = tl.load(scale_ptr)
-        else:
-            s = scale
-        tl.store(indices_ptr + slot, rel.to(tl.int32), mask=write)
-        tl.store(values_ptr + slot, v * s, mask=write)
-
-    @_dispatch.serialized_when_interpreted
-    def _region_select_triton(dense, start, end, threshold, capacity, max_len, scale,
-                              indices, values, count, block=1024):
-        if _dispatch.INTERPRET:
-            block = 4096
-        num_blocks = max(1, triton.cdiv(max_len, block))
-        start_is_ptr, end_is_ptr = isinstance(start, Tensor), isinstance(end, Tensor)
-        scale_is_ptr = isinstance(scale, Tensor)
-        s_int = 0 if start_is_ptr else int(start)
-        e_int = 0 if end_is_ptr else int(end)
-        block_counts = torch.empty(num_blocks, dtype=torch.int32, device=dense.device)
-        dummy = block_counts
-        sp = start if start_is_ptr else dummy
-        ep = end if end_is_ptr else dummy
-        _region_count_kernel[(num_blocks,)](
-            dense, threshold, sp, ep, s_int, e_int, block_counts,
-            START_IS_PTR=start_is_ptr, END_IS_PTR=end_is_ptr, BLOCK=block, num_warps=4)
-        inclusive = torch.cumsum(block_counts, 0, dtype=torch.int64)
-        prefix = inclusive - block_counts
-        count.copy_(inclusive[-1])
-        indices.fill_(-1)
-        values.zero_()
-        if capacity == 0:
-            return
-        _region_write_kernel[(num_blocks,)](
-            dense, threshold, sp, ep, s_int, e_int, prefix, indices, values,
-            scale if scale_is_ptr else dummy, 1.0 if scale_is_ptr else float(scale), capacity,
-            START_IS_PTR=start_is_ptr, END_IS_PTR=end_is_ptr, SCALE_IS_PTR=scale_is_ptr,
-            BLOCK=block, num_warps=4)
 
     @triton.jit(do_not_specialize=["cap_sent", "cap_global"])
     def _clear_sent_kernel(
@@ -200,31 +101,6 @@ if HAS_TRITON:
 # ----------------------------------------------------------------------------------------------
 # torch references
 # ----------------------------------------------------------------------------------------------
-def _region_select_torch(dense, start, end, threshold, capacity, max_len, scale,
-                         indices, values, count):
-    dev = dense.device
-    n = dense.numel()
-    s = _dispatch.as_index_tensor(start, 0, dev)
-    e = _dispatch.as_index_tensor(end, n, dev)
-    rel = torch.arange(max_len, device=dev, dtype=torch.int64)
-    pos = s + rel
-    in_range = pos < e
-    v = dense.gather(0, pos.clamp(max=max(n - 1, 0))) if n > 0 else dense.new_zeros(max_len)
-    v = v.to(torch.float32)
-    thr = threshold.reshape(()).to(torch.float32)
-    take = (v.abs() >= thr) & (v != 0) & in_range
-    slot = torch.cumsum(take.to(torch.int64), 0) - 1
-    count.copy_(take.sum().to(torch.int32))
-    write = take & (slot < capacity)
-    tgt = torch.where(write, slot, torch.full_like(slot, capacity))
-    idx_buf = torch.full((capacity + 1,), -1, dtype=torch.int32, device=dev).scatter_(
-        0, tgt, rel.to(torch.int32))
-    sc = scale.reshape(()).to(torch.float32) if isinstance(scale, Tensor) else float(scale)
-    val_buf = torch.zeros(capacity + 1, dtype=torch.float32, device=dev).scatter_(0, tgt, v * sc)
-    indices.copy_(idx_buf[:capacity])
-    values.copy_(val_buf[:capacity])
-
-
 def _clear_sent_torch(residual, sent_indices, sent_counts, region_offsets, global_indices,
                       global_counts, velocity=None, keep_bf16=False):
     P, cap_sent = sent_indices.shape
@@ -258,55 +134,6 @@ def _clear_sent_torch(residual, sent_indices, sent_counts, region_offsets, globa
 # ----------------------------------------------------------------------------------------------
 # public
 # ----------------------------------------------------------------------------------------------
-def region_select(dense: Tensor, start: IntOrTensor, end: IntOrTensor, threshold: Tensor,
-                  capacity: int, *, max_len: Optional[int] = None, scale=1.0,
-                  out: Optional[Tuple[Tensor, Tensor, Tensor]] = None,
-                  backend: str = "auto") -> Tuple[Tensor, Tensor, Tensor]:
-    """Select in ``dense[start:end]`` the entries with ``|v| >= threshold and v != 0``.
-
-    Returns ``(indices int32 [capacity] relative to start, ascending; values fp32 [capacity] =
-    v * scale; count int32 0-dim, the true count)``; slots past the count: -1 / 0.  ``max_len``:
-    static bound on ``end - start`` (default ``dense.numel()``).  ``scale``: float or 0-dim
-    tensor.
-    """
-    dense = dense.reshape(-1)
-    if not dense.is_contiguous():
-        raise ValueError("dense must be contiguous")
-    capacity = int(capacity)
-    n = dense.numel()
-    if start is None:
-        start = 0
-    if end is None:
-        end = n
-    if isinstance(start, Tensor):
-        start = start.reshape(()).to(torch.int64)
-    if isinstance(end, Tensor):
-        end = end.reshape(()).to(torch.int64)
-    if max_len is None:
-        if not isinstance(start, Tensor) and not isinstance(end, Tensor):
-            max_len = max(int(end) - int(start), 0)
-        else:
-            max_len = n
-    max_len = int(max_len)
-    threshold = threshold.reshape(()).to(torch.float32)
-    if isinstance(scale, Tensor):
-        scale = scale.reshape(()).to(torch.float32)
-    if out is None:
-        out = (torch.empty(capacity, dtype=torch.int32, device=dense.device),
-               torch.empty(capacity, dtype=torch.float32, device=dense.device),
-               torch.empty((), dtype=torch.int32, device=dense.device))
-    indices, values, count = out
-    _dispatch.record(launches=5, bytes=2 * dense.element_size() * max_len)
-    if _dispatch.choose(backend, dense.device) == "triton":
-        _region_select_triton(dense, start, end, threshold, capacity, max_len, scale,
-                              indices, values, count)
-    else:
-        with _dispatch.inside_kernel():
-            _region_select_torch(dense, start, end, threshold, capacity, max_len, scale,
-                                 indices, values, count)
-    return indices, values, count
-
-
 def clear_sent(residual: Tensor, sent_indices: Tensor, sent_counts: Tensor, region_offsets: Tensor,
                global_indices: Tensor, global_counts: Tensor, *,
                velocity: Optional[Tensor] = None, keep_bf16_rounding: bool = False,

@@ -20,7 +20,7 @@ import torch
 import oktopk_triton.kernels as K
 from oktopk_triton.kernels import (HIST_BINS, Selection, abs_histogram, bin_threshold, clear_sent,
                                    exact_threshold, fused_select, histogram_threshold, kth_bin,
-                                   region_select, scatter_add)
+                                   scatter_add)
 
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")
@@ -330,45 +330,6 @@ def test_abs_histogram_matches_reference(n, dtype):
         assert int(h1["torch"].sum()) == int(h0["torch"][b])
 
 
-@needs_triton
-@pytest.mark.parametrize("n,P", [(1, 1), (7, 3), (1000, 4), (65537, 6)])
-def test_abs_histogram_regions(n, P):
-    """[P, BINS]: row j is the range histogram of region j (empty regions give zero rows), in
-    both backends; kth_bins / bin_thresholds agree with kth_bin / bin_threshold row by row."""
-    x = (torch.randn(n, generator=gen(n + 1)) * 2).to(DEV)
-    x[::7] = 0
-    if n > 10:
-        x[2], x[5] = float("nan"), float("inf")
-    offsets = region_layout(n, P, seed=n + 2)
-    hs = {be: K.abs_histogram_regions(x, offsets, backend=be) for be in ("torch", "triton")}
-    assert torch.equal(hs["torch"], hs["triton"])
-    for j in range(P):
-        want = abs_histogram(x, start=int(offsets[j]), end=int(offsets[j + 1]), backend="torch")
-        assert torch.equal(hs["torch"][j], want)
-    assert torch.equal(hs["torch"].sum(0), abs_histogram(x, backend="torch"))
-    for k in (1, 5, n):
-        bins, above = K.kth_bins(hs["torch"], k)
-        ths = K.bin_thresholds(bins)
-        for j in range(P):
-            b, a = kth_bin(hs["torch"][j], k)
-            assert int(bins[j]) == int(b) and int(above[j]) == int(a)
-            assert float(ths[j]) == float(bin_threshold(b))
-    # level 1 with one prefix per region, and per-row k
-    ks = torch.arange(1, P + 1, device=DEV) * 3
-    bins, above = K.kth_bins(hs["torch"], ks)
-    h1 = {be: K.abs_histogram_regions(x, offsets, prefix=bins, backend=be)
-          for be in ("torch", "triton")}
-    assert torch.equal(h1["torch"], h1["triton"])
-    b1, _ = K.kth_bins(h1["torch"], ks - above)
-    ths = K.bin_thresholds(bins, b1)
-    for j in range(P):
-        lo, hi = int(offsets[j]), int(offsets[j + 1])
-        want = abs_histogram(x, prefix=bins[j], start=lo, end=hi, backend="torch")
-        assert torch.equal(h1["torch"][j], want)
-        assert float(ths[j]) == float(histogram_threshold(x, int(ks[j]), start=lo, end=hi,
-                                                          backend="torch"))
-
-
 def test_kth_bin_edge_cases():
     h = torch.zeros(HIST_BINS, dtype=torch.int64)
     h[[3, 10, 100]] = torch.tensor([5, 2, 1])
@@ -501,53 +462,6 @@ def test_scatter_add_strided_rows_and_empty():
         d = torch.zeros(10, device=DEV)
         scatter_add(d, msg[:, 2:2 + cap], msg[:, 2 + cap:].view(torch.float32), msg[:, 0], backend=be)
         assert d.tolist() == [1, 0, 0, 0, 2, 0, 0, 0, 0, 3]
-
-
-# ----------------------------------------------------------------------------------------------
-# region_select
-# ----------------------------------------------------------------------------------------------
-@needs_triton
-@pytest.mark.parametrize("n", [1, 7, 1000, 65537])
-@pytest.mark.parametrize("device_range", [False, True])
-def test_region_select_ascending_and_matches(n, device_range):
-    x = torch.randn(n, generator=gen(n)).to(DEV)
-    x[::3] = 0
-    cases = [(0, n), (n // 4, n - n // 3), (n // 2, n // 2)]
-    for start, end in cases:
-        for thr_v, cap in [(1.0, n), (0.0, max(1, n // 10)), (float("inf"), 4)]:
-            thr = torch.tensor(thr_v, device=DEV)
-            kw = {}
-            s_arg, e_arg = start, end
-            if device_range:
-                s_arg = torch.tensor(start, device=DEV)
-                e_arg = torch.tensor(end, device=DEV)
-                kw["max_len"] = max(end - start, 1) + 3
-            res = {be: region_select(x, s_arg, e_arg, thr, cap, scale=0.5, backend=be, **kw)
-                   for be in ("torch", "triton")}
-            seg = x[start:end].cpu()
-            sel = ((seg.abs() >= thr_v) & (seg != 0)).nonzero().reshape(-1)
-            for be, (idx, val, cnt) in res.items():
-                assert int(cnt) == sel.numel(), be
-                c = min(sel.numel(), cap)
-                assert torch.equal(idx[:c].cpu().to(torch.int64), sel[:c]), be   # ascending
-                assert torch.equal(val[:c].cpu(), seg[sel[:c]] * 0.5), be
-                assert (idx[c:] == -1).all() and (val[c:] == 0).all(), be
-                assert idx.dtype == torch.int32 and val.dtype == torch.float32
-                assert cnt.dtype == torch.int32 and cnt.dim() == 0
-
-
-@needs_triton
-def test_region_select_tensor_scale_and_out():
-    x = torch.arange(-50, 50, dtype=torch.float32, device=DEV)    # x[10:90] = -40..39
-    out = (torch.empty(8, dtype=torch.int32, device=DEV), torch.empty(8, device=DEV),
-           torch.empty((), dtype=torch.int32, device=DEV))
-    for be in ("torch", "triton"):
-        idx, val, cnt = region_select(x, 10, 90, torch.tensor(35.0, device=DEV), 8,
-                                      scale=torch.tensor(2.0, device=DEV), out=out, backend=be)
-        assert idx is out[0] and cnt is out[2]
-        assert int(cnt) == 11                            # -40..-35 and 35..39
-        assert idx.tolist() == [0, 1, 2, 3, 4, 5, 75, 76]
-        assert val.tolist() == [-80, -78, -76, -74, -72, -70, 70, 72]
 
 
 # ----------------------------------------------------------------------------------------------
