@@ -52,6 +52,9 @@ a latency/bandwidth model.
 from __future__ import annotations
 
 from . import _args as A
+from ._common import git_commit as _git_commit
+from ._common import resolve_algorithms as _resolve
+from ..algorithms._sparse import _log2ceil
 import datetime
 import json
 import math
@@ -104,8 +107,6 @@ def add_arguments(p) -> None:
 
 
 # -- formulas -----------------------------------------------------------------------------------------
-def _log2ceil(P: int) -> int:
-    return 0 if P <= 1 else (P - 1).bit_length()
 
 
 def formula_words(name: str, n: int, k: int, P: int):
@@ -703,21 +704,6 @@ def _versions(nccl: Optional[str] = None) -> Dict[str, Any]:
     return v
 
 
-def _git_commit() -> Optional[str]:
-    import subprocess
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
-                              text=True, timeout=10)
-        if head.returncode != 0:
-            return None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=root, capture_output=True, text=True, timeout=10)
-        return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-    except Exception:  # noqa: BLE001
-        return None
-
-
 def device_slug(name: str) -> str:
     import re
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown"
@@ -731,27 +717,6 @@ def default_json_path(report: Dict[str, Any]) -> str:
         root = os.getcwd()
     return os.path.join(root, "bench", "results",
                         f"gpu-collectives-{report['date'][:10]}-{device_slug(report['device'])}.json")
-
-
-def resolve_algorithms(names: List[str]):
-    """(to run, skipped notes)."""
-    from ..algorithms import REGISTRY, SPARSE_ALGORITHMS, available_algorithms
-    avail = available_algorithms()
-    if any(x.lower() == "all" for x in names):
-        wanted = ["dense"] + [a for a in SPARSE_ALGORITHMS]
-    else:
-        wanted = [x.lower() for x in names]
-    run, skipped = [], []
-    for a in wanted:
-        if a not in REGISTRY:
-            raise SystemExit(f"oktopk-bench collectives: unknown algorithm {a!r}; "
-                             f"choose from {sorted(REGISTRY)} or 'all'")
-        if a in avail:
-            if a not in run:
-                run.append(a)
-        else:
-            skipped.append({"algorithm": a, "reason": "not implemented yet (module missing)"})
-    return run, skipped
 
 
 def _gpu_count() -> int:
@@ -1004,3 +969,9 @@ if __name__ == "__main__":  # python -m oktopk_triton.bench.collectives
     _p = argparse.ArgumentParser(prog="oktopk-bench collectives")
     add_arguments(_p)
     sys.exit(main(_p.parse_args()))
+
+
+def resolve_algorithms(names: List[str]):
+    """(to run, skipped notes as dicts) for ``collectives``."""
+    run, skipped = _resolve(names, "collectives")
+    return run, [{"algorithm": a, "reason": why} for a, why in skipped]

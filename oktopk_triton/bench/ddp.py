@@ -54,6 +54,7 @@ all ranks ended with bitwise-equal parameters (true for every averaging hook, fa
 from __future__ import annotations
 
 from . import _args as A
+from ._common import git_commit as _git_commit
 import datetime
 import hashlib
 import inspect
@@ -173,21 +174,6 @@ def _load_avg() -> Optional[float]:
     try:
         return round(os.getloadavg()[0], 2)
     except (OSError, AttributeError):  # pragma: no cover - not on every platform
-        return None
-
-
-def _git_commit() -> Optional[str]:
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
-                             text=True, timeout=10)
-        if out.returncode != 0:
-            return None
-        commit = out.stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return commit + ("-dirty" if dirty else "")
-    except Exception:  # noqa: BLE001 - no git, not a checkout
         return None
 
 

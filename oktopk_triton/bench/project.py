@@ -65,6 +65,8 @@ GPU: their time is multiplied by the ranks per GPU) and prints predicted against
 from __future__ import annotations
 
 from . import _args as A
+from ._common import git_commit as _git_commit
+from ..algorithms._sparse import _log2ceil
 import dataclasses
 import datetime
 import glob
@@ -320,8 +322,6 @@ def selection_time(name: str, n: int, kernels: KernelCosts, ranks_per_gpu: int =
 
 
 # -- communication --------------------------------------------------------------------------------
-def _log2ceil(P: int) -> int:
-    return (P - 1).bit_length() if P > 1 else 0
 
 
 def spec_time(spec, P: int, net: Network) -> Tuple[float, str]:
@@ -536,15 +536,6 @@ def plot(report: Dict[str, Any], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def _git_commit() -> Optional[str]:
-    try:
-        r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=_repo_root(),
-                           capture_output=True, text=True, timeout=10)
-        return r.stdout.strip() or None
-    except Exception:  # noqa: BLE001
-        return None
 
 
 # -- validation -----------------------------------------------------------------------------------

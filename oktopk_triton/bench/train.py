@@ -47,6 +47,7 @@ reduced gradient is bitwise identical on every rank, so the replicas must be too
 from __future__ import annotations
 
 from . import _args as A
+from ._common import git_commit as _git_describe
 import argparse
 import json
 import math
@@ -234,38 +235,6 @@ def _versions() -> Dict[str, Optional[str]]:
         except Exception:
             out[mod] = None
     return out
-
-
-def _git_describe() -> Optional[str]:
-    """The commit the results were produced with (algorithms change; results must say which)."""
-    try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here,
-                             capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return (rev + ("+dirty" if dirty else "")) or None
-    except Exception:
-        return None
-
-
-def resolve_algorithms(names: List[str]):
-    from ..algorithms import REGISTRY, available_algorithms
-    avail = available_algorithms()
-    if any(n.lower() == "all" for n in names):
-        wanted = list(REGISTRY)  # dense first, then the sparse ones in registry order
-    else:
-        wanted = [n.lower() for n in names]
-    algos, skipped = [], []
-    for n in wanted:
-        if n not in REGISTRY:
-            raise SystemExit(f"unknown algorithm {n!r}; choose from {sorted(REGISTRY)} or 'all'")
-        if n in avail:
-            if n not in algos:
-                algos.append(n)
-        else:
-            skipped.append((n, "not implemented yet (get_algorithm failed to import it)"))
-    return algos, skipped
 
 
 def _parse_option(s: str):
@@ -1082,3 +1051,9 @@ if __name__ == "__main__":
     print("usage: torchrun ... -m oktopk_triton.bench.train --worker CONFIG.json OUT.jsonl\n"
           "       (use `oktopk-bench train` to run the comparison)", file=sys.stderr)
     sys.exit(2)
+
+
+def resolve_algorithms(names: List[str]):
+    """(algorithms to run, [(skipped, why)]) for ``train``."""
+    from ._common import resolve_algorithms as resolve
+    return resolve(names, "train")
