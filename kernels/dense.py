@@ -72,4 +72,8 @@ def fill_if(out: Tensor, flag: Tensor, value: float, *, backend: str = "auto") -
         _fill_if_triton(out.view(-1), flag, value)
     else:
         with _dispatch.inside_kernel():
-            out.masked_fill_(flag != 0, value)
+            if out.device.type == "cpu":   # a host read is free here: no pass over out when 0
+                if int(flag) != 0:
+                    out.fill_(value)
+            else:
+                out.masked_fill_(flag != 0, value)

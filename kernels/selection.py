@@ -339,6 +339,17 @@ def _fused_select_cpu(grad, residual, threshold, region_offsets, capacity, skip,
     return out
 
 
+def _cpu_select_bytes(n: int, gbytes: int, vbytes: int, hist: bool) -> int:
+    """Memory traffic of ``_fused_select_cpu`` over n (bytes; the O(selected) compaction left
+    out): accumulate (grad, residual read and written), |acc| written and read back by its max
+    and by the compare, the bool mask written and scanned as words, and the histogram (bits
+    minus threshold written, shifted, offset and clamped in place, then bincount and
+    count_nonzero): 66n + grad with the histogram, 26n + grad without. The Triton kernel reads
+    grad and the residual once and writes the residual: 8n + grad."""
+    select = gbytes + 8 * n + vbytes + 4 * n + 3 * 4 * n + n + n
+    return select + (4 * n + 4 * n + 3 * 8 * n + 4 * n + 4 * n if hist else 0)
+
+
 def _sparse_nonzero(mask: Tensor) -> Tensor:
     """int64 positions of a fresh, contiguous bool mask's True entries, ascending. A mask that
     is mostly False is scanned as int64 words (8 flags each) first, and only the nonzero words
@@ -460,12 +471,17 @@ def fused_select(grad: Tensor, residual: Tensor, threshold: Tensor, region_offse
     if threshold.device != residual.device:
         raise ValueError(f"threshold is on {threshold.device}, expected {residual.device}")
     gbytes = grad.element_size() * n
-    _dispatch.record(launches=3, bytes=gbytes + 8 * n + (8 * n if velocity is not None else 0))
+    vbytes = 8 * n if velocity is not None else 0
     if _dispatch.choose(backend, residual.device) == "triton":
+        _dispatch.record(launches=3, bytes=gbytes + 8 * n + vbytes)
         return _fused_select_triton(grad, residual, threshold, region_offsets, capacity, skip, out,
                                     velocity, momentum, mask_velocity, hist)
-    impl = _fused_select_cpu if residual.device.type == "cpu" and not REFERENCE else \
-        _fused_select_torch
+    fast = residual.device.type == "cpu" and not REFERENCE
+    impl = _fused_select_cpu if fast else _fused_select_torch
+    if fast:
+        _dispatch.record(launches=1, bytes=_cpu_select_bytes(n, gbytes, vbytes, hist is not None))
+    else:   # the reference: counted as the one pass it stands for
+        _dispatch.record(launches=3, bytes=gbytes + 8 * n + vbytes)
     with _dispatch.inside_kernel():
         return impl(grad, residual, threshold, region_offsets, capacity, skip, out,
                     velocity, momentum, mask_velocity, hist)

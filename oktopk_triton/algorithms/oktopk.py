@@ -169,8 +169,6 @@ class OkTopk(Algorithm):
         self._gathered = torch.zeros(P, _HEADER + 2 * cg, dtype=torch.int32, device=dev)
         self._hist = torch.zeros(P, K.SELECT_HIST_BINS, dtype=torch.int32, device=dev)
         self._stage = K.empty_selection(P, self.cap_s, dev)
-        self._stage_slots = torch.arange(self.cap_s, device=dev)
-        self._row_slots = torch.arange(self.cap_r, device=dev).reshape(1, -1)
         if self.bf16_wire:   # cap_r values padded to an even count: whole int32 words
             self._wire_vals = torch.zeros(P, 2 * ((cr + 1) // 2), dtype=torch.bfloat16, device=dev)
         # the owner's sums: one slot per distinct received index (at most P·cap_r), not an
@@ -311,7 +309,7 @@ class OkTopk(Algorithm):
                        mask_velocity=self.momentum_masking and self.velocity is not None,
                        hist=self._hist, backend=self.backend)
         msg = self._msg
-        staged = self._stage_slots < stg.counts.reshape(P, 1)
+        staged = torch.arange(self.cap_s, device=self.device) < stg.counts.reshape(P, 1)
         mag = torch.where(staged, stg.values.abs(), torch.full_like(stg.values, -1.0))
         pos = torch.topk(mag, cr, dim=1, sorted=True).indices   # valid ones first
         msg[:, 0] = stg.counts.clamp(max=cr)
@@ -340,7 +338,7 @@ class OkTopk(Algorithm):
         vals = rows[:, _HEADER + cr:]
         vals = vals.view(torch.bfloat16)[:, :cr].float() if self.bf16_wire else vals.view(torch.float32)
         idx = rows[:, _HEADER:_HEADER + cr].to(torch.int64)
-        valid = self._row_slots < rows[:, :1]                  # [P, cr]: slot < count
+        valid = torch.arange(cr, device=self.device) < rows[:, :1]     # [P, cr]: slot < count
         key = torch.where(valid, idx, torch.full_like(idx, self.numel)).reshape(-1)
         sidx, perm = torch.sort(key, stable=True)               # ascending; padding last
         first = torch.ones_like(sidx, dtype=torch.bool)

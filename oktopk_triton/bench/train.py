@@ -592,12 +592,8 @@ def _comm_and_device(cfg):
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
-    try:
-        from ..comm import default_communicator
-        comm = default_communicator(device)
-    except (ImportError, AttributeError):  # select.py not present: torch.distributed directly
-        from ..comm import TorchCommunicator
-        comm = TorchCommunicator()
+    from ..comm import default_communicator
+    comm = default_communicator(device)
     return comm, device
 
 
