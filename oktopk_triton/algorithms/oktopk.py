@@ -309,9 +309,14 @@ class OkTopk(Algorithm):
                        mask_velocity=self.momentum_masking and self.velocity is not None,
                        hist=self._hist, backend=self.backend)
         msg = self._msg
-        staged = torch.arange(self.cap_s, device=self.device) < stg.counts.reshape(P, 1)
+        counts = stg.counts.reshape(P, 1)
+        staged = torch.arange(self.cap_s, device=self.device) < counts
         mag = torch.where(staged, stg.values.abs(), torch.full_like(stg.values, -1.0))
-        pos = torch.topk(mag, cr, dim=1, sorted=True).indices   # valid ones first
+        # a row with more than cap_r candidates sends its cap_r largest (all valid, in any
+        # order); one with fewer sends them as staged (valid ones first). Unsorted: the sorted
+        # top-k cost 1.3 ms of a 33 ms CPU step (n = 2^20, P = 4), the unsorted 0.57
+        pos = torch.topk(mag, cr, dim=1, sorted=False).indices
+        pos = torch.where(counts > cr, pos, torch.arange(cr, device=self.device).reshape(1, -1))
         msg[:, 0] = stg.counts.clamp(max=cr)
         msg[:, 1] = stg.nonfinite
         msg[:, _HEADER:_HEADER + cr] = stg.indices.gather(1, pos)
