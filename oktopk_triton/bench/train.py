@@ -78,7 +78,10 @@ RESULTS_DIR = os.path.join("bench", "results")
 # ------------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--algorithms", nargs="+", default=["all"],
-                   help="algorithms to compare ('all' = dense and every available sparse one)")
+                   help="algorithms to compare ('all' = dense and every available sparse one); "
+                        "with --model gpt also the baselines powersgd (torch's PowerSGD hook, "
+                        "rank matched to Ok-Topk's bytes at --density) and bf16 (torch's bf16 "
+                        "compression hook)")
     p.add_argument("--density", type=A.density, default=DEFAULTS["density"],
                    help="fraction of the gradient each sparse algorithm sends (k = density*n)")
     p.add_argument("--world-size", type=A.positive_int, default=DEFAULTS["world_size"], help="ranks")
@@ -139,6 +142,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "data-parallel AdamW, the baseline users run). adam: dense AdamW for "
                         "warmup_steps (default 20%% of steps), then frozen variance and the "
                         "preconditioned gradient reduced sparsely (SparseAllreduce.reduce_adam)")
+    g.add_argument("--powersgd-start", type=A.positive_int, default=None,
+                   help="--algorithms powersgd: dense allreduce steps before compressing "
+                        "(torch's start_powerSGD_iter; default 2%% of --steps, at least 2)")
     g.add_argument("--val-fraction", type=A.fraction, default=GPT_DEFAULTS["val_fraction"],
                    help="gpt: fraction of the stdlib files held out for validation")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
@@ -176,6 +182,11 @@ def main(args) -> int:
         return 2
     config = build_config(args, algos)
     lm = config["model"] == "gpt"
+    from .baselines import BASELINES
+    if not lm and any(a in BASELINES for a in algos):
+        print(f"oktopk-bench train: {'/'.join(BASELINES)} run with --model gpt only, got "
+              f"--model {config['model']}", file=sys.stderr)
+        return 2
     tag = args.tag or (f"lm-{config['size']}-d{args.density:g}" if lm else
                        f"digits-d{args.density:g}")
     json_path = args.json or os.path.join(RESULTS_DIR, f"train-{tag}.json")
@@ -291,6 +302,7 @@ def build_config(args, algos) -> Dict[str, Any]:
                    warmup_fraction=getattr(args, "warmup_fraction", GPT_DEFAULTS["warmup_fraction"]),
                    val_fraction=getattr(args, "val_fraction", GPT_DEFAULTS["val_fraction"]),
                    reduce=getattr(args, "reduce", "auto"),
+                   powersgd_start=getattr(args, "powersgd_start", None),
                    betas=list(GPT_DEFAULTS["betas"]), epochs=None, width=None, test_fraction=None,
                    train_subset=None)
     return cfg
@@ -846,12 +858,83 @@ def resolve_reduce(cfg: Dict[str, Any], algorithm: str) -> str:
             else "gradients")
 
 
+class _LMReducer:
+    """How one language-model run averages over ranks: a :class:`SparseAllreduce` mode
+    (``gradients``, ``updates`` or ``adam``; dense is ``gradients`` at density 1), or one of
+    torch's DDP compression hooks (``powersgd``, ``bf16``; bench/baselines.py), which average
+    the gradients during backward. ``reduce()`` returns the flat vector applied this step."""
+
+    def __init__(self, cfg, algorithm: str, model, params, comm, device) -> None:
+        from .. import SparseAllreduce
+        from .baselines import BASELINES, HookBaseline, powersgd_rank_for
+        self.params, self.model, self.hook = params, model, None
+        self.numel = sum(p.numel() for p in params)
+        if algorithm in BASELINES:
+            self.mode, self.density, self.k = "gradients", 1.0, self.numel
+            self.opt = _make_optimizer(cfg, model.parameters(), False)
+            target = _oktopk_bytes(self.numel, cfg["density"], comm.world_size)
+            rank = powersgd_rank_for([p.shape for p in params], target, comm.world_size)
+            start = cfg.get("powersgd_start") or max(2, round(0.02 * cfg["steps"]))
+            self.hook = HookBaseline(model, algorithm, rank=rank, start_iter=start, device=device)
+            self.powersgd = {"rank": rank, "start_iter": max(2, int(start)),
+                             "target_bytes": target} if algorithm == "powersgd" else None
+            return
+        corrected = bool(cfg.get("momentum_correction")) and algorithm != "dense"
+        self.opt = _make_optimizer(cfg, model.parameters(), corrected)
+        options = dict(cfg.get("options") or {}) if algorithm != "dense" else {}
+        if corrected:
+            options["momentum"] = cfg["momentum"]
+        self.density = cfg["density"] if algorithm != "dense" else 1.0
+        mode = resolve_reduce(cfg, algorithm)
+        if mode == "adam" and algorithm == "dense":
+            mode = "gradients"   # the baseline stays plain data-parallel AdamW
+        if mode == "adam":   # techniques.FrozenAdam: beta1 is the reducer's momentum correction
+            options.update(adam="frozen", momentum=float(cfg.get("betas", (0.9, 0.95))[0]))
+            options.setdefault("warmup_steps", max(1, int(round(0.2 * cfg["steps"]))))
+        self.mode = mode
+        self.sar = SparseAllreduce(params, comm=comm, density=self.density, algorithm=algorithm,
+                                   **options)
+        self.numel, self.k = self.sar.numel, self.sar.k
+
+    @property
+    def stats(self):
+        return self.hook.stats if self.hook else self.sar.stats
+
+    @property
+    def steps_optimizer(self) -> bool:
+        """Whether the loop calls ``opt.step()`` after :meth:`reduce` (gradients reduced)."""
+        return self.mode == "gradients"
+
+    def loss(self, x):
+        return self.hook.loss(x) if self.hook else self.model.loss(x)
+
+    def reduce(self):
+        if self.hook:
+            self.hook.finish_step()
+            return self.hook.averaged_gradient(self.params)
+        if self.mode == "adam":
+            return self.sar.reduce_adam(self.opt)
+        if self.mode == "updates":
+            # this rank's AdamW steps on its own gradient; the reducer averages the updates
+            # (error feedback in update space) and sets the weights; reduce ms includes the step
+            return self.sar.reduce_updates(self.opt)
+        return self.sar.reduce_gradients()   # averages .grad over ranks, error feedback inside
+
+    def describe(self) -> Dict[str, Any]:
+        return {"powersgd": self.powersgd} if self.hook and self.powersgd else {}
+
+
+def _oktopk_bytes(n: int, density: float, P: int) -> int:
+    """Bytes per rank of a steady Ok-Topk step at this density (its static schedule)."""
+    from ..algorithms.schedule import schedule_of, total_bytes
+    return total_bytes(schedule_of("oktopk", n, max(1, int(density * n)), P))
+
+
 def train_one_lm(cfg, algorithm: str, seed: int, comm, device, data, log) -> Dict[str, Any]:
     """One run of the byte-level LM (``--model gpt``); the record mirrors :func:`train_one`'s
     with validation loss (nats/byte) and bits per byte in place of accuracy."""
     import torch
     import torch.distributed as dist
-    from .. import SparseAllreduce
     from .gpt import GPT, GPTConfig, batch_at, val_starts
 
     train_bytes, val_bytes = data
@@ -860,22 +943,10 @@ def train_one_lm(cfg, algorithm: str, seed: int, comm, device, data, log) -> Dic
     L = gcfg.context + 1                      # a window: context inputs and their next bytes
     torch.manual_seed(seed)                    # the same init on every rank
     model = GPT(gcfg).to(device)
-    corrected = bool(cfg.get("momentum_correction")) and algorithm != "dense"
-    opt = _make_optimizer(cfg, model.parameters(), corrected)
-    options = dict(cfg.get("options") or {}) if algorithm != "dense" else {}
-    if corrected:
-        options["momentum"] = cfg["momentum"]
-    density = cfg["density"] if algorithm != "dense" else 1.0
     params = [p for p in model.parameters() if p.requires_grad]
-    mode = resolve_reduce(cfg, algorithm)
-    if mode == "adam" and algorithm == "dense":
-        mode = "gradients"   # the baseline stays plain data-parallel AdamW
-    if mode == "adam":   # techniques.FrozenAdam: beta1 is the reducer's momentum correction
-        options.update(adam="frozen", momentum=float(cfg.get("betas", (0.9, 0.95))[0]))
-        options.setdefault("warmup_steps", max(1, int(round(0.2 * cfg["steps"]))))
-    sar = SparseAllreduce(params, comm=comm, density=density, algorithm=algorithm, **options)
-    numel = sar.numel
-    k = sar.k
+    red = _LMReducer(cfg, algorithm, model, params, comm, device)
+    opt = red.opt
+    numel, k, density, mode = red.numel, red.k, red.density, red.mode
     init_identical = replicas_identical(model)
     counter = _LayerCounter(model, cfg["steps"], device)
     assert sum(counter.sizes) == numel
@@ -903,7 +974,6 @@ def train_one_lm(cfg, algorithm: str, seed: int, comm, device, data, log) -> Dic
     loss_acc = torch.zeros((), dtype=torch.float64, device=device)
     since = 0
     eval_every = int(cfg["eval_every"])
-    reduce_updates = resolve_reduce(cfg, algorithm) == "updates"
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     for step in range(steps):
         starts = torch.randint(0, len(train_bytes) - L, (bs,), generator=g)
@@ -912,32 +982,25 @@ def train_one_lm(cfg, algorithm: str, seed: int, comm, device, data, log) -> Dic
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=False)
         with _autocast(device):
-            loss = model.loss(x)
+            loss = red.loss(x)
         loss.backward()
-        counter.local(params)
+        counter.local(params)   # a baseline's hook has averaged them already
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
         sync()
         t1 = time.perf_counter()
-        if mode == "adam":
-            flat = sar.reduce_adam(opt)
-        elif reduce_updates:
-            # this rank's AdamW steps on its own gradient; the reducer averages the updates
-            # (error feedback in update space) and sets the weights; reduce ms includes the step
-            flat = sar.reduce_updates(opt)
-        else:
-            flat = sar.reduce_gradients()   # averages .grad over ranks, error feedback inside
+        flat = red.reduce()
         sync()
         t2 = time.perf_counter()
-        if not reduce_updates and mode != "adam":
+        if red.steps_optimizer:
             opt.step()
         sync()
         t3 = time.perf_counter()
         counter.reduced(step, flat)
         step_times.append(t3 - t0)
         reduce_times.append(t2 - t1)
-        bytes_curve.append(int(sar.stats["bytes_sent"]))
-        _record_stats(stats_curve, sar.stats)
+        bytes_curve.append(int(red.stats["bytes_sent"]))
+        _record_stats(stats_curve, red.stats)
         loss_acc += loss.detach().double()
         since += 1
         done = step + 1
@@ -960,7 +1023,7 @@ def train_one_lm(cfg, algorithm: str, seed: int, comm, device, data, log) -> Dic
     layer_report = counter.report(steps, params)
     final = val_curve[-1][1]
     return {
-        "reduce": mode,
+        "reduce": mode, **red.describe(),
         "algorithm": algorithm, "seed": seed, "density": density, "world_size": P,
         "numel": numel, "k": k, "steps": steps,
         "final_val_loss": final, "final_val_bpb": final / math.log(2), "val_curve": val_curve,
@@ -1050,6 +1113,12 @@ if __name__ == "__main__":
 
 
 def resolve_algorithms(names: List[str]):
-    """(algorithms to run, [(skipped, why)]) for ``train``."""
+    """(algorithms to run, [(skipped, why)]) for ``train``: the library's algorithms and the
+    baselines of bench/baselines.py (``powersgd``, ``bf16``; named explicitly, not in ``all``)."""
     from ._common import resolve_algorithms as resolve
-    return resolve(names, "train")
+    from .baselines import BASELINES
+    lowered = [x.lower() for x in names]
+    extra = [x for x in lowered if x in BASELINES]
+    rest = [x for x in lowered if x not in BASELINES]
+    run, skipped = resolve(rest, "train") if rest else ([], [])
+    return run + [x for x in dict.fromkeys(extra)], skipped
