@@ -117,7 +117,12 @@ class HookBaseline:
         self._total = {"bytes_sent": 0}
         self._last = 0
         self.stats: Dict[str, int] = {"bytes_sent": 0}
-        self.ddp = DDP(_LossModule(model), device_ids=None if device.type == "cpu" else [device])
+        # one bucket: the chained allreduces PowerSGD issues for two buckets can interleave in a
+        # different order on different gloo ranks (a collective size mismatch, seen at 4 ranks
+        # on the 1m GPT); an explicit cap also applies to DDP's first bucket
+        mb = 4.0 * sum(p.numel() for p in model.parameters()) / 2**20
+        self.ddp = DDP(_LossModule(model), device_ids=None if device.type == "cpu" else [device],
+                       bucket_cap_mb=max(25.0, 2.0 * mb))
         # the hooks' modules call torch.distributed through their module attribute ``dist``
         # (PowerSGD's dense warm-up steps through default_hooks): count there
         psgd.dist = default_hooks.dist = _CountingDist(self._total)
