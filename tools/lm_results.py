@@ -23,6 +23,8 @@ import re
 import sys
 from typing import Any, Dict, List
 
+from oktopk_triton.bench.time_to_loss import steps_ratio  # noqa: F401 - used below and by tests
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
@@ -34,32 +36,6 @@ SAME = ("model", "size", "gpt", "steps", "batch_size", "lr", "optimizer", "betas
 KEEP_STATS = ("global_selected", "local_selected", "sent", "overflow", "reduce_overflow",
               "gather_overflow", "global_count", "collectives", "kernel_launches")
 GOALS = {0.01: 2.0, 0.001: 5.0}   # Ok-Topk's final validation loss within x% of dense
-
-
-def steps_ratio(dense_steps: List[float], dense_loss: List[float], run_steps: float,
-                final_loss: float) -> Dict[str, Any]:
-    """How many times dense's steps this run needed to reach its final loss.
-
-    ``run_steps`` divided by the step at which dense's (mean) validation curve first reaches
-    ``final_loss``, linearly interpolated between evaluations. 1.0 = no slower than dense. When
-    dense never gets that low the ratio is clamped to run_steps / dense's last step (a lower bound
-    on how much faster dense is: reported as ``clamped: "never"``); when dense's first evaluation
-    is already at or below it, the crossing is clamped to that first step (``clamped: "first"``).
-    """
-    if len(dense_steps) != len(dense_loss) or not dense_steps:
-        raise ValueError(f"steps_ratio: expected equal, non-empty step and loss lists, got "
-                         f"{len(dense_steps)} and {len(dense_loss)}")
-    if dense_loss[0] <= final_loss:
-        return {"ratio": run_steps / dense_steps[0], "dense_step": dense_steps[0],
-                "clamped": "first"}
-    for i in range(1, len(dense_steps)):
-        lo, hi = dense_loss[i - 1], dense_loss[i]
-        if hi <= final_loss:   # first crossing: interpolate between evaluations i-1 and i
-            t = (lo - final_loss) / (lo - hi)
-            step = dense_steps[i - 1] + t * (dense_steps[i] - dense_steps[i - 1])
-            return {"ratio": run_steps / step, "dense_step": step, "clamped": None}
-    return {"ratio": run_steps / dense_steps[-1], "dense_step": dense_steps[-1],
-            "clamped": "never"}
 
 
 def layer_kind(name: str) -> str:

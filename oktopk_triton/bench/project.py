@@ -66,6 +66,7 @@ from __future__ import annotations
 
 from . import _args as A
 from ._common import git_commit as _git_commit
+from . import time_to_loss as TL
 from ..algorithms._sparse import _log2ceil
 import dataclasses
 import datetime
@@ -781,6 +782,25 @@ def format_validation(v: Dict[str, Any]) -> str:
 
 
 # -- CLI ------------------------------------------------------------------------------------------
+def _net_arg(text: str) -> str:
+    """argparse type of --net: the text, once :func:`parse_net` accepts it."""
+    import argparse
+    try:
+        parse_net(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e))
+    return text
+
+
+def _ratio_arg(text: str) -> str:
+    import argparse
+    try:
+        TL.load_ratios([], [text])
+    except SystemExit as e:
+        raise argparse.ArgumentTypeError(str(e).replace("--steps-ratio: ", ""))
+    return text
+
+
 def add_arguments(p) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--model", nargs="+", choices=sorted(MODEL_PRESETS), default=None,
@@ -788,7 +808,7 @@ def add_arguments(p) -> None:
                         "340M, gpt2-xl 1.5B parameters")
     g.add_argument("--n", type=A.positive_int, nargs="+", default=None, help="gradient lengths instead")
     p.add_argument("--density", type=A.density, default=0.01, help="k = density * n (default 0.01)")
-    p.add_argument("--net", nargs="+", default=["100Gbps"],
+    p.add_argument("--net", nargs="+", default=["100Gbps"], type=_net_arg,
                    help="networks: BANDWIDTH,LATENCY (e.g. 100Gbps,5us or 3GB/s,50us) or presets "
                         + ", ".join(f"{k} = {v[0]} ({v[1]})" for k, v in NET_PRESETS.items())
                         + " (default 100Gbps)")
@@ -805,6 +825,17 @@ def add_arguments(p) -> None:
     p.add_argument("--topkdsa-fill", type=float, default=None,
                    help="TopkDSA's largest reduced region in units of its cap (default: the fit "
                         "0.74 + 0.465 log2 P)")
+    t = p.add_argument_group("time to dense's loss (step time x steps ratio)")
+    t.add_argument("--steps-ratio", nargs="+", default=[], metavar="NAME=RATIO", type=_ratio_arg,
+                   help="how many times dense's steps an algorithm needs to reach its final loss "
+                        "(e.g. oktopk=1.98); dense is 1")
+    t.add_argument("--from-train", nargs="+", default=[], metavar="JSON",
+                   help="read the steps ratios from `oktopk-bench train --model gpt` reports "
+                        "(their dense runs' mean validation curve)")
+    t.add_argument("--compute-ms", type=A.nonneg_float, default=0.0,
+                   help="forward/backward ms per step, added to every algorithm's projected "
+                        "step before it is multiplied by its ratio (default 0: communication "
+                        "and selection only)")
     p.add_argument("--json", type=A.out_path, default=None, help="write the projection (or validation) JSON here")
     p.add_argument("--plot", type=A.out_path, default=None, help="write a step time vs P plot (PNG) here")
     p.add_argument("--breakdown", action="store_true",
@@ -874,6 +905,18 @@ def _write_json(path: str, obj: Any) -> None:
     print(f"wrote {path}")
 
 
+def _print_time_to_loss(rows, ratios: Dict[str, float], compute_ms: float,
+                        algs: Sequence[str]) -> List[Dict[str, Any]]:
+    missing = sorted(a for a in ratios if a not in algs)
+    ttl = TL.time_to_loss(rows, ratios, compute_ms)
+    print(TL.format_time_to_loss(
+        ttl, f"time to a loss: (step{f' + {compute_ms:g} ms compute' if compute_ms else ''}) x "
+             f"steps ratio, ms per dense step of progress; * = first"))
+    if missing:
+        print(f"(no projected step for {', '.join(missing)}: ratio given, not priced)")
+    return ttl
+
+
 def main(args) -> int:
     if args.validate:
         return run_validation(args.validate, args.kernels, args.ranks_per_gpu, args.json,
@@ -890,6 +933,8 @@ def main(args) -> int:
         models = [(m, MODEL_PRESETS[m]) for m in (args.model or ["bert-large"])]
     kernels, note = resolve_kernels(args.kernels)
     Ps = sorted(set(args.world_sizes))
+    ratios = (TL.load_ratios(args.from_train, args.steps_ratio)
+              if args.from_train or args.steps_ratio else None)
     print("PROJECTED (a cost model, not a measurement): one steady step = communication + "
           "selection kernels; dense compute (forward/backward) excluded")
     print(f"kernels: {kernels.source} ({kernels.device})" + (f"  [{note}]" if note else ""))
@@ -905,6 +950,7 @@ def main(args) -> int:
                      f"{net.describe()}; step ms (* = fastest)")
             print(format_table(rows, title))
             print("fastest: " + describe_ranges(ranges))
+            ttl = _print_time_to_loss(rows, ratios, args.compute_ms, algs) if ratios else None
             if args.breakdown:
                 for r in rows:
                     print(f"  P={r['P']:<5d} {r['algorithm']:10s} comm {r['comm_ms']:10.3f} ms  "
@@ -915,7 +961,8 @@ def main(args) -> int:
             cases.append({"model": model, "n": n, "density": args.density,
                           "net": {"name": net.name, "bandwidth_Bps": net.bandwidth,
                                   "latency_s": net.latency, "describe": net.describe()},
-                          "rows": rows, "fastest": ranges})
+                          "rows": rows, "fastest": ranges, "time_to_loss": ttl,
+                          "steps_ratios": ratios, "compute_ms": args.compute_ms})
     report = {"benchmark": "project", "projected": True,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "git": _git_commit(),

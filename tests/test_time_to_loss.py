@@ -1,0 +1,107 @@
+"""bench/time_to_loss: the steps ratio on synthetic validation curves, the ratios of a train
+report, and `oktopk-bench project`'s time to a loss."""
+import json
+
+import pytest
+
+from oktopk_triton.bench import time_to_loss as lm
+
+STEPS = [0, 100, 200, 300, 400]
+LOSS = [5.0, 4.0, 3.0, 2.5, 2.0]
+
+
+def test_interpolated_crossing():
+    # 2.75 lies halfway between step 200 (3.0) and 300 (2.5): dense reaches it at 250
+    r = lm.steps_ratio(STEPS, LOSS, 400, 2.75)
+    assert r["dense_step"] == pytest.approx(250.0)
+    assert r["ratio"] == pytest.approx(1.6)
+    assert r["clamped"] is None
+
+
+def test_dense_own_final_is_one():
+    assert lm.steps_ratio(STEPS, LOSS, 400, 2.0)["ratio"] == pytest.approx(1.0)
+
+
+def test_clamped_when_dense_never_reaches():
+    r = lm.steps_ratio(STEPS, LOSS, 400, 1.5)
+    assert r["clamped"] == "never" and r["ratio"] == pytest.approx(1.0)
+
+
+def test_clamped_at_first_eval():
+    r = lm.steps_ratio([60, 120], [4.0, 3.0], 240, 4.5)
+    assert r["clamped"] == "first" and r["ratio"] == pytest.approx(4.0)
+
+
+def test_first_crossing_wins_on_noisy_curve():
+    # dense dips to 2.9 at 200, rises, then falls again: the first crossing counts
+    r = lm.steps_ratio([0, 100, 200, 300, 400], [4.0, 3.2, 2.9, 3.1, 2.5], 400, 3.0)
+    assert r["dense_step"] == pytest.approx(100 + 100 * (0.2 / 0.3))
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="equal, non-empty"):
+        lm.steps_ratio([0, 1], [1.0], 10, 1.0)
+
+
+def _run(alg, seed, curve, steps=400, bytes_per_step=100.0):
+    return {"algorithm": alg, "seed": seed, "steps": steps, "val_curve": curve,
+            "final_val_loss": curve[-1][1], "bytes_per_step": bytes_per_step}
+
+
+def test_ratios_from_a_train_report_average_seeds():
+    dense = [_run("dense", s, list(zip(STEPS, [x + d for x in LOSS]))) for s, d in ((0, 0.1),
+                                                                                    (1, -0.1))]
+    ok = [_run("oktopk", 0, [(0, 5.0), (400, 2.7)]), _run("oktopk", 1, [(0, 5.0), (400, 2.8)])]
+    r = lm.ratios_from_train({"runs": dense + ok})
+    assert r["dense"]["ratio"] == pytest.approx(1.0)
+    assert r["oktopk"]["final_val_loss"] == pytest.approx(2.75)
+    assert r["oktopk"]["ratio"] == pytest.approx(1.6) and r["oktopk"]["seeds"] == [0, 1]
+    with pytest.raises(ValueError, match="no dense run"):
+        lm.ratios_from_train({"runs": ok})
+
+
+def test_load_ratios_refuses_bad_pairs_and_files(tmp_path):
+    assert lm.load_ratios([], ["oktopk=1.98"]) == {"oktopk": 1.98, "dense": 1.0}
+    for bad in ("oktopk", "oktopk=", "=2", "oktopk=-1", "oktopk=x"):
+        with pytest.raises(SystemExit, match="expected NAME=RATIO"):
+            lm.load_ratios([], [bad])
+    with pytest.raises(SystemExit, match="cannot read a train report"):
+        lm.load_ratios([str(tmp_path / "missing.json")], [])
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps({"runs": [_run("dense", 0, list(zip(STEPS, LOSS))),
+                                      _run("gtopk", 0, [(0, 5.0), (400, 2.5)])]}))
+    r = lm.load_ratios([str(p)], ["gtopk=3"])
+    assert r["gtopk"] == 3.0                      # a pair given after the file wins
+    assert lm.load_ratios([str(p)], [])["gtopk"] == pytest.approx(400 / 300)
+
+
+def test_time_to_loss_multiplies_and_picks_the_first():
+    rows = [{"P": 4, "algorithm": "dense", "step_ms": 10.0},
+            {"P": 4, "algorithm": "oktopk", "step_ms": 2.0},
+            {"P": 4, "algorithm": "spardl", "step_ms": 1.0}]
+    t = lm.time_to_loss(rows, {"dense": 1.0, "oktopk": 2.0}, compute_ms=4.0)
+    assert [(r["algorithm"], r["time_ms"], r["first"]) for r in t] == [
+        ("dense", 14.0, False), ("oktopk", 12.0, True)]     # spardl: no ratio, not ranked
+    t = lm.time_to_loss(rows, {"dense": 1.0, "oktopk": 2.0}, compute_ms=10.0)
+    assert [r["algorithm"] for r in t if r["first"]] == ["dense"]
+    assert "first" in lm.format_time_to_loss(t, "title").splitlines()[1]
+
+
+def test_project_prints_time_to_loss(capsys, tmp_path):
+    import argparse
+    from oktopk_triton.bench import project
+    p = argparse.ArgumentParser()
+    project.add_arguments(p)
+    out = tmp_path / "p.json"
+    args = p.parse_args(["--n", "1000000", "--world-sizes", "4", "--net", "10Gbps",
+                         "--steps-ratio", "oktopk=2", "powersgd=1.1", "--json", str(out)])
+    assert project.main(args) == 0
+    text = capsys.readouterr().out
+    assert "oktopk (x2.00)" in text and "no projected step for powersgd" in text
+    case = json.loads(out.read_text())["cases"][0]
+    dense = next(r for r in case["rows"] if r["algorithm"] == "dense")
+    ok = next(r for r in case["time_to_loss"] if r["algorithm"] == "oktopk")
+    assert ok["time_ms"] == pytest.approx(2 * next(
+        r["step_ms"] for r in case["rows"] if r["algorithm"] == "oktopk"))
+    # on 10 Gb/s a 1% step is far cheaper than dense's: twice the steps still finish first
+    assert ok["first"] and ok["time_ms"] < dense["step_ms"]
