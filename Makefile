@@ -1,4 +1,5 @@
 # make test : install (into the active environment, or a fresh .venv) and run the test suite
+# make lint : ruff (pyproject.toml's [tool.ruff]); make test runs it first
 # make demo : install and run the main job (4-rank training comparison)
 # make gpu-check [GPU_CHECK_OUT=DIR] : on a GPU machine, MPS + CUDA tests + every GPU benchmark (< 9 min)
 #
@@ -14,7 +15,7 @@ endif
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install test demo bench gpu-check clean
+.PHONY: install test lint demo bench gpu-check clean
 
 $(PY):
 	python3 -m venv --system-site-packages .venv
@@ -24,8 +25,11 @@ install: $(PY)
 	$(PY) -m pip install -q -e ".[test]"
 	@$(PY) -c "import torch, triton, oktopk_triton; print('oktopk-triton', oktopk_triton.__version__, '| torch', torch.__version__, '| triton', triton.__version__, '| cuda', torch.cuda.is_available())"
 
-test: install
+test: install lint
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+
+lint: install
+	$(PY) -m ruff check .
 
 demo: install
 	$(PY) -m oktopk_triton.cli demo
