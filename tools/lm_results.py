@@ -23,7 +23,8 @@ import re
 import sys
 from typing import Any, Dict, List
 
-from oktopk_triton.bench.time_to_loss import steps_ratio  # noqa: F401 - used below and by tests
+from oktopk_triton.bench.baselines import BASELINES
+from oktopk_triton.bench.time_to_loss import ratios_from_train
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
@@ -59,6 +60,9 @@ def merge(out_path: str, parts: List[str]) -> Dict[str, Any]:
     for r in reports:
         for run in r["runs"]:
             run = dict(run)
+            if run["algorithm"] in BASELINES and run["density"] == 1.0:
+                # early baseline runs recorded 1.0; they belong to the density they match
+                run["density"] = r["config"]["density"]
             run["stats_curve"] = {k: v for k, v in run.get("stats_curve", {}).items()
                                   if k in KEEP_STATS}
             runs[(run["algorithm"], run["density"], run["seed"])] = run
@@ -153,18 +157,25 @@ def tables(path: str) -> str:
                   f" per step){'' if goal is None else f'; goal: Ok-Topk within {goal:g}% of dense'}:", "",
                   "| algorithm | seeds | val loss nats/byte (mean ± sd) | bits/byte | vs dense | "
                   "vs dense per seed | applied/step | bytes/rank/step | vs dense bytes | "
-                  "time/step ms |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "time/step ms | steps ratio |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        sel = [x for x in d.get("runs", []) if x.get("density") in (float(dens), 1.0)]
+        try:
+            ratios = ratios_from_train({"runs": sel})
+        except ValueError:
+            ratios = {}
         for r in rows:
             if r.get("status") != "ok":
-                lines.append(f"| {r['algorithm']} | 0 | failed | | | | | | | |")
+                lines.append(f"| {r['algorithm']} | 0 | failed | | | | | | | | |")
                 continue
+            ratio = ratios.get(r["algorithm"], {}).get("ratio")
             per = ", ".join(f"{x:+.1f}" for x in r.get("loss_vs_dense_pct_per_seed", []))
             lines.append(f"| {r['algorithm']} | {r['n_seeds']} | {r['final_val_loss']:.4f} ± "
                          f"{r['final_val_loss_std']:.4f} | {r['final_val_bpb']:.3f} | "
                          f"{r.get('loss_vs_dense_pct', 0.0):+.2f}% | {per} | "
                          f"{r['applied_per_step']:,.0f} | {r['bytes_per_step'] / 1e3:,.1f} kB | "
                          f"{r.get('bytes_vs_dense', float('nan')):.4f} | "
-                         f"{r['time_per_step_ms']:.0f} |")
+                         f"{r['time_per_step_ms']:.0f} | "
+                         f"{'-' if ratio is None else f'{ratio:.2f}'} |")
         lines.append("")
     lines += layer_markdown(d)
     return "\n".join(lines)

@@ -870,7 +870,8 @@ class _LMReducer:
         self.params, self.model, self.hook = params, model, None
         self.numel = sum(p.numel() for p in params)
         if algorithm in BASELINES:
-            self.mode, self.density, self.k = "gradients", 1.0, self.numel
+            # density: the one its bytes are matched to (its table in merged reports)
+            self.mode, self.density, self.k = "gradients", cfg["density"], self.numel
             self.opt = _make_optimizer(cfg, model.parameters(), False)
             target = _oktopk_bytes(self.numel, cfg["density"], comm.world_size)
             rank = powersgd_rank_for([p.shape for p in params], target, comm.world_size)
