@@ -98,7 +98,9 @@ class StorePeerTable:
     """Identities of the ranks of a torch.distributed world, through the default group's store.
 
     Args:
-        store: a ``torch.distributed.Store`` (``None``: the default group's store).
+        store: a ``torch.distributed.Store`` (``None``: the default group's store, looked up at
+            each use and never kept: a table that outlived ``destroy_process_group`` would keep
+            torch's store alive into interpreter shutdown, where gloo's teardown can abort).
         ranks: ``{group rank: global rank}`` of the peers of interest.
         my_global_rank: this process's global rank.
     """
@@ -106,36 +108,44 @@ class StorePeerTable:
     def __init__(self, ranks: Dict[int, int], my_global_rank: int, store=None) -> None:
         self.ranks = dict(ranks)
         self.my_global_rank = int(my_global_rank)
-        self.store = store
+        self._given_store = store
         self.table: Dict[int, PeerIdentity] = {}
         self.store_error: Optional[str] = None
-        if self.store is None:
-            try:
-                from torch.distributed import distributed_c10d
-                self.store = distributed_c10d._get_default_store()
-            except Exception as exc:  # noqa: BLE001 - best effort: the errors only lose detail
-                self.store_error = f"no store ({exc})"
+        self.store   # records store_error when there is none
+
+    @property
+    def store(self):
+        if self._given_store is not None:
+            return self._given_store
+        try:
+            from torch.distributed import distributed_c10d
+            return distributed_c10d._get_default_store()
+        except Exception as exc:  # noqa: BLE001 - best effort: the errors only lose detail
+            self.store_error = f"no store ({exc})"
+            return None
 
     def publish(self) -> None:
-        if self.store is None:
+        store = self.store
+        if store is None:
             return
         host, pid = my_identity()
         try:
-            self.store.set(f"{STORE_PREFIX}{self.my_global_rank}", f"{host}:{pid}")
+            store.set(f"{STORE_PREFIX}{self.my_global_rank}", f"{host}:{pid}")
         except Exception as exc:  # noqa: BLE001
             self.store_error = f"store unreachable ({exc})"
 
     def fetch(self) -> bool:
         """Read the entries that are there (never waits for a missing one). True when complete."""
-        if self.store is None:
+        store = self.store
+        if store is None:
             return False
         missing = {r: g for r, g in self.ranks.items() if r not in self.table}
         try:
             for r, g in missing.items():
                 key = f"{STORE_PREFIX}{g}"
-                if not self.store.check([key]):
+                if not store.check([key]):
                     continue
-                host, _, pid = self.store.get(key).decode().rpartition(":")
+                host, _, pid = store.get(key).decode().rpartition(":")
                 self.table[r] = (host, int(pid))
         except Exception as exc:  # noqa: BLE001
             self.store_error = f"store unreachable ({type(exc).__name__}: {exc})"
