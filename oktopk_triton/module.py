@@ -34,7 +34,7 @@ import torch
 from .algorithms import get_algorithm
 from .algorithms.base import FLOAT_DTYPES, Algorithm
 from .comm.base import Communicator
-from .techniques import FrozenAdam
+from .techniques import DensitySchedule, FrozenAdam
 
 __all__ = ["SparseAllreduce"]
 
@@ -113,12 +113,16 @@ class SparseAllreduce(torch.nn.Module):
             device = comm.device
         self.comm = comm
         adam = options.pop("adam", None)             # techniques.FrozenAdam (reduce_adam)
-        self.algorithm: Algorithm = cls(numel, comm, density, device=torch.device(device),
-                                        check_finite=check_finite, **options)
+        # techniques.DensitySchedule: one reducer per stage, each taking over the last's state
+        self._schedule = DensitySchedule.build(options.pop("density_schedule", None), density)
+        self._cls = cls
+        self._build = dict(device=torch.device(device), check_finite=check_finite, **options)
+        first = self._schedule.density_at(0) if self._schedule else density
+        self.algorithm: Algorithm = cls(numel, comm, first, **self._build)
         self.algorithm_name = self.algorithm.name
         self.numel = numel
-        self.density = self.algorithm.density
-        self.k = self.algorithm.k
+        self.density = float(density)                # the target (the last stage's)
+        self.k = max(1, min(numel, int(round(self.density * numel))))
         self.device = self.algorithm.device
         # reduce_gradients: a persistent flat buffer; after a step every .grad is a view of it
         self._params = params
@@ -140,7 +144,23 @@ class SparseAllreduce(torch.nn.Module):
         dtype and device, bitwise identical on every rank. ``scale``: the loss scale the
         gradient carries (a ``torch.amp.GradScaler``, a tensor or a number; see
         :meth:`Algorithm.__call__`)."""
+        self._advance()
         return self.algorithm(flat_grad, scale=scale)
+
+    def _advance(self) -> None:
+        """With a density schedule: at a stage's first step, a reducer at the stage's density
+        takes over the current one's residual, velocity and step count (its thresholds and
+        capacities start afresh: its first step calibrates)."""
+        if self._schedule is None:
+            return
+        d = self._schedule.density_at(self.algorithm.step_count)
+        if d != self.algorithm.density:
+            self._switch(d)
+
+    def _switch(self, density: float) -> None:
+        new = self._cls(self.numel, self.comm, density, **self._build)
+        new.take_over(self.algorithm)
+        self.algorithm = new
 
     @torch.no_grad()
     def reduce_gradients(self, scale: Any = None) -> torch.Tensor:
@@ -167,6 +187,7 @@ class SparseAllreduce(torch.nn.Module):
                 if g.is_sparse:
                     g = g.to_dense()
                 v.copy_(g)
+        self._advance()
         out = self.algorithm(flat, scale=scale)
         flat.copy_(out)
         for p, v in zip(self._params, views):
@@ -248,6 +269,7 @@ class SparseAllreduce(torch.nn.Module):
         weight_decay) it reads; the optimizer's own state is unused."""
         if self._adam is None:
             raise RuntimeError("reduce_adam needs a SparseAllreduce built with adam='frozen'")
+        self._advance()
         return self._adam.step(self, optimizer)
 
     # -- views of the algorithm ----------------------------------------------------------------
@@ -272,6 +294,8 @@ class SparseAllreduce(torch.nn.Module):
         return sd
 
     def set_extra_state(self, state: Dict[str, Any]) -> None:
+        if self._schedule is not None and float(state.get("density", -1)) != self.algorithm.density:
+            self._switch(float(state["density"]))    # the stage the state was saved in
         self.algorithm.load_state_dict(state)
         if self._adam is not None:
             if "frozen_adam" not in state:

@@ -113,3 +113,83 @@ def test_frozen_adam_needs_momentum_and_params():
     with pytest.raises(ValueError, match="warmup_steps"):
         SparseAllreduce([torch.nn.Parameter(torch.zeros(4))], comm=comm, adam="frozen",
                         momentum=0.9)
+
+
+# -- density schedule (Deep Gradient Compression's sparsity warm-up) ---------------------------
+from oktopk_triton.techniques import DensitySchedule  # noqa: E402
+
+
+def test_dgc_ramp_stages():
+    s = DensitySchedule.build({"ramp_steps": 120}, 0.01)
+    assert s.stages == [(0, 0.25), (40, 0.0625), (80, 0.015625), (120, 0.01)]
+    assert [s.density_at(t) for t in (0, 39, 40, 119, 120, 10_000)] == [
+        0.25, 0.25, 0.0625, 0.015625, 0.01, 0.01]
+    assert DensitySchedule.build({"ramp_steps": 3, "start": 0.5, "factor": 2.0}, 0.3).stages == \
+        [(0, 0.5), (3, 0.3)]
+    assert DensitySchedule.build([(0, 0.1), (5, 0.02)], 0.02).density_at(4) == 0.1
+    assert DensitySchedule.build(None, 0.01) is None
+
+
+@pytest.mark.parametrize("spec,match", [
+    ([(1, 0.1), (5, 0.01)], "start at step 0"), ([(0, 0.1), (0, 0.01)], "must increase"),
+    ([(0, 0.1), (5, 0.02)], "must be the reducer's density"), ([(0, 2.0), (5, 0.01)], r"\(0, 1\]"),
+    ({"ramp_steps": 0}, "ramp_steps"), ({"ramp": 5}, "ramp_steps"), ("dgc", "pairs"),
+])
+def test_bad_density_schedules(spec, match):
+    with pytest.raises(ValueError, match=match):
+        DensitySchedule.build(spec, 0.01)
+
+
+def _schedule_body(comm, algorithm, steps, cut=None, state=None):
+    n = 3000
+    sched = [(0, 0.2), (3, 0.05), (6, 0.01)]
+    sar = SparseAllreduce(n, comm=comm, density=0.01, algorithm=algorithm, momentum=0.9,
+                          density_schedule=sched)
+    if state is not None:
+        sar.set_extra_state(state)
+    gen = torch.Generator().manual_seed(11 + comm.rank)
+    rows = []
+    for t in range(steps):
+        g = torch.randn(n, generator=gen) * (1 + t)
+        if state is not None and t < cut:
+            continue                                  # the resumed run skips what was done
+        before_r = sar.residual.clone()
+        before_v = sar.algorithm.velocity.clone()
+        out = sar(g)
+        rows.append((sar.algorithm.density, out.clone(), before_r, before_v, g,
+                     sar.residual.clone(), int(sar.stats["bytes_sent"])))
+        if cut is not None and state is None and t + 1 == cut:
+            return rows, sar.get_extra_state()
+    return rows, None
+
+
+@pytest.mark.parametrize("algorithm", ["oktopk", "gtopk", "topka"])
+def test_density_schedule_conserves_and_switches(algorithm):
+    P, steps = 3, 9
+    res = LocalCluster(P).run(_schedule_body, algorithm, steps)
+    dens = [row[0] for row in res[0][0]]
+    assert dens == [0.2] * 3 + [0.05] * 3 + [0.01] * 3
+    bytes_ = [row[6] for row in res[0][0]]
+    assert bytes_[0] > bytes_[4] > bytes_[8] > 0     # fewer bytes as the density falls
+    for t in range(steps):
+        outs = [r[0][t][1] for r in res]
+        assert all(torch.equal(outs[0], o) for o in outs[1:])          # bitwise across ranks
+        # momentum correction: acc = residual + (m·u + g); conservation over ranks
+        acc = sum(r[0][t][2] + (0.9 * r[0][t][3] + r[0][t][4]) for r in res)
+        after = sum(r[0][t][5] for r in res)
+        torch.testing.assert_close(acc, P * outs[0] + after, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("cut", [3, 5])
+def test_density_schedule_resumes_bit_for_bit(cut):
+    """Saved at a stage boundary (3) and inside a stage (5), restored into a fresh reducer."""
+    P, steps = 3, 9
+    full = LocalCluster(P).run(_schedule_body, "oktopk", steps)
+    saved = LocalCluster(P).run(_schedule_body, "oktopk", steps, cut)
+    resumed = LocalCluster(P).run(lambda comm: _schedule_body(
+        comm, "oktopk", steps, cut, saved[comm.rank][1]))
+    for r in range(P):
+        tail = full[r][0][cut:]
+        assert len(resumed[r][0]) == len(tail)
+        for a, b in zip(tail, resumed[r][0]):
+            assert a[0] == b[0] and torch.equal(a[1], b[1]) and torch.equal(a[5], b[5])

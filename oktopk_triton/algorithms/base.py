@@ -352,6 +352,20 @@ class Algorithm(abc.ABC):
             self.residual.copy_(torch.where(nonfinite > 0, self.residual, new_residual))
 
     # -- state ----------------------------------------------------------------------------------
+    def take_over(self, old: "Algorithm") -> None:
+        """Continue where ``old`` (same numel, ranks and momentum; another density) stopped:
+        its residual, velocity, step count and loss scale. Nothing owed is lost."""
+        if (old.numel, old.P) != (self.numel, self.P) or \
+                (old.velocity is None) != (self.velocity is None):
+            raise ValueError(f"{self.name}: cannot take over from a reducer with numel "
+                             f"{old.numel}, P {old.P}, momentum {old.momentum}")
+        self.residual.copy_(old.residual)
+        if self.velocity is not None:
+            self.velocity.copy_(old.velocity)
+        self.step_count = old.step_count
+        self.loss_scale = None if old.loss_scale is None else old.loss_scale.clone()
+        self._scale_host = old._scale_host
+
     def state_dict(self) -> Dict[str, Any]:
         sd: Dict[str, Any] = {"algorithm": self.name, "numel": self.numel, "world_size": self.P,
                               "rank": self.rank, "density": self.density,
