@@ -37,6 +37,5 @@ def test_first_example_runs_on_two_gloo_ranks(tmp_path):
     assert len(losses) == 3, out[-3000:]
     assert losses[-1] < losses[0], losses                  # it trains
     assert "sent" in proc.stdout and "Traceback" not in out, out[-3000:]
-    # torch 2.13's gloo teardown sometimes aborts a finished job after destroy_process_group
-    # (a plain torch.distributed script does too): tolerated only after all the work is done
-    assert proc.returncode == 0 or "terminate called" in out, out[-3000:]
+    # the example ends with oktopk_triton.shutdown(exit_code=0): no gloo teardown abort
+    assert proc.returncode == 0, out[-3000:]
