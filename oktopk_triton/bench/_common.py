@@ -26,7 +26,8 @@ def git_commit(short: bool = False) -> Optional[str]:
         return None
 
 
-def versions(modules=("torch", "triton", "numpy", "cupy", "oktopk_triton")) -> Dict[str, Optional[str]]:
+def versions(modules=("torch", "triton", "numpy", "cupy", "oktopk_triton")
+             ) -> Dict[str, Optional[str]]:
     """Python's and each module's version (``None`` when it does not import)."""
     out: Dict[str, Optional[str]] = {"python": sys.version.split()[0]}
     for mod in modules:
@@ -57,3 +58,12 @@ def resolve_algorithms(names: List[str], command: str) -> Tuple[List[str], List[
         elif a not in run:
             run.append(a)
     return run, skipped
+
+
+def fmt_bytes(b: float) -> str:
+    """``b`` bytes as a short human string: ``512 B``, ``12.3 kB``, ``4.2 MB``, ``1.1 GB``."""
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(b) < 1000 or unit == "GB":
+            return f"{b:.1f} {unit}" if unit != "B" else f"{b:.0f} B"
+        b /= 1000.0
+    return f"{b:.1f}"

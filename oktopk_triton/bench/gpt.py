@@ -18,7 +18,7 @@ that every machine can train with no download:
   run in a few minutes); ``25m`` and ``100m`` are for a GPU (``--device cuda``); ``tiny`` is for
   tests.
 
-Everything here is plain torch; the training loop is in :mod:`oktopk_triton.bench.train`.
+Everything here is plain torch; the training loop is in :mod:`oktopk_triton.bench.lm_loop`.
 """
 from __future__ import annotations
 
