@@ -27,7 +27,7 @@ import traceback
 
 def variants():
     """(name, kernel, signature, constexprs, divisible-by-16 args, num_warps) per variant."""
-    from . import dense, histogram, region, scatter, selection, threshold
+    from . import elementwise, histogram, region, scatter, selection, threshold
     sel_sig = {"grad_ptr": "*fp32", "residual_ptr": "*fp32", "velocity_ptr": "*fp32",
                "threshold_ptr": "*fp32", "region_offsets_ptr": "*i64", "indices_ptr": "*i32",
                "values_ptr": "*fp32", "counts_ptr": "*i32", "nonfinite_ptr": "*i32",
@@ -117,7 +117,7 @@ def variants():
                     "RANGE_IS_PTR": "constexpr", "NSEG": "constexpr", "BLOCK": "constexpr"},
                    {"RANGE_IS_PTR": ranged, "NSEG": 32, "BLOCK": 4096},
                    [0, 1, 2, 3, 4, 5, 6], 8)
-    yield ("fill_if", dense._fill_if_kernel,
+    yield ("fill_if", elementwise._fill_if_kernel,
            {"out_ptr": "*fp32", "flag_ptr": "*i32", "value": "fp32", "n": "i64",
             "BLOCK": "constexpr"}, {"BLOCK": 1024}, [0, 1, 3], 4)
 

@@ -834,7 +834,7 @@ def main(args) -> int:
     return 1 if report["errors"] else 0
 
 
-if __name__ == "__main__":  # python -m oktopk_triton.bench.ddp
+if __name__ == "__main__":  # python -m oktopk_triton.bench.ddp_bench
     import argparse
     _p = argparse.ArgumentParser(prog="oktopk-bench ddp")
     add_arguments(_p)
