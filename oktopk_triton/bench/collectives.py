@@ -51,10 +51,6 @@ a latency/bandwidth model.
 """
 from __future__ import annotations
 
-from . import _args as A
-from ._common import git_commit as _git_commit
-from ._common import resolve_algorithms as _resolve
-from ..algorithms._sparse import _log2ceil
 import datetime
 import json
 import math
@@ -66,6 +62,11 @@ import time
 import traceback
 from typing import Any, Dict, List, Optional
 
+from ..algorithms._sparse import _log2ceil
+from . import _args as A
+from ._common import detect_mps, fmt_bytes, nccl_version_text, versions
+from ._common import git_commit as _git_commit
+from ._common import resolve_algorithms as _resolve
 from ._procs import exit_rank, free_port
 
 __all__ = ["add_arguments", "main", "run_benchmark", "make_grad", "formula_words",
@@ -79,7 +80,8 @@ def add_arguments(p) -> None:
                    help="algorithm names, or 'all' = dense + every available sparse algorithm")
     p.add_argument("--world-sizes", nargs="+", type=A.positive_int, default=[2, 4, 8],
                    help="world sizes P to run (default: 2 4 8)")
-    p.add_argument("--n", type=A.positive_int, default=1 << 22, help="gradient length (default 2^22)")
+    p.add_argument("--n", type=A.positive_int, default=1 << 22,
+                   help="gradient length (default 2^22)")
     p.add_argument("--density", type=A.density, default=0.01, help="k = density * n (default 0.01)")
     p.add_argument("--steps", type=A.positive_int, default=3,
                    help="steps per run; the first is the calibration step (default 3)")
@@ -102,11 +104,12 @@ def add_arguments(p) -> None:
     p.add_argument("--json", type=A.out_path, default=None,
                    help="write the results JSON here (nccl default: "
                         "bench/results/gpu-collectives-<date>-<device>.json)")
-    p.add_argument("--plot", type=A.out_path, default=None, help="write a bytes-vs-P plot (PNG) here")
+    p.add_argument("--plot", type=A.out_path, default=None,
+                   help="write a bytes-vs-P plot (PNG) here")
     p.add_argument("--quiet", action="store_true", help="print only the final table")
 
 
-# -- formulas -----------------------------------------------------------------------------------------
+# -- formulas --------------------------------------------------------------------------------------
 
 
 def formula_words(name: str, n: int, k: int, P: int):
@@ -138,7 +141,7 @@ def lower_bound_words(k: int, P: int) -> float:
     return 2.0 * k * (P - 1) / P
 
 
-# -- gradients ------------------------------------------------------------------------------------------
+# -- gradients -------------------------------------------------------------------------------------
 def make_grad(n: int, seed: int, rank: int, step: int, device=None, scale=None):
     """Heavy-tailed gradient of ``rank`` at ``step`` (see the module docstring)."""
     import torch
@@ -157,7 +160,7 @@ def grad_scale(n: int, seed: int):
     return torch.randn(n, generator=g).mul_(1.5).exp_()
 
 
-# -- one rank -------------------------------------------------------------------------------------------
+# -- one rank --------------------------------------------------------------------------------------
 def _sync(dev) -> None:
     import torch
     if dev.type == "cuda":
@@ -297,7 +300,7 @@ def _rank_probes(comm, n: int, reps: int) -> List[Dict[str, Any]]:
     return out
 
 
-# -- placement of ranks on GPUs, MPS ------------------------------------------------------------------
+# -- placement of ranks on GPUs, MPS ---------------------------------------------------------------
 def ranks_share_gpu(P: int, ngpu: int) -> bool:
     return ngpu > 0 and P > ngpu
 
@@ -314,54 +317,6 @@ def rank_env(rank: int, P: int, ngpu: int) -> Dict[str, str]:
     if ranks_share_gpu(P, ngpu):
         env["NCCL_HOSTID"] = f"oktopk-bench-rank{rank}"
     return env
-
-
-_MPS_DEFAULT_PIPE = "/tmp/nvidia-mps"
-
-
-def detect_mps(env=None, run=None, exists=None) -> Dict[str, Any]:
-    """Whether the CUDA MPS control daemon serves this environment's processes.
-
-    Active when its pipe directory (``CUDA_MPS_PIPE_DIRECTORY``, default /tmp/nvidia-mps) holds
-    the ``control`` pipe and ``echo get_server_list | nvidia-cuda-mps-control`` answers. Without
-    that command, a running ``nvidia-cuda-mps-server`` in ``nvidia-smi`` counts. ``run`` and
-    ``exists`` replace ``subprocess.run`` and ``os.path.exists`` (tests)."""
-    import subprocess
-    env = dict(os.environ if env is None else env)
-    run = subprocess.run if run is None else run
-    exists = os.path.exists if exists is None else exists
-    pipe = env.get("CUDA_MPS_PIPE_DIRECTORY") or _MPS_DEFAULT_PIPE
-    info: Dict[str, Any] = {"active": False, "pipe_directory": pipe,
-                            "control_pipe": exists(os.path.join(pipe, "control")),
-                            "servers": None, "detail": ""}
-    try:
-        r = run(["nvidia-cuda-mps-control"], input="get_server_list\n", capture_output=True,
-                text=True, timeout=10, env=env)
-    except FileNotFoundError:
-        info["detail"] = "nvidia-cuda-mps-control not found"
-    except subprocess.TimeoutExpired:
-        info["detail"] = "nvidia-cuda-mps-control did not answer in 10 s"
-    else:
-        text = f"{r.stdout or ''}{r.stderr or ''}".strip()
-        refused = any(w in text.lower() for w in ("cannot find", "not running", "failed",
-                                                  "error", "no such"))
-        if r.returncode == 0 and not refused and info["control_pipe"]:
-            info["active"] = True
-            info["servers"] = [x for x in (r.stdout or "").split() if x.isdigit()]
-            info["detail"] = f"control daemon answers on {pipe}"
-        else:
-            info["detail"] = (f"nvidia-cuda-mps-control: rc={r.returncode}, "
-                              f"control pipe {'present' if info['control_pipe'] else 'absent'}"
-                              + (f": {text[:200]}" if text else ""))
-        return info
-    try:
-        r = run(["nvidia-smi", "-q"], capture_output=True, text=True, timeout=20, env=env)
-    except (FileNotFoundError, subprocess.TimeoutExpired):
-        return info
-    if r.returncode == 0 and "nvidia-cuda-mps-server" in (r.stdout or ""):
-        info["active"] = True
-        info["detail"] += "; nvidia-smi lists nvidia-cuda-mps-server"
-    return info
 
 
 def mps_warning(P: int, ngpu: int, mps: Dict[str, Any]) -> Optional[str]:
@@ -382,7 +337,7 @@ def _warn_loudly(text: str) -> None:
     print(f"\n{bar}\nWARNING: {text}\n{bar}\n", file=sys.stderr, flush=True)
 
 
-# -- backends -------------------------------------------------------------------------------------------
+# -- backends --------------------------------------------------------------------------------------
 def _run_local(name, P, n, density, steps, seed, check_finite, timeout):
     from ..comm.local import LocalCluster
     scale = grad_scale(n, seed)
@@ -393,17 +348,6 @@ def _run_local(name, P, n, density, steps, seed, check_finite, timeout):
 def _run_local_probes(P, n, reps, timeout):
     from ..comm.local import LocalCluster
     return LocalCluster(P, timeout=timeout).run(_rank_probes, n, reps)
-
-
-def _nccl_version_text(v) -> Optional[str]:
-    if v is None:
-        return None
-    if isinstance(v, (tuple, list)):
-        return ".".join(str(int(x)) for x in v)
-    v = int(v)
-    if v >= 20900:  # NCCL_VERSION_CODE = major*10000 + minor*100 + patch since 2.9
-        return f"{v // 10000}.{(v % 10000) // 100}.{v % 100}"
-    return f"{v // 1000}.{(v % 1000) // 100}.{v % 100}"
 
 
 def _make_comm(rank: int, P: int, port: int, cfg: Dict[str, Any]):
@@ -430,7 +374,7 @@ def _make_comm(rank: int, P: int, port: int, cfg: Dict[str, Any]):
         comm = TorchCommunicator()
         comm.device = dev
         try:
-            info["nccl"] = _nccl_version_text(torch.cuda.nccl.version())
+            info["nccl"] = nccl_version_text(torch.cuda.nccl.version())
         except Exception:  # noqa: BLE001
             info["nccl"] = None
         return comm, info
@@ -439,7 +383,7 @@ def _make_comm(rank: int, P: int, port: int, cfg: Dict[str, Any]):
     comm = NcclCommunicator.from_torch_distributed(device=dev, timeout=timeout)
     try:
         from cupy.cuda import nccl
-        info["nccl"] = _nccl_version_text(nccl.get_version())
+        info["nccl"] = nccl_version_text(nccl.get_version())
     except Exception:  # noqa: BLE001
         info["nccl"] = None
     return comm, info
@@ -583,8 +527,9 @@ def _run_group(P: int, algs: List[str], cfg: Dict[str, Any], log=print) -> Dict[
     return out
 
 
-# -- the benchmark ----------------------------------------------------------------------------------------
-def _summary(name, P, n, density, per_rank, wall_s, check_finite, warmup: int = 1) -> Dict[str, Any]:
+# -- the benchmark ---------------------------------------------------------------------------------
+def _summary(name, P, n, density, per_rank, wall_s, check_finite,
+             warmup: int = 1) -> Dict[str, Any]:
     steps = len(per_rank[0]["bytes"])
     later = list(range(1, steps)) if steps > 1 else [0]
     timed = list(range(warmup, steps)) if steps > warmup else list(range(steps))
@@ -688,16 +633,11 @@ def _machine() -> Dict[str, Any]:
 
 
 def _versions(nccl: Optional[str] = None) -> Dict[str, Any]:
-    v: Dict[str, Any] = {"python": sys.version.split()[0]}
-    for mod in ("torch", "triton", "cupy"):
-        try:
-            v[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001
-            v[mod] = None
+    v: Dict[str, Any] = versions(("torch", "triton", "cupy"))
     if nccl is None:
         try:
             import torch
-            nccl = _nccl_version_text(torch.cuda.nccl.version())
+            nccl = nccl_version_text(torch.cuda.nccl.version())
         except Exception:  # noqa: BLE001
             nccl = None
     v["nccl"] = nccl
@@ -781,7 +721,8 @@ def run_benchmark(args, log=print) -> Dict[str, Any]:
             todo = list(algs)
             while True:
                 t0 = time.perf_counter()
-                g = _run_group(P, todo, cfg, log=(lambda *a: None) if getattr(args, "quiet", False) else log)
+                quiet = getattr(args, "quiet", False)
+                g = _run_group(P, todo, cfg, log=(lambda *a: None) if quiet else log)
                 wall = time.perf_counter() - t0
                 for name, recs in g["results"].items():
                     per_alg[name] = recs
@@ -851,15 +792,6 @@ def run_benchmark(args, log=print) -> Dict[str, Any]:
     }
 
 
-def _fmt_bytes(b: float) -> str:
-    if b != b:  # nan
-        return "n/a"
-    for unit, f in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(b) >= f:
-            return f"{b / f:.3f} {unit}"
-    return f"{b:.0f} B"
-
-
 def format_table(report: Dict[str, Any]) -> str:
     hdr = ("algorithm", "P", "bytes/rank/step (mean)", "max", "formula §6", "meas/formula",
            "lower bound", "meas/LB", "step ms mean", "min", "vs dense", "syncs", "bitwise",
@@ -867,7 +799,7 @@ def format_table(report: Dict[str, Any]) -> str:
     rows = [hdr]
     for s in report["results"]:
         lo, hi = s["formula_bytes_low"], s["formula_bytes_high"]
-        form = _fmt_bytes(hi) if lo == hi else f"{_fmt_bytes(lo)}..{_fmt_bytes(hi)}"
+        form = fmt_bytes(hi, 3) if lo == hi else f"{fmt_bytes(lo, 3)}..{fmt_bytes(hi, 3)}"
         r1 = s["ratio_to_formula_high"]
         if lo != hi and s.get("ratio_to_formula_low") is not None:  # a range: show both ends
             ratio = f"{s['ratio_to_formula_low']:.3f} lo/{r1:.3f} hi"
@@ -875,14 +807,15 @@ def format_table(report: Dict[str, Any]) -> str:
             ratio = "-" if r1 is None else f"{r1:.3f}"
         r2 = s["ratio_to_lower_bound"]
         rd = s.get("ratio_to_dense")
-        rows.append((s["algorithm"], str(s["P"]), _fmt_bytes(s["bytes_mean"]),
-                     _fmt_bytes(s["bytes_max"]), form,
-                     ratio, _fmt_bytes(s["lower_bound_bytes"]),
+        rows.append((s["algorithm"], str(s["P"]), fmt_bytes(s["bytes_mean"], 3),
+                     fmt_bytes(s["bytes_max"], 3), form,
+                     ratio, fmt_bytes(s["lower_bound_bytes"], 3),
                      "-" if r2 is None else f"{r2:.2f}", f"{s['step_ms_mean']:.2f}",
                      f"{s['step_ms_min']:.2f}", "-" if rd is None else f"{rd:.3f}",
                      "-" if s.get("host_syncs") is None else str(s["host_syncs"]),
                      "yes" if s.get("out_bitwise_equal") else "NO",
-                     "-" if s.get("collectives_per_step") is None else str(s["collectives_per_step"]),
+                     "-" if s.get("collectives_per_step") is None
+                     else str(s["collectives_per_step"]),
                      f"{s['nnz_mean']:.0f}", f"{s.get('persistent_words_per_n', 0):.3f}",
                      "-" if s.get("peak_transient_words_per_n") is None
                      else f"{s['peak_transient_words_per_n']:.2f}"))

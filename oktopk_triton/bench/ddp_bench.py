@@ -53,20 +53,20 @@ all ranks ended with bitwise-equal parameters (true for every averaging hook, fa
 """
 from __future__ import annotations
 
-from . import _args as A
-from ._common import git_commit as _git_commit
 import datetime
 import hashlib
 import inspect
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional
 
+from . import _args as A
+from ._common import detect_mps, nccl_version_text, versions
+from ._common import git_commit as _git_commit
 from ._procs import environ, exit_rank, free_port
 
 __all__ = ["add_arguments", "main", "run_benchmark", "format_markdown", "format_table",
@@ -85,7 +85,8 @@ def add_arguments(p) -> None:
                    help=f"hooks to run, or 'all' (default): {' '.join(HOOKS)}")
     p.add_argument("--algorithms", nargs="+", default=["all"],
                    help="algorithms of the sparse hook, or 'all' = every available sparse one")
-    p.add_argument("--density", type=A.density, default=0.01, help="sparse hook density (default 0.01)")
+    p.add_argument("--density", type=A.density, default=0.01,
+                   help="sparse hook density (default 0.01)")
     p.add_argument("--modes", nargs="+", default=["auto"],
                    help="SparseAllreduceState modes (bucket, flat); 'auto' = every mode the state "
                         "accepts, or its one behaviour when it has no mode argument")
@@ -109,15 +110,18 @@ def add_arguments(p) -> None:
                    help="the sparse hook's communicator on nccl (default auto: cupy if importable)")
     p.add_argument("--kernel-backend", choices=("auto", "triton", "torch"), default=None,
                    help="kernels of the sparse algorithms (default: torch on CPU, auto on CUDA)")
-    p.add_argument("--bucket-cap-mb", type=A.positive_float, default=25.0, help="DDP bucket size (default 25)")
+    p.add_argument("--bucket-cap-mb", type=A.positive_float, default=25.0,
+                   help="DDP bucket size (default 25)")
     p.add_argument("--powersgd-rank", type=A.positive_int, default=4)
     p.add_argument("--powersgd-start-iter", type=A.nonneg_int, default=2)
     p.add_argument("--lr", type=A.positive_float, default=0.01)
-    p.add_argument("--threads", type=A.positive_int, default=1, help="torch threads per rank on CPU")
+    p.add_argument("--threads", type=A.positive_int, default=1,
+                   help="torch threads per rank on CPU")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=A.positive_float, default=600.0,
                    help="seconds the whole run may take (default 600)")
-    p.add_argument("--json", type=A.out_path, default=None, metavar="PATH", help="write the results JSON here")
+    p.add_argument("--json", type=A.out_path, default=None, metavar="PATH",
+                   help="write the results JSON here")
     p.add_argument("--markdown", type=A.out_path, default=None, metavar="PATH",
                    help="write the README table (markdown) here")
     p.add_argument("--quiet", action="store_true", help="print only the final table")
@@ -146,28 +150,10 @@ def ring_bytes(nbytes: int, P: int) -> float:
 
 # -- environment facts -----------------------------------------------------------------------------
 def _mps_active() -> bool:
-    """Whether an MPS control daemon is running for this environment's pipe directory.
-
-    True when the control pipe ``$CUDA_MPS_PIPE_DIRECTORY/control`` (default
-    ``/tmp/nvidia-mps/control``) exists and a process named ``nvidia-cuda-mps-control`` is alive.
-    (The collectives benchmark has its own detector; the two may be merged.)
-    """
-    pipe_dir = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps"
-    if not os.path.exists(os.path.join(pipe_dir, "control")):
-        return False
-    try:
-        pids = [d for d in os.listdir("/proc") if d.isdigit()]
-    except OSError:
-        return False
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/comm") as f:
-                name = f.read().strip()
-        except OSError:
-            continue
-        if name.startswith("nvidia-cuda-mps"):   # comm is cut to 15 characters
-            return True
-    return False
+    """Whether the CUDA MPS control daemon serves this environment's processes
+    (:func:`oktopk_triton.bench._common.detect_mps`, the detector ``oktopk-bench collectives``
+    uses too)."""
+    return bool(detect_mps()["active"])
 
 
 def _load_avg() -> Optional[float]:
@@ -178,17 +164,12 @@ def _load_avg() -> Optional[float]:
 
 
 def _versions() -> Dict[str, Any]:
-    v: Dict[str, Any] = {"python": sys.version.split()[0]}
-    for mod in ("torch", "triton", "numpy", "cupy", "oktopk_triton"):
-        try:
-            v[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001
-            v[mod] = None
+    v: Dict[str, Any] = versions(("torch", "triton", "numpy", "cupy", "oktopk_triton"))
     try:
         import torch
         if torch.cuda.is_available():
             v["cuda"] = torch.version.cuda
-            v["nccl"] = ".".join(str(x) for x in torch.cuda.nccl.version())
+            v["nccl"] = nccl_version_text(torch.cuda.nccl.version())
     except Exception:  # noqa: BLE001
         pass
     return v
