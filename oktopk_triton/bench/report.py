@@ -116,55 +116,83 @@ def _table(summary: List[dict], config: Dict[str, Any], title: str, columns, not
     return "\n".join(lines)
 
 
+# one marker and dash pattern per algorithm, so lines that coincide (Ok-Topk's volume sits just
+# under SparDL's) stay apart; dense is the thick black reference
+_MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "<", ">")
+_DASHES = ("-", "--", "-.", ":")
+
+
+def _style(i: int, alg: str, n_points: int, n_algs: int) -> Dict[str, Any]:
+    """Line style of the ``i``-th algorithm: its marker drawn every ``n_points / 12`` points,
+    staggered by algorithm so that the markers of coinciding lines do not sit on each other;
+    earlier algorithms drawn above later ones (a dashed line over a solid one shows both)."""
+    every = max(1, n_points // 12)
+    style = dict(marker=_MARKERS[i % len(_MARKERS)], markersize=5, lw=1.4,
+                 zorder=3.0 - i / max(1, n_algs),
+                 ls=_DASHES[i % len(_DASHES)],
+                 markevery=(min(n_points - 1, (i * every) // max(1, n_algs)), every))
+    if alg == "dense":
+        style.update(lw=2.4, color="black", ls="-")
+    return style
+
+
+def _mean_curve(rs: List[dict], curve: str):
+    """(steps, mean over the seeds' runs ``rs``) of the curve ``curve`` at its common steps."""
+    steps = [s for s, _ in rs[0][curve]]
+    return steps, [sum(r[curve][i][1] for r in rs) / len(rs) for i in range(len(steps))]
+
+
+def _plot_curves(report: Dict[str, Any], ax1, ax2, lm: bool) -> None:
+    """Per algorithm: the metric (validation loss, or test error in % for the digits) over the
+    steps on ``ax1``, from the evaluation at step 0, and the bytes sent per step on ``ax2``."""
+    algs = [a for a in report["config"]["algorithms"]
+            if any(r["algorithm"] == a for r in report["runs"])]
+    for i, alg in enumerate(algs):
+        rs = [r for r in report["runs"] if r["algorithm"] == alg]
+        steps, ys = _mean_curve(rs, "val_curve" if lm else "acc_curve")
+        if not lm:   # test error on a log axis: the first evaluations and the last ones both show
+            ys = [max(100.0 * (1.0 - y), 0.1) for y in ys]
+        (line,) = ax1.plot(steps, ys, label=alg, **_style(i, alg, len(steps), len(algs)))
+        b = rs[0]["bytes_curve"]
+        style = _style(i, alg, len(b), len(algs))
+        style["color"] = line.get_color()
+        ax2.plot(range(1, len(b) + 1), b, label=alg, **style)
+
+
 def plot(report: Dict[str, Any], path: str) -> None:
+    """Two panels, every step from the first: the metric (the LM's validation loss, or the
+    digits' test error on a log axis) and the bytes sent per rank per step (log); one legend to
+    the right of both."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     cfg = report["config"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.6))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
     lm = cfg.get("model") == "gpt"
-    curve = "val_curve" if lm else "acc_curve"
-    scale = 1.0 if lm else 100.0
-    lo, hi = float("inf"), -float("inf")
-    for alg in cfg["algorithms"]:
-        rs = [r for r in report["runs"] if r["algorithm"] == alg]
-        if not rs:
-            continue
-        # the metric: mean over seeds at the common evaluation steps
-        steps = [s for s, _ in rs[0][curve]]
-        ys = [scale * sum(r[curve][i][1] for r in rs) / len(rs) for i in range(len(steps))]
-        if len(ys) > 1:
-            lo, hi = min(lo, min(ys[1:])), max(hi, max(ys[1:]))
-        style = dict(lw=2.2, color="black") if alg == "dense" else dict(lw=1.4)
-        (line,) = ax1.plot(steps, ys, label=alg, marker=".", **style)
-        b = rs[0]["bytes_curve"]
-        ax2.plot(range(1, len(b) + 1), b, label=alg, color=line.get_color(),
-                 lw=style["lw"])
-    ax1.set_xlabel("step")
-    ax1.grid(alpha=0.3)
+    _plot_curves(report, ax1, ax2, lm)
+    for ax in (ax1, ax2):
+        ax.set_xlabel("step")
+        ax.set_xlim(left=0)
+        ax.grid(alpha=0.3, which="both")
     if lm:
         uni = (report.get("corpus") or {}).get("unigram_nats_per_byte")
         if uni:
             ax1.axhline(uni, color="gray", ls=":", lw=1, label="unigram entropy")
         ax1.set_ylabel("validation loss (nats/byte)")
-        if hi > lo:
-            ax1.set_ylim(lo - 0.05 * (hi - lo), max(hi, uni or hi) + 0.05 * (hi - lo))
-        ax1.legend(loc="upper right", fontsize=8)
         ax1.set_title(f"byte LM ({cfg['size']}), {cfg['world_size']} ranks, "
                       f"density {cfg['density']:g}")
     else:
-        ax1.set_ylabel("test accuracy (%)")
-        ax1.set_ylim(80.0, 100)
-        ax1.legend(loc="lower right", fontsize=8)
+        ax1.set_yscale("log")
+        ax1.set_ylabel("test error (%, log; 0 drawn at 0.1)")
         ax1.set_title(f"digits, {cfg['world_size']} ranks, density {cfg['density']:g}")
     ax2.set_yscale("log")
-    ax2.set_xlabel("step")
     ax2.set_ylabel("bytes sent per rank per step")
-    ax2.grid(alpha=0.3, which="both")
     ax2.set_title("communication volume")
-    ax2.legend(loc="best", fontsize=8)
+    handles, labels = ax1.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=9,
+               frameon=False)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
