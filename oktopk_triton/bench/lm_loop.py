@@ -8,8 +8,7 @@ import math
 import time
 from typing import Any, Dict, List
 
-from ._common import fmt_bytes as _fmt_bytes
-from .loops import _make_optimizer, _record_stats, replicas_identical
+from .loops import RunLog, _make_optimizer, replicas_identical, sparse_setup
 
 
 def _lm_eval(model, val, starts, length: int, device, batch: int = 64) -> float:
@@ -136,12 +135,7 @@ class _LMReducer:
             self.powersgd = {"rank": rank, "start_iter": max(2, int(start)),
                              "target_bytes": target} if algorithm == "powersgd" else None
             return
-        corrected = bool(cfg.get("momentum_correction")) and algorithm != "dense"
-        self.opt = _make_optimizer(cfg, model.parameters(), corrected)
-        options = dict(cfg.get("options") or {}) if algorithm != "dense" else {}
-        if corrected:
-            options["momentum"] = cfg["momentum"]
-        self.density = cfg["density"] if algorithm != "dense" else 1.0
+        self.opt, options, self.density = sparse_setup(cfg, algorithm, model)
         mode = resolve_reduce(cfg, algorithm)
         if mode == "adam" and algorithm == "dense":
             mode = "gradients"   # the baseline stays plain data-parallel AdamW
@@ -187,9 +181,53 @@ def _oktopk_bytes(n: int, density: float, P: int) -> int:
     return total_bytes(schedule_of("oktopk", n, max(1, int(density * n)), P))
 
 
+def _lm_lr(cfg):
+    """The learning rate at step ``i``: linear warm-up over ``warmup_fraction`` of the steps,
+    then cosine decay (or constant)."""
+    steps = cfg["steps"]
+    warmup = int(round(cfg.get("warmup_fraction", 0.0) * steps))
+
+    def lr_at(i):
+        if cfg.get("schedule", "cosine") == "constant":
+            return cfg["lr"]
+        if i < warmup:
+            return cfg["lr"] * (i + 1) / warmup
+        return cfg["lr"] * 0.5 * (1 + math.cos(math.pi * (i - warmup) / max(1, steps - warmup)))
+    return lr_at
+
+
+def _lm_step(red: _LMReducer, counter: _LayerCounter, params, x, lr: float, step: int,
+             run: RunLog, device):
+    """One timed step: forward and backward, the reduction (and the optimizer when the loop
+    steps it) at learning rate ``lr``, the per-layer counts. Returns the local loss."""
+    opt = red.opt
+    run.sync()
+    t0 = time.perf_counter()
+    opt.zero_grad(set_to_none=False)
+    with _autocast(device):
+        loss = red.loss(x)
+    loss.backward()
+    counter.local(params)   # a baseline's hook has averaged them already
+    for group in opt.param_groups:
+        group["lr"] = lr
+    run.sync()
+    t1 = time.perf_counter()
+    flat = red.reduce()
+    run.sync()
+    t2 = time.perf_counter()
+    if red.steps_optimizer:
+        opt.step()
+    run.sync()
+    t3 = time.perf_counter()
+    counter.reduced(step, flat)
+    run.record(t0, t1, t2, t3, red.stats)
+    return loss
+
+
 def train_one_lm(cfg, algorithm: str, seed: int, comm, device, data, log) -> Dict[str, Any]:
-    """One run of the byte-level LM (``--model gpt``); the record mirrors :func:`train_one`'s
-    with validation loss (nats/byte) and bits per byte in place of accuracy."""
+    """One run of the byte-level LM (``--model gpt``); the record mirrors
+    :func:`oktopk_triton.bench.loops.train_one`'s with validation loss (nats/byte) and bits per
+    byte in place of accuracy."""
     import torch
     import torch.distributed as dist
     from .gpt import GPT, GPTConfig, batch_at, val_starts
@@ -202,62 +240,26 @@ def train_one_lm(cfg, algorithm: str, seed: int, comm, device, data, log) -> Dic
     model = GPT(gcfg).to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     red = _LMReducer(cfg, algorithm, model, params, comm, device)
-    opt = red.opt
-    numel, k, density, mode = red.numel, red.k, red.density, red.mode
     init_identical = replicas_identical(model)
     counter = _LayerCounter(model, cfg["steps"], device)
-    assert sum(counter.sizes) == numel
+    assert sum(counter.sizes) == red.numel
     counter.start(params)
 
     steps, bs = cfg["steps"], cfg["batch_size"]
-    warmup = int(round(cfg.get("warmup_fraction", 0.0) * steps))
-
-    def lr_at(i):
-        if cfg.get("schedule", "cosine") == "constant":
-            return cfg["lr"]
-        if i < warmup:
-            return cfg["lr"] * (i + 1) / warmup
-        return cfg["lr"] * 0.5 * (1 + math.cos(math.pi * (i - warmup) / max(1, steps - warmup)))
-
+    lr_at = _lm_lr(cfg)
     # this rank's windows: the same for every algorithm at a given seed, different per rank
     g = torch.Generator().manual_seed(1_000_003 * seed + 7919 * rank + 17)
     vstarts = val_starts(len(val_bytes), cfg["eval_sequences"], L)
     val_curve = [(0, _lm_eval(model, val_bytes, vstarts, L, device))]
     train_curve: List[tuple] = []
-    bytes_curve: List[int] = []
-    stats_curve: Dict[str, List[float]] = {}
-    step_times: List[float] = []
-    reduce_times: List[float] = []
+    run = RunLog(device)
     loss_acc = torch.zeros((), dtype=torch.float64, device=device)
     since = 0
     eval_every = int(cfg["eval_every"])
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     for step in range(steps):
         starts = torch.randint(0, len(train_bytes) - L, (bs,), generator=g)
         x = batch_at(train_bytes, starts.to(train_bytes.device), L)
-        sync()
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=False)
-        with _autocast(device):
-            loss = red.loss(x)
-        loss.backward()
-        counter.local(params)   # a baseline's hook has averaged them already
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step)
-        sync()
-        t1 = time.perf_counter()
-        flat = red.reduce()
-        sync()
-        t2 = time.perf_counter()
-        if red.steps_optimizer:
-            opt.step()
-        sync()
-        t3 = time.perf_counter()
-        counter.reduced(step, flat)
-        step_times.append(t3 - t0)
-        reduce_times.append(t2 - t1)
-        bytes_curve.append(int(red.stats["bytes_sent"]))
-        _record_stats(stats_curve, red.stats)
+        loss = _lm_step(red, counter, params, x, lr_at(step), step, run, device)
         loss_acc += loss.detach().double()
         since += 1
         done = step + 1
@@ -269,26 +271,27 @@ def train_one_lm(cfg, algorithm: str, seed: int, comm, device, data, log) -> Dic
             since = 0
             val_curve.append((done, _lm_eval(model, val_bytes, vstarts, L, device)))
             if rank == 0 and log:
-                recent = step_times[-eval_every:]
                 print(f"  [{algorithm:>9} seed {seed}] step {done:>5}/{steps}  train "
                       f"{train_curve[-1][1]:.4f}  val {val_curve[-1][1]:.4f} nats/byte "
-                      f"({val_curve[-1][1] / math.log(2):.3f} bits/byte)  bytes/step "
-                      f"{_fmt_bytes(sum(bytes_curve[-eval_every:]) / len(recent)):>9}  "
-                      f"{1000 * sum(recent) / len(recent):7.1f} ms/step", flush=True)
+                      f"({val_curve[-1][1] / math.log(2):.3f} bits/byte)  "
+                      f"{run.recent(eval_every, 7)}", flush=True)
     identical = replicas_identical(model) and init_identical
-    warm = 2 if len(step_times) > 4 else 0
-    layer_report = counter.report(steps, params)
+    return _lm_record(cfg, algorithm, seed, comm, device, red, run, counter.report(steps, params),
+                      val_curve, train_curve, identical, P)
+
+
+def _lm_record(cfg, algorithm, seed, comm, device, red, run, layer_report, val_curve,
+               train_curve, identical, P: int) -> Dict[str, Any]:
+    """The record of one finished LM run (what rank 0 writes to the results file)."""
     final = val_curve[-1][1]
     return {
-        "reduce": mode, **red.describe(),
-        "algorithm": algorithm, "seed": seed, "density": density, "world_size": P,
-        "numel": numel, "k": k, "steps": steps,
+        "reduce": red.mode, **red.describe(),
+        "algorithm": algorithm, "seed": seed, "density": red.density,
+        "world_size": P, "numel": red.numel, "k": red.k, "steps": cfg["steps"],
         "final_val_loss": final, "final_val_bpb": final / math.log(2), "val_curve": val_curve,
         "final_train_loss": train_curve[-1][1], "train_curve": train_curve,
-        "bytes_per_step": sum(bytes_curve) / len(bytes_curve), "bytes_curve": bytes_curve,
-        "time_per_step_ms": 1000 * sum(step_times[warm:]) / len(step_times[warm:]),
-        "reduce_ms": 1000 * sum(reduce_times[warm:]) / len(reduce_times[warm:]),
+        **run.totals(),
         "replicas_identical": bool(identical), "device": str(device),
-        "stats_curve": stats_curve, "applied_curve": layer_report["applied_curve"],
+        "stats_curve": run.stats_curve, "applied_curve": layer_report["applied_curve"],
         "layers": layer_report["layers"], "backend": type(comm).__name__,
     }

@@ -70,7 +70,8 @@ from .digits import evaluate, load_data, make_model
 from .launcher import _comm_and_device, _read_jsonl, launch, worker_main
 from .lm_loop import (_autocast, _LayerCounter, _lm_eval, _LMReducer, _oktopk_bytes,
                       resolve_reduce, train_one_lm)
-from .loops import _make_optimizer, _param_checksum, _record_stats, replicas_identical, train_one
+from .loops import (_make_optimizer, _param_checksum, _record_stats, replicas_identical,
+                    train_one)
 from .report import _table, format_table, plot, summarize
 
 __all__ = [
@@ -142,7 +143,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="use only this many training samples (0 = all; for quick tests)")
     p.add_argument("--eval-every", type=A.nonneg_int, default=0,
                    help="evaluate every N steps as well as at every epoch end (0 = epochs only)")
-    g = p.add_argument_group("--model gpt")
+    _add_gpt_arguments(p.add_argument_group("--model gpt"))
+    _add_output_arguments(p)
+
+
+def _add_gpt_arguments(g) -> None:
+    """The options of ``--model gpt`` (the byte-level LM)."""
     g.add_argument("--size", choices=sorted(_gpt_sizes()), default=GPT_DEFAULTS["size"],
                    help="model preset: 1m (CPU default), 25m / 100m (GPU, --device cuda), tiny "
                         "(tests)")
@@ -175,6 +181,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(torch's start_powerSGD_iter; default 2%% of --steps, at least 2)")
     g.add_argument("--val-fraction", type=A.fraction, default=GPT_DEFAULTS["val_fraction"],
                    help="gpt: fraction of the stdlib files held out for validation")
+
+
+def _add_output_arguments(p: argparse.ArgumentParser) -> None:
+    """Algorithm options, device, and where the results go."""
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="extra option passed to the sparse algorithms (repeatable)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
