@@ -423,6 +423,124 @@ def _proc_entry(rank, P, port, cfg, algs, q):
         exit_rank(q, code)
 
 
+class _Group:
+    """One group of P rank processes running ``algs``: started in the constructor, their
+    messages gathered by :meth:`collect`, stopped by :meth:`stop` (see :func:`_run_group`)."""
+
+    def __init__(self, P: int, algs: List[str], cfg: Dict[str, Any], log) -> None:
+        import torch.multiprocessing as mp
+        ctx = mp.get_context("spawn")
+        self.P, self.algs, self.log = P, algs, log
+        self.q = ctx.Queue()
+        port = free_port()
+        self.procs = [ctx.Process(target=_proc_entry, args=(r, P, port, cfg, algs, self.q),
+                                  daemon=True, name=f"oktopk-bench-rank{r}") for r in range(P)]
+        for pr in self.procs:
+            pr.start()
+        self.per_alg: Dict[str, List[Any]] = {a: [None] * P for a in algs}
+        self.out: Dict[str, Any] = {"results": {}, "probes": None, "info": [None] * P,
+                                    "error": None, "remaining": []}
+        self.probes: List[Any] = [None] * P
+        self.done = [False] * P
+        self.timeout = float(cfg["timeout"])
+        self.deadline = time.monotonic() + self.timeout + float(cfg["startup_timeout"])
+
+    def current(self) -> Optional[str]:
+        return next((a for a in self.algs if a not in self.out["results"]), None)
+
+    def handle(self, rank, kind, payload) -> bool:
+        """Take one message; True when the group must stop (an error)."""
+        out = self.out
+        if kind == "ready":
+            out["info"][rank] = payload
+        elif kind == "probes":
+            self.probes[rank] = payload
+            if all(p is not None for p in self.probes):
+                out["probes"] = self.probes
+        elif kind == "alg":
+            name, rec = payload
+            self.per_alg[name][rank] = rec
+            if all(x is not None for x in self.per_alg[name]):
+                out["results"][name] = self.per_alg[name]
+                self.deadline = time.monotonic() + self.timeout
+                self.log(f"  {name:9s} P={self.P:3d} done")
+        elif kind == "done":
+            self.done[rank] = True
+        elif kind == "error":
+            name, tb = payload
+            out["error"] = {"algorithm": name, "error": f"rank {rank} failed:\n{tb}"}
+            return True
+        return False
+
+    def next_item(self):
+        """The next message, or None when the group must stop: a rank died without a message,
+        or the deadline passed (``out["error"]`` says which)."""
+        import queue as _queue
+        while True:
+            try:
+                return self.q.get(timeout=0.5)
+            except _queue.Empty:
+                pass
+            dead = [r for r, pr in enumerate(self.procs)
+                    if not self.done[r] and pr.exitcode is not None]
+            if dead:
+                try:  # what it put on the queue just before exiting comes first
+                    return self.q.get(timeout=1.0)
+                except _queue.Empty:
+                    codes = {r: self.procs[r].exitcode for r in dead}
+                    self.out["error"] = {"algorithm": None,
+                                         "error": f"ranks {dead} died (exit codes {codes})"}
+                    return None
+            if time.monotonic() > self.deadline:
+                self.out["error"] = {"algorithm": None,
+                                     "error": f"TimeoutError: P={self.P} "
+                                              f"{self.current() or 'probes'} did not finish in "
+                                              f"{self.timeout:g}s"}
+                return None
+
+    def collect(self) -> None:
+        while not all(self.done):
+            item = self.next_item()
+            if item is None or self.handle(*item):
+                break
+        if self.out["error"] is not None:
+            self._drain()
+            if self.out["error"]["algorithm"] is None:
+                self.out["error"]["algorithm"] = self.current()
+
+    def _drain(self) -> None:
+        """Other ranks' results sent before the failure may still be on the way."""
+        import queue as _queue
+        drain_end = time.monotonic() + 5.0
+        try:
+            while time.monotonic() < drain_end:
+                rank, kind, payload = self.q.get(timeout=0.5)
+                if kind in ("alg", "probes", "ready"):
+                    self.handle(rank, kind, payload)
+        except _queue.Empty:
+            pass
+
+    def stop(self) -> None:
+        for pr in self.procs:
+            pr.join(timeout=5 if self.out["error"] is None else 0.5)
+        for pr in self.procs:
+            if pr.is_alive():
+                pr.kill()
+                pr.join(timeout=5)
+        self.q.close()
+
+    def result(self) -> Dict[str, Any]:
+        out = self.out
+        if out["error"] is not None:
+            failed = out["error"]["algorithm"]
+            if failed == "<setup>":  # the group could not start: a new one would fail the same way
+                out["remaining"] = []
+            else:
+                out["remaining"] = [a for a in self.algs
+                                    if a not in out["results"] and a != failed]
+        return out
+
+
 def _run_group(P: int, algs: List[str], cfg: Dict[str, Any], log=print) -> Dict[str, Any]:
     """Run ``algs`` (and the probes when ``cfg["probes"]``) on one group of P processes.
 
@@ -430,101 +548,12 @@ def _run_group(P: int, algs: List[str], cfg: Dict[str, Any], log=print) -> Dict[
     "info": per-rank info, "error": None or {"algorithm", "error"}, "remaining": names not
     run because of the error}``. A failure ends the group (its processes are killed); the caller
     starts a new group for the remaining algorithms."""
-    import queue as _queue
-
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_proc_entry, args=(r, P, port, cfg, algs, q), daemon=True,
-                         name=f"oktopk-bench-rank{r}") for r in range(P)]
-    for pr in procs:
-        pr.start()
-    per_alg: Dict[str, List[Any]] = {a: [None] * P for a in algs}
-    out: Dict[str, Any] = {"results": {}, "probes": None, "info": [None] * P, "error": None,
-                           "remaining": []}
-    probes: List[Any] = [None] * P
-    done = [False] * P
-    timeout = float(cfg["timeout"])
-    deadline = time.monotonic() + timeout + float(cfg["startup_timeout"])
-
-    def current() -> Optional[str]:
-        return next((a for a in algs if a not in out["results"]), None)
-
-    def handle(rank, kind, payload) -> bool:
-        """Take one message; True when the group must stop (an error)."""
-        nonlocal deadline
-        if kind == "ready":
-            out["info"][rank] = payload
-        elif kind == "probes":
-            probes[rank] = payload
-            if all(p is not None for p in probes):
-                out["probes"] = probes
-        elif kind == "alg":
-            name, rec = payload
-            per_alg[name][rank] = rec
-            if all(x is not None for x in per_alg[name]):
-                out["results"][name] = per_alg[name]
-                deadline = time.monotonic() + timeout
-                log(f"  {name:9s} P={P:3d} done")
-        elif kind == "done":
-            done[rank] = True
-        elif kind == "error":
-            name, tb = payload
-            out["error"] = {"algorithm": name, "error": f"rank {rank} failed:\n{tb}"}
-            return True
-        return False
-
+    group = _Group(P, algs, cfg, log)
     try:
-        while not all(done):
-            try:
-                item = q.get(timeout=0.5)
-            except _queue.Empty:
-                dead = [r for r, pr in enumerate(procs) if not done[r] and pr.exitcode is not None]
-                if dead:
-                    try:  # what it put on the queue just before exiting comes first
-                        item = q.get(timeout=1.0)
-                    except _queue.Empty:
-                        codes = {r: procs[r].exitcode for r in dead}
-                        out["error"] = {"algorithm": None,
-                                        "error": f"ranks {dead} died (exit codes {codes})"}
-                        break
-                elif time.monotonic() > deadline:
-                    out["error"] = {"algorithm": None,
-                                    "error": f"TimeoutError: P={P} {current() or 'probes'} did "
-                                             f"not finish in {timeout:g}s"}
-                    break
-                else:
-                    continue
-            if handle(*item):
-                break
-        if out["error"] is not None:
-            # other ranks' results sent before the failure may still be on the way
-            drain_end = time.monotonic() + 5.0
-            try:
-                while time.monotonic() < drain_end:
-                    rank, kind, payload = q.get(timeout=0.5)
-                    if kind in ("alg", "probes", "ready"):
-                        handle(rank, kind, payload)
-            except _queue.Empty:
-                pass
-            if out["error"]["algorithm"] is None:
-                out["error"]["algorithm"] = current()
+        group.collect()
     finally:
-        for pr in procs:
-            pr.join(timeout=5 if out["error"] is None else 0.5)
-        for pr in procs:
-            if pr.is_alive():
-                pr.kill()
-                pr.join(timeout=5)
-        q.close()
-    if out["error"] is not None:
-        failed = out["error"]["algorithm"]
-        if failed == "<setup>":  # the group could not start: a new one would fail the same way
-            out["remaining"] = []
-        else:
-            out["remaining"] = [a for a in algs if a not in out["results"] and a != failed]
-    return out
+        group.stop()
+    return group.result()
 
 
 # -- the benchmark ---------------------------------------------------------------------------------
@@ -699,48 +728,14 @@ def run_benchmark(args, log=print) -> Dict[str, Any]:
         per_alg: Dict[str, Any] = {}
         walls: Dict[str, float] = {}
         if backend == "local":
-            if probe_reps > 0:
-                probes += _probe_summary(P, _run_local_probes(P, args.n, probe_reps, args.timeout))
-            for name in algs:
-                t0 = time.perf_counter()
-                try:
-                    per_alg[name] = _run_local(name, P, args.n, args.density, args.steps,
-                                               args.seed, args.check_finite, args.timeout)
-                except Exception as exc:  # noqa: BLE001 - one failing algorithm does not stop the rest
-                    msg = f"{type(exc).__name__}: {exc}"
-                    log(f"error: {name} P={P}: {msg.splitlines()[0] if msg else msg}")
-                    errors.append({"algorithm": name, "P": P, "error": msg})
-                    continue
-                walls[name] = time.perf_counter() - t0
+            probes += _local_world(args, P, algs, probe_reps, per_alg, walls, errors, log)
         else:
             cfg = {"backend": backend, "comm": comm_kind, "n": args.n, "density": args.density,
                    "steps": args.steps, "seed": args.seed, "check_finite": args.check_finite,
                    "timeout": args.timeout, "comm_timeout": comm_timeout,
                    "startup_timeout": 300.0, "ngpu": ngpu, "probes": probe_reps > 0,
                    "probe_reps": probe_reps, "env": [rank_env(r, P, ngpu) for r in range(P)]}
-            todo = list(algs)
-            while True:
-                t0 = time.perf_counter()
-                quiet = getattr(args, "quiet", False)
-                g = _run_group(P, todo, cfg, log=(lambda *a: None) if quiet else log)
-                wall = time.perf_counter() - t0
-                for name, recs in g["results"].items():
-                    per_alg[name] = recs
-                    walls[name] = wall / max(1, len(g["results"]))
-                if g["probes"] is not None:
-                    probes += _probe_summary(P, g["probes"])
-                if any(g["info"]):
-                    rank_info[P] = g["info"]
-                if g["error"] is None:
-                    break
-                e = g["error"]
-                first = e["error"].strip().splitlines()[-1] if e["error"].strip() else ""
-                log(f"error: {e['algorithm']} P={P}: {first}")
-                errors.append({"algorithm": e["algorithm"], "P": P, "error": e["error"]})
-                cfg["probes"] = False
-                todo = g["remaining"]
-                if not todo:
-                    break
+            probes += _process_world(args, P, algs, cfg, per_alg, walls, errors, rank_info, log)
         for name in algs:
             if name not in per_alg:
                 continue
@@ -753,6 +748,64 @@ def run_benchmark(args, log=print) -> Dict[str, Any]:
                 log(f"  {name:9s} P={P:3d}  {s['bytes_mean'] / 1e6:10.4f} MB/rank/step  "
                     f"{s['step_ms_mean']:9.2f} ms/step  ({walls[name]:.1f}s)")
     _fill_dense_ratios(results)
+    return _report(args, algs, backend, comm_kind, comm_timeout, warmup, probe_reps, ngpu, mps,
+                   date, probes, results, rank_info, warnings_, skipped, errors)
+
+
+def _local_world(args, P, algs, probe_reps, per_alg, walls, errors, log) -> List[Dict]:
+    """``--backend local``: every algorithm at world size P in this process (its records into
+    ``per_alg``, its wall time into ``walls``, a failure into ``errors``); returns the probes."""
+    probes: List[Dict] = []
+    if probe_reps > 0:
+        probes += _probe_summary(P, _run_local_probes(P, args.n, probe_reps, args.timeout))
+    for name in algs:
+        t0 = time.perf_counter()
+        try:
+            per_alg[name] = _run_local(name, P, args.n, args.density, args.steps,
+                                       args.seed, args.check_finite, args.timeout)
+        except Exception as exc:  # noqa: BLE001 - one failing algorithm does not stop the rest
+            msg = f"{type(exc).__name__}: {exc}"
+            log(f"error: {name} P={P}: {msg.splitlines()[0] if msg else msg}")
+            errors.append({"algorithm": name, "P": P, "error": msg})
+            continue
+        walls[name] = time.perf_counter() - t0
+    return probes
+
+
+def _process_world(args, P, algs, cfg, per_alg, walls, errors, rank_info, log) -> List[Dict]:
+    """gloo / nccl: the algorithms on groups of P processes, a new group after a failure for
+    the algorithms left (records into ``per_alg``, wall times into ``walls``, failures into
+    ``errors``, the ranks' info into ``rank_info``); returns the probes."""
+    probes: List[Dict] = []
+    todo = list(algs)
+    while True:
+        t0 = time.perf_counter()
+        quiet = getattr(args, "quiet", False)
+        g = _run_group(P, todo, cfg, log=(lambda *a: None) if quiet else log)
+        wall = time.perf_counter() - t0
+        for name, recs in g["results"].items():
+            per_alg[name] = recs
+            walls[name] = wall / max(1, len(g["results"]))
+        if g["probes"] is not None:
+            probes += _probe_summary(P, g["probes"])
+        if any(g["info"]):
+            rank_info[P] = g["info"]
+        if g["error"] is None:
+            break
+        e = g["error"]
+        first = e["error"].strip().splitlines()[-1] if e["error"].strip() else ""
+        log(f"error: {e['algorithm']} P={P}: {first}")
+        errors.append({"algorithm": e["algorithm"], "P": P, "error": e["error"]})
+        cfg["probes"] = False
+        todo = g["remaining"]
+        if not todo:
+            break
+    return probes
+
+
+def _report(args, algs, backend, comm_kind, comm_timeout, warmup, probe_reps, ngpu, mps, date,
+            probes, results, rank_info, warnings_, skipped, errors) -> Dict[str, Any]:
+    """The collectives report (what the JSON holds)."""
     info0 = next((i[0] for i in rank_info.values() if i and i[0]), {}) or {}
     device = info0.get("device_name") or ("cpu" if backend != "nccl" else None)
     if device is None:

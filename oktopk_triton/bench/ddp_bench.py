@@ -300,7 +300,8 @@ def _make_sparse_state(cfg: Dict[str, Any], comm, algorithm: str, mode: Optional
                                 start_iter=SPARSE_START_ITER, comm=comm, **options)
 
 
-def _run_one(spec: Dict[str, Any], cfg: Dict[str, Any], rank: int, dev, get_comm) -> Dict[str, Any]:
+def _run_one(spec: Dict[str, Any], cfg: Dict[str, Any], rank: int, dev,
+             get_comm) -> Dict[str, Any]:
     """Train ``warmup + steps`` iterations with one hook; this rank's record."""
     import torch
     import torch.distributed as dist
@@ -313,30 +314,8 @@ def _run_one(spec: Dict[str, Any], cfg: Dict[str, Any], rank: int, dev, get_comm
     model = make_model(cfg["width"], cfg["layers"]).to(dev)
     ddp = DDP(model, device_ids=[dev.index] if cuda else None,
               bucket_cap_mb=cfg["bucket_cap_mb"])
-    hook, comm, state, counter = spec["hook"], None, None, None
-    if hook == "none":
-        ddp.register_comm_hook(None, _none_hook)
-    elif hook == "fp16":
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
-        ddp.register_comm_hook(None, fp16_compress_hook)
-        counter = _AllreduceCounter(P)
-    elif hook == "powersgd":
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
-        state = psgd.PowerSGDState(process_group=None,
-                                   matrix_approximation_rank=cfg["powersgd_rank"],
-                                   start_powerSGD_iter=cfg["powersgd_start_iter"],
-                                   use_error_feedback=True, warm_start=True,
-                                   random_seed=cfg["seed"])
-        ddp.register_comm_hook(state, psgd.powerSGD_hook if cuda
-                               else _powersgd_one_bucket_at_a_time)
-        counter = _AllreduceCounter(P)
-    elif hook == "sparse":
-        comm = get_comm()
-        state = _make_sparse_state(cfg, comm, spec["algorithm"], spec["mode"])
-        from ..ddp import sparse_allreduce_hook
-        ddp.register_comm_hook(state, sparse_allreduce_hook)
-    elif hook != "allreduce":
-        raise ValueError(f"unknown hook {hook!r}")
+    hook = spec["hook"]
+    comm, state, counter = _register_hook(ddp, spec, cfg, cuda, get_comm)
 
     # this rank's data: a few fixed batches of a random regression problem
     g = torch.Generator().manual_seed(cfg["seed"] * 7919 + 1000 * (rank + 1))
@@ -385,6 +364,37 @@ def _run_one(spec: Dict[str, Any], cfg: Dict[str, Any], rank: int, dev, get_comm
     if cuda:
         torch.cuda.empty_cache()
     return rec
+
+
+def _register_hook(ddp, spec: Dict[str, Any], cfg: Dict[str, Any], cuda: bool, get_comm):
+    """Register ``spec``'s communication hook on ``ddp``; (communicator, hook state, allreduce
+    byte counter), each None when the hook has none."""
+    P = cfg["P"]
+    hook, comm, state, counter = spec["hook"], None, None, None
+    if hook == "none":
+        ddp.register_comm_hook(None, _none_hook)
+    elif hook == "fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+        ddp.register_comm_hook(None, fp16_compress_hook)
+        counter = _AllreduceCounter(P)
+    elif hook == "powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+        state = psgd.PowerSGDState(process_group=None,
+                                   matrix_approximation_rank=cfg["powersgd_rank"],
+                                   start_powerSGD_iter=cfg["powersgd_start_iter"],
+                                   use_error_feedback=True, warm_start=True,
+                                   random_seed=cfg["seed"])
+        ddp.register_comm_hook(state, psgd.powerSGD_hook if cuda
+                               else _powersgd_one_bucket_at_a_time)
+        counter = _AllreduceCounter(P)
+    elif hook == "sparse":
+        comm = get_comm()
+        state = _make_sparse_state(cfg, comm, spec["algorithm"], spec["mode"])
+        from ..ddp import sparse_allreduce_hook
+        ddp.register_comm_hook(state, sparse_allreduce_hook)
+    elif hook != "allreduce":
+        raise ValueError(f"unknown hook {hook!r}")
+    return comm, state, counter
 
 
 def _train_step(ddp, opt, x, y, F):
