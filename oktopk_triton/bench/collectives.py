@@ -64,7 +64,7 @@ from typing import Any, Dict, List, Optional
 
 from ..algorithms._sparse import _log2ceil
 from . import _args as A
-from ._common import detect_mps, fmt_bytes, nccl_version_text, versions
+from ._common import REPO, detect_mps, fmt_bytes, nccl_version_text, versions
 from ._common import git_commit as _git_commit
 from ._common import resolve_algorithms as _resolve
 from ._procs import exit_rank, free_port
@@ -681,7 +681,7 @@ def device_slug(name: str) -> str:
 def default_json_path(report: Dict[str, Any]) -> str:
     """``bench/results/gpu-collectives-<date>-<device>.json`` under the repository root (the
     current directory when the package is not in a checkout)."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = REPO
     if not os.path.isdir(os.path.join(root, "bench")):
         root = os.getcwd()
     return os.path.join(root, "bench", "results",

@@ -29,7 +29,6 @@ claim.  The kernel goals are printed (and stored under ``goals``) against the ro
 """
 from __future__ import annotations
 
-from . import _args as A
 import argparse
 import datetime
 import json
@@ -37,11 +36,13 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import time
 from typing import Callable, Dict, List, Optional
 
 import torch
+
+from . import _args as A
+from ._common import git_commit
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CPU_DEFAULT_SIZES = [1 << 16]
@@ -110,16 +111,6 @@ def device_name(device: torch.device) -> str:
         return torch.cuda.get_device_name(device)
     return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, " \
            f"torch threads {torch.get_num_threads()})"
-
-
-def git_commit() -> Optional[str]:
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    try:
-        r = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                           timeout=10)
-        return r.stdout.strip() or None
-    except Exception:
-        return None
 
 
 def _abs_bits(v: float) -> int:
