@@ -108,22 +108,8 @@ def _scatter_variants():
 
 
 def _region_variants():
-    """region_count, region_write and clear_sent."""
+    """clear_sent (region_count and region_write went with region_select, commit c368816)."""
     from . import region
-    rsig = {"dense_ptr": "*fp32", "threshold_ptr": "*fp32", "start_ptr": "*i64", "end_ptr": "*i64",
-            "start_int": "i32", "end_int": "i32"}
-    for sp in (False, True):
-        yield (f"region_count start_ptr={sp}", region._region_count_kernel,
-               {**rsig, "block_counts_ptr": "*i32", "START_IS_PTR": "constexpr",
-                "END_IS_PTR": "constexpr", "BLOCK": "constexpr"},
-               {"START_IS_PTR": sp, "END_IS_PTR": sp, "BLOCK": 1024}, [0, 1, 2, 3, 6], 4)
-        yield (f"region_write start_ptr={sp}", region._region_write_kernel,
-               {**rsig, "block_prefix_ptr": "*i64", "indices_ptr": "*i32", "values_ptr": "*fp32",
-                "scale_ptr": "*fp32", "scale": "fp32", "capacity": "i32",
-                "START_IS_PTR": "constexpr", "END_IS_PTR": "constexpr", "SCALE_IS_PTR": "constexpr",
-                "BLOCK": "constexpr"},
-               {"START_IS_PTR": sp, "END_IS_PTR": not sp, "SCALE_IS_PTR": sp, "BLOCK": 1024},
-               [0, 1, 2, 3, 6, 7, 8, 9], 4)
     for vel, bf in ((False, False), (True, False), (True, True)):
         yield (f"clear_sent velocity={vel} keep_bf16={bf}", region._clear_sent_kernel,
                {"residual_ptr": "*fp32", "velocity_ptr": "*fp32", "sent_indices_ptr": "*i32",
