@@ -7,7 +7,7 @@ judged by the share of a copy's bandwidth they reach (2.94 TB/s for 2^28 fp32 on
 (the Triton interpreter runs about 1 s per million elements).
 """
 from ._dispatch import BACKENDS, INTERPRET, choose, counters
-from .dense import dense_zeros, fill_if, nonfinite_flag
+from .elementwise import dense_zeros, fill_if, nonfinite_flag
 from .histogram import (HIST_BINS, abs_histogram, bin_threshold, exact_threshold,
                         histogram_threshold, kth_bin)
 from .region import clear_sent

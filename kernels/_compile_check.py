@@ -13,8 +13,8 @@ decorated as compiled JIT functions); tests/test_kernels.py runs it in a subproc
 1 when a variant fails to compile.
 
 Why it exists: the first H100 run found a fused_select failure that only the compiled kernel
-had (an overflowing row held unselected indices; docs/gpu-measurements.md), and the interpreter never
-shows whether a streaming load is vectorised (``ld.global.v4``), which decides its bandwidth.
+had (an overflowing row held unselected indices; docs/gpu-measurements.md), and the interpreter
+never shows whether a streaming load is vectorised (``ld.global.v4``), which decides its bandwidth.
 """
 from __future__ import annotations
 
@@ -27,7 +27,17 @@ import traceback
 
 def variants():
     """(name, kernel, signature, constexprs, divisible-by-16 args, num_warps) per variant."""
-    from . import dense, histogram, region, scatter, selection, threshold
+    yield from _selection_variants()
+    yield from _histogram_variants()
+    yield from _scatter_variants()
+    yield from _region_variants()
+    yield from _threshold_variants()
+    yield from _elementwise_variants()
+
+
+def _selection_variants():
+    """fused_select: every gradient dtype and flag combination, and n == 1."""
+    from . import selection
     sel_sig = {"grad_ptr": "*fp32", "residual_ptr": "*fp32", "velocity_ptr": "*fp32",
                "threshold_ptr": "*fp32", "region_offsets_ptr": "*i64", "indices_ptr": "*i32",
                "values_ptr": "*fp32", "counts_ptr": "*i32", "nonfinite_ptr": "*i32",
@@ -42,7 +52,8 @@ def variants():
                  "SEARCH_STEPS": 4, "BLOCK": 2048}
     ptr16 = list(range(11)) + [11]        # pointers and n divisible by 16 (as the JIT specialises)
     for gd in ("*fp32", "*bf16", "*fp16"):
-        for skip, vel, hist, per_region in ((False, False, False, False), (True, False, False, True),
+        for skip, vel, hist, per_region in ((False, False, False, False),
+                                            (True, False, False, True),
                                             (False, True, True, True), (True, True, False, False),
                                             (False, False, True, True)):
             yield (f"fused_select grad={gd[1:]} skip={skip} velocity={vel} hist={hist} "
@@ -55,6 +66,11 @@ def variants():
            {**sel_const, "n": 1, "HAS_SKIP": False, "HAS_VELOCITY": False, "MASK_VELOCITY": False,
             "HAS_HIST": False, "THR_PER_REGION": False, "SEARCH_STEPS": 1},
            list(range(11)), 4)
+
+
+def _histogram_variants():
+    """abs_histogram: both levels and dtypes, and the device-range form."""
+    from . import histogram
     hsig = {"x_ptr": "*fp32", "hist_ptr": "*i64", "prefix_ptr": "*i64", "start_ptr": "*i64",
             "end_ptr": "*i64", "skip_ptr": "*i32", "start_int": "i32", "end_int": "i64",
             "blocks_per_program": "i32", "HAS_SKIP": "constexpr", "LEVEL": "constexpr",
@@ -71,10 +87,16 @@ def variants():
     yield ("abs_histogram device range", histogram._abs_histogram_kernel, hsig,
            {**hconst, "HAS_SKIP": True, "LEVEL": 1, "START_IS_PTR": True, "END_IS_PTR": True,
             "SHIFT": 9}, [0, 1, 2, 3, 4, 5], 8)
+
+
+def _scatter_variants():
+    """scatter_add and scatter_rows."""
+    from . import scatter
     for base_ptr in (False, True):
         yield (f"scatter_add base_ptr={base_ptr}", scatter._scatter_add_kernel,
-               {"dense_ptr": "*fp32", "indices_ptr": "*i32", "values_ptr": "*fp32", "count_ptr": "*i32",
-                "base_ptr": "*i64", "base_int": "i64", "capacity": "i32", "BASE_IS_PTR": "constexpr",
+               {"dense_ptr": "*fp32", "indices_ptr": "*i32", "values_ptr": "*fp32",
+                "count_ptr": "*i32", "base_ptr": "*i64", "base_int": "i64", "capacity": "i32",
+                "BASE_IS_PTR": "constexpr",
                 "BLOCK": "constexpr"}, {"BASE_IS_PTR": base_ptr, "BLOCK": 1024}, [0, 1, 2, 3, 4], 4)
     for add in (False, True):
         yield (f"scatter_rows add={add}", scatter._scatter_rows_kernel,
@@ -83,20 +105,11 @@ def variants():
                 "idx_row_stride": "i32", "val_row_stride": "i32", "counts_stride": "i32",
                 "row_base_stride": "i32", "ADD": "constexpr", "BLOCK": "constexpr"},
                {"ADD": add, "BLOCK": 1024}, [0, 1, 2, 3, 4], 4)
-    rsig = {"dense_ptr": "*fp32", "threshold_ptr": "*fp32", "start_ptr": "*i64", "end_ptr": "*i64",
-            "start_int": "i32", "end_int": "i32"}
-    for sp in (False, True):
-        yield (f"region_count start_ptr={sp}", region._region_count_kernel,
-               {**rsig, "block_counts_ptr": "*i32", "START_IS_PTR": "constexpr",
-                "END_IS_PTR": "constexpr", "BLOCK": "constexpr"},
-               {"START_IS_PTR": sp, "END_IS_PTR": sp, "BLOCK": 1024}, [0, 1, 2, 3, 6], 4)
-        yield (f"region_write start_ptr={sp}", region._region_write_kernel,
-               {**rsig, "block_prefix_ptr": "*i64", "indices_ptr": "*i32", "values_ptr": "*fp32",
-                "scale_ptr": "*fp32", "scale": "fp32", "capacity": "i32",
-                "START_IS_PTR": "constexpr", "END_IS_PTR": "constexpr", "SCALE_IS_PTR": "constexpr",
-                "BLOCK": "constexpr"},
-               {"START_IS_PTR": sp, "END_IS_PTR": not sp, "SCALE_IS_PTR": sp, "BLOCK": 1024},
-               [0, 1, 2, 3, 6, 7, 8, 9], 4)
+
+
+def _region_variants():
+    """clear_sent (region_count and region_write went with region_select, commit c368816)."""
+    from . import region
     for vel, bf in ((False, False), (True, False), (True, True)):
         yield (f"clear_sent velocity={vel} keep_bf16={bf}", region._clear_sent_kernel,
                {"residual_ptr": "*fp32", "velocity_ptr": "*fp32", "sent_indices_ptr": "*i32",
@@ -107,7 +120,13 @@ def variants():
                 "global_counts_stride": "i32", "SEARCH_STEPS": "constexpr",
                 "HAS_VELOCITY": "constexpr", "KEEP_BF16_ROUNDING": "constexpr",
                 "BLOCK": "constexpr"},
-               {"SEARCH_STEPS": 7, "HAS_VELOCITY": vel, "KEEP_BF16_ROUNDING": bf, "BLOCK": 1024}, [0, 1, 2, 3, 4, 5, 6], 4)
+               {"SEARCH_STEPS": 7, "HAS_VELOCITY": vel, "KEEP_BF16_ROUNDING": bf, "BLOCK": 1024},
+               [0, 1, 2, 3, 4, 5, 6], 4)
+
+
+def _threshold_variants():
+    """window_pass: every dtype, range by value and by pointer."""
+    from . import threshold
     for x in ("*fp32", "*bf16", "*fp16"):
         for ranged in (False, True):
             yield (f"window_pass x={x[1:]} range_ptr={ranged}", threshold._window_pass_kernel,
@@ -117,7 +136,12 @@ def variants():
                     "RANGE_IS_PTR": "constexpr", "NSEG": "constexpr", "BLOCK": "constexpr"},
                    {"RANGE_IS_PTR": ranged, "NSEG": 32, "BLOCK": 4096},
                    [0, 1, 2, 3, 4, 5, 6], 8)
-    yield ("fill_if", dense._fill_if_kernel,
+
+
+def _elementwise_variants():
+    """fill_if."""
+    from . import elementwise
+    yield ("fill_if", elementwise._fill_if_kernel,
            {"out_ptr": "*fp32", "flag_ptr": "*i32", "value": "fp32", "n": "i64",
             "BLOCK": "constexpr"}, {"BLOCK": 1024}, [0, 1, 3], 4)
 

@@ -12,8 +12,8 @@ atomic_add.
 Now only the fallback of :func:`magnitude_threshold` (when its sampled window misses) and the
 threshold of the simpler algorithms: on an H100 this threshold took 38 ms at n = 2^28 against
 5.93 ms for ``torch.topk`` (a 2048-bin ``tl.histogram`` pass alone 9.1 ms, a 256-bin one 0.81 ms),
-and Ok-Topk launched it 13 times per step (70 ms at 2^26, docs/gpu-measurements.md).  ``skip`` (a device
-flag) lets the fallback be launched always and do nothing, so no host read decides it.
+and Ok-Topk launched it 13 times per step (70 ms at 2^26, docs/gpu-measurements.md).  ``skip``
+(a device flag) lets the fallback be launched always and do nothing, so no host read decides it.
 """
 from __future__ import annotations
 
@@ -101,7 +101,8 @@ if HAS_TRITON:
         s_int = 0 if start_is_ptr or start is None else int(start)
         e_int = n if end_is_ptr or end is None else int(end)
         # static bound on the range length: the grid
-        span = n - (0 if start_is_ptr else s_int) if end_is_ptr else e_int - (0 if start_is_ptr else s_int)
+        s_known = 0 if start_is_ptr else s_int
+        span = n - s_known if end_is_ptr else e_int - s_known
         span = max(min(span, n), 0)
         out.zero_()
         if span == 0:
@@ -206,7 +207,8 @@ def kth_bin(hist: Tensor, k) -> Tuple[Tensor, Tensor]:
     """
     hist = hist.reshape(-1).to(torch.int64)
     suffix = torch.flip(torch.cumsum(torch.flip(hist, (0,)), 0), (0,))   # sum(hist[b:])
-    k_t = k.reshape(()).to(device=hist.device, dtype=torch.int64) if isinstance(k, Tensor) else int(k)
+    k_t = (k.reshape(()).to(device=hist.device, dtype=torch.int64) if isinstance(k, Tensor)
+           else int(k))
     b = ((suffix >= k_t).to(torch.int64).sum() - 1).clamp_(min=0)
     suffix_ext = torch.cat([suffix, suffix.new_zeros(1)])
     above = suffix_ext.gather(0, (b + 1).reshape(1)).reshape(())

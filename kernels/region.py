@@ -89,7 +89,8 @@ if HAS_TRITON:
             return
         grid = (P, triton.cdiv(cap_sent, block))
         _clear_sent_kernel[grid](
-            residual, velocity if velocity is not None else residual, sent_indices, sent_counts, region_offsets, global_indices, global_counts,
+            residual, velocity if velocity is not None else residual, sent_indices, sent_counts,
+            region_offsets, global_indices, global_counts,
             cap_sent, cap_global,
             sent_indices.stride(0), sent_counts.stride(0), global_indices.stride(0),
             global_counts.stride(0),
@@ -111,7 +112,8 @@ def _clear_sent_torch(residual, sent_indices, sent_counts, region_offsets, globa
     n = residual.numel()
     big = torch.iinfo(torch.int64).max
     g = global_indices.to(torch.int64)
-    g_valid = torch.arange(cap_global, device=dev) < global_counts.to(torch.int64).reshape(P, 1).clamp(max=cap_global)
+    g_valid = (torch.arange(cap_global, device=dev)
+               < global_counts.to(torch.int64).reshape(P, 1).clamp(max=cap_global))
     g = torch.where(g_valid, g, torch.full_like(g, big)).contiguous()  # padding sorts last
     t = sent_indices.to(torch.int64).contiguous()
     s_valid = torch.arange(cap_sent, device=dev) < sent_counts.to(torch.int64).reshape(P, 1)
@@ -153,8 +155,9 @@ def clear_sent(residual: Tensor, sent_indices: Tensor, sent_counts: Tensor, regi
     v = velocity.view(-1) if velocity is not None else None
     _dispatch.record(launches=1, bytes=8 * sent_indices.numel())
     if _dispatch.choose(backend, residual.device) == "triton":
-        _clear_sent_triton(residual.view(-1), sent_indices, sent_counts, region_offsets.contiguous(),
-                           global_indices, global_counts, v, keep_bf16_rounding)
+        _clear_sent_triton(residual.view(-1), sent_indices, sent_counts,
+                           region_offsets.contiguous(), global_indices, global_counts, v,
+                           keep_bf16_rounding)
     else:
         with _dispatch.inside_kernel():
             _clear_sent_torch(residual.view(-1), sent_indices, sent_counts, region_offsets,

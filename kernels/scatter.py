@@ -9,8 +9,8 @@ reads the true count on the device; slots past min(count, capacity) are masked.
 disjoint) in ONE launch over [rows, slots], skipping empty slots (index -1 or past the count).
 It replaced ``out.index_put_(..., accumulate=True)`` over every padded slot, which sorted all of
 them (padding at index 0 included): 40 ms per step at n = 2^26, P = 4 on an H100
-(docs/gpu-measurements.md).  On the same H100, one scatter of the selection rows at n = 2^26, P = 4, 1%:
-scatter_rows 0.155 ms against 0.544 ms for index_put_(accumulate=True)
+(docs/gpu-measurements.md).  On the same H100, one scatter of the selection rows at n = 2^26,
+P = 4, 1%: scatter_rows 0.155 ms against 0.544 ms for index_put_(accumulate=True)
 (bench/results/gpu-kernel-variants-call1.json).  Bytes: 12 per written entry (index, value,
 out).
 """
@@ -155,7 +155,8 @@ def scatter_rows(dense: Tensor, indices: Tensor, values: Tensor, counts: Tensor,
     order s = 0..S-1 (deterministic).  ``dense`` fp32, contiguous."""
     if indices.dim() != 2 or indices.shape != values.shape:
         raise ValueError("indices and values must have the same shape [S, cap]")
-    if indices.dtype != torch.int32 or values.dtype != torch.float32 or dense.dtype != torch.float32:
+    if (indices.dtype != torch.int32 or values.dtype != torch.float32
+            or dense.dtype != torch.float32):
         raise TypeError("indices must be int32, values and dense fp32")
     if not dense.is_contiguous():
         raise ValueError("dense must be contiguous")

@@ -26,7 +26,6 @@ bench/results/gpu-kernel-variants-call1.json; a copy of 2^28 fp32 ran at 2.94 TB
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -65,7 +64,8 @@ if HAS_TRITON:
     def _fused_select_kernel(
         grad_ptr,            # *fp32|bf16|fp16 [n]  gradient of this step
         residual_ptr,        # *fp32 [n]            residual, overwritten with acc
-        velocity_ptr,        # *fp32 [n]            velocity u := momentum*u + grad (if HAS_VELOCITY)
+        velocity_ptr,        # *fp32 [n]            velocity u := momentum*u + grad
+                             #                      (if HAS_VELOCITY)
         threshold_ptr,       # *fp32 [] or [P]      selection threshold: one, or one per region
         region_offsets_ptr,  # *int64 [P+1]         region boundaries, [0]=0, [P]=n, non-decreasing
         indices_ptr,         # *int32 [P, capacity] out: relative index, row stride idx_row_stride
@@ -155,7 +155,8 @@ if HAS_TRITON:
             tl.store(indices_ptr + region * idx_row_stride + slot, rel, mask=write)
             tl.store(values_ptr + region * val_row_stride + slot, acc, mask=write)
             n_bad = tl.sum((bad & in_region).to(tl.int32), axis=0)
-            tl.atomic_max(nonfinite_ptr + region * nonfinite_stride, 1, mask=n_bad > 0, sem="relaxed")
+            tl.atomic_max(nonfinite_ptr + region * nonfinite_stride, 1, mask=n_bad > 0,
+                          sem="relaxed")
             if HAS_HIST:
                 thr_bits = thr.to(tl.int32, bitcast=True) & 0x7FFFFFFF
                 hbin = ((bits - thr_bits) >> HIST_SHIFT) + HIST_BINS // 2
@@ -239,7 +240,8 @@ def _fused_select_torch(grad, residual, threshold, region_offsets, capacity, ski
     P = region_offsets.numel() - 1
     dev = residual.device
     acc, new_u = _accumulate_torch(grad, residual, velocity, momentum, mask_velocity)
-    active = torch.ones((), dtype=torch.bool, device=dev) if skip is None else (skip.reshape(()) == 0)
+    active = (torch.ones((), dtype=torch.bool, device=dev) if skip is None
+              else (skip.reshape(()) == 0))
     rid = region_ids(region_offsets, n)
     thr = threshold.to(torch.float32)
     thr_e = thr[rid] if thr.dim() == 1 else thr.reshape(())
@@ -269,10 +271,11 @@ def _fused_select_torch(grad, residual, threshold, region_offsets, capacity, ski
         thr_bits = (thr.view(torch.int32) & _ABS_MASK)
         thr_bits = thr_bits[rid] if thr.dim() == 1 else thr_bits.reshape(())
         flat = rid * SELECT_HIST_BINS + select_hist_bins(acc, thr_bits)
-        add = torch.bincount(torch.where(counted, flat, torch.full_like(flat, P * SELECT_HIST_BINS)),
-                             minlength=P * SELECT_HIST_BINS + 1)[:P * SELECT_HIST_BINS] \
+        nbins = P * SELECT_HIST_BINS
+        add = torch.bincount(torch.where(counted, flat, torch.full_like(flat, nbins)),
+                             minlength=nbins + 1)[:nbins] \
             if dev.type == "cpu" else \
-            torch.zeros(P * SELECT_HIST_BINS, dtype=torch.int64, device=dev).scatter_add_(
+            torch.zeros(nbins, dtype=torch.int64, device=dev).scatter_add_(
                 0, flat, counted.to(torch.int64))
         hist.view(-1).add_(add.to(hist.dtype))
     residual.copy_(torch.where(active, acc, residual))
@@ -424,18 +427,7 @@ def fused_select(grad: Tensor, residual: Tensor, threshold: Tensor, region_offse
     patterns in ``[bits(t) + (b - 32)·2^20, bits(t) + (b - 31)·2^20)``; bin 0 everything below,
     bin 63 everything above (see :func:`select_hist_edges`).
     """
-    n = residual.numel()
-    if grad.numel() != n:
-        raise ValueError(f"grad has {grad.numel()} elements, residual {n}")
-    if residual.dtype != torch.float32:
-        raise TypeError(f"residual must be fp32, got {residual.dtype}")
-    if grad.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"grad must be fp32/bf16/fp16, got {grad.dtype}")
-    if not (residual.is_contiguous() and grad.is_contiguous()):
-        raise ValueError("grad and residual must be contiguous")
-    if velocity is not None:
-        if velocity.dtype != torch.float32 or velocity.numel() != n or not velocity.is_contiguous():
-            raise ValueError(f"velocity must be a contiguous fp32 tensor of {n} elements")
+    n = _check_vectors(grad, residual, velocity)
     capacity = int(capacity)
     if capacity < 0:
         raise ValueError("capacity must be >= 0")
@@ -445,31 +437,12 @@ def fused_select(grad: Tensor, residual: Tensor, threshold: Tensor, region_offse
     P = region_offsets.numel() - 1
     if P < 1:
         raise ValueError("region_offsets needs P + 1 >= 2 entries")
-    if out is None:
-        out = empty_selection(P, capacity, residual.device)
-    else:
-        if tuple(out.indices.shape) != (P, capacity) or tuple(out.values.shape) != (P, capacity):
-            raise ValueError(f"out.indices/values must be [{P}, {capacity}]")
-        if out.indices.dtype != torch.int32 or out.values.dtype != torch.float32:
-            raise TypeError("out.indices must be int32 and out.values fp32")
-        if (capacity > 1 and (out.indices.stride(1) != 1 or out.values.stride(1) != 1)):
-            raise ValueError("out.indices/values need inner stride 1")
+    out = _check_out(out, P, capacity, residual.device)
     if hist is not None:
         if tuple(hist.shape) != (P, SELECT_HIST_BINS) or hist.dtype != torch.int32 \
                 or not hist.is_contiguous():
             raise ValueError(f"hist must be a contiguous int32 [{P}, {SELECT_HIST_BINS}] tensor")
-    if not isinstance(threshold, Tensor):
-        raise TypeError(f"threshold must be a tensor (0-dim, or [P] per region), got "
-                        f"{type(threshold).__name__}")
-    if threshold.dim() == 1 and threshold.numel() == P and P > 1:
-        threshold = threshold.to(torch.float32).contiguous()    # one per region
-    elif threshold.numel() == 1:
-        threshold = threshold.reshape(()).to(torch.float32)
-    else:
-        raise ValueError(f"threshold must be 0-dim or [P] = [{P}] (one per region), got shape "
-                         f"{tuple(threshold.shape)}")
-    if threshold.device != residual.device:
-        raise ValueError(f"threshold is on {threshold.device}, expected {residual.device}")
+    threshold = _check_threshold(threshold, P, residual.device)
     gbytes = grad.element_size() * n
     vbytes = 8 * n if velocity is not None else 0
     if _dispatch.choose(backend, residual.device) == "triton":
@@ -485,6 +458,54 @@ def fused_select(grad: Tensor, residual: Tensor, threshold: Tensor, region_offse
     with _dispatch.inside_kernel():
         return impl(grad, residual, threshold, region_offsets, capacity, skip, out,
                     velocity, momentum, mask_velocity, hist)
+
+
+def _check_vectors(grad: Tensor, residual: Tensor, velocity: Optional[Tensor]) -> int:
+    """n, after checking the n-sized inputs of :func:`fused_select` (dtypes, sizes, layout)."""
+    n = residual.numel()
+    if grad.numel() != n:
+        raise ValueError(f"grad has {grad.numel()} elements, residual {n}")
+    if residual.dtype != torch.float32:
+        raise TypeError(f"residual must be fp32, got {residual.dtype}")
+    if grad.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"grad must be fp32/bf16/fp16, got {grad.dtype}")
+    if not (residual.is_contiguous() and grad.is_contiguous()):
+        raise ValueError("grad and residual must be contiguous")
+    if velocity is not None:
+        if velocity.dtype != torch.float32 or velocity.numel() != n or not velocity.is_contiguous():
+            raise ValueError(f"velocity must be a contiguous fp32 tensor of {n} elements")
+    return n
+
+
+def _check_out(out: Optional[Selection], P: int, capacity: int, device) -> Selection:
+    """``out``, or a new empty selection of P rows of ``capacity``, after checking its shapes."""
+    if out is None:
+        out = empty_selection(P, capacity, device)
+    else:
+        if tuple(out.indices.shape) != (P, capacity) or tuple(out.values.shape) != (P, capacity):
+            raise ValueError(f"out.indices/values must be [{P}, {capacity}]")
+        if out.indices.dtype != torch.int32 or out.values.dtype != torch.float32:
+            raise TypeError("out.indices must be int32 and out.values fp32")
+        if (capacity > 1 and (out.indices.stride(1) != 1 or out.values.stride(1) != 1)):
+            raise ValueError("out.indices/values need inner stride 1")
+    return out
+
+
+def _check_threshold(threshold: Tensor, P: int, device) -> Tensor:
+    """The threshold as fp32: 0-dim, or [P] (one per region)."""
+    if not isinstance(threshold, Tensor):
+        raise TypeError(f"threshold must be a tensor (0-dim, or [P] per region), got "
+                        f"{type(threshold).__name__}")
+    if threshold.dim() == 1 and threshold.numel() == P and P > 1:
+        threshold = threshold.to(torch.float32).contiguous()    # one per region
+    elif threshold.numel() == 1:
+        threshold = threshold.reshape(()).to(torch.float32)
+    else:
+        raise ValueError(f"threshold must be 0-dim or [P] = [{P}] (one per region), got shape "
+                         f"{tuple(threshold.shape)}")
+    if threshold.device != device:
+        raise ValueError(f"threshold is on {threshold.device}, expected {device}")
+    return threshold
 
 
 def select_hist_edges(threshold: Tensor) -> Tensor:

@@ -259,15 +259,7 @@ def magnitude_threshold(x: Tensor, k: int, *, start: IntOrTensor = None, end: In
         raise ValueError(f"k must be >= 1, got {k}")
     n = x.numel()
     dev = x.device
-    ranged = isinstance(start, Tensor) or isinstance(end, Tensor)
-    if ranged:   # device range: the static bound sizes everything
-        s = _dispatch.as_index_tensor(start, 0, dev)
-        e = _dispatch.as_index_tensor(end, n, dev)
-        if max_len is None:
-            max_len = n
-    else:        # host range: plain ints (a device scalar made from an int is a host sync)
-        s, e = int(start or 0), int(end if end is not None else n)
-        max_len = max(e - s, 0) if max_len is None else min(int(max_len), max(e - s, 0))
+    s, e, max_len, ranged = _range(start, end, max_len, n, dev)
     max_len = int(min(max_len, n))
     if max_len == 0:
         return torch.zeros((), dtype=torch.float32, device=dev)
@@ -277,8 +269,36 @@ def magnitude_threshold(x: Tensor, k: int, *, start: IntOrTensor = None, end: In
         with _dispatch.inside_kernel():
             return _exact_torch(x, k, s, e, max_len)
 
-    # 1. sample: S jittered evenly spaced positions of the range, sorted by |x|
+    # 1. sample: S jittered evenly spaced positions of the range, sorted by |x|: the window
     S = sample_size(k, max_len)
+    bounds = _window_bounds(x, k, s, e, max_len, S, ranged)
+    # 2. one pass over the range collects the window's candidates; 3. the (k - above)-th
+    # largest of them (or the histogram fallback)
+    t, ok, above, inside, nonzero, cap = _window_threshold(x, k, s, e, max_len, S, bounds,
+                                                           backend)
+    if info is not None:
+        info.update(window_ok=ok, stats=torch.stack([above, inside, nonzero]), S=S, cap=cap)
+    return t
+
+
+def _range(start: IntOrTensor, end: IntOrTensor, max_len: Optional[int], n: int, dev):
+    """(start, end, static bound on the length, whether the range is on the device)."""
+    ranged = isinstance(start, Tensor) or isinstance(end, Tensor)
+    if ranged:   # device range: the static bound sizes everything
+        s = _dispatch.as_index_tensor(start, 0, dev)
+        e = _dispatch.as_index_tensor(end, n, dev)
+        if max_len is None:
+            max_len = n
+    else:        # host range: plain ints (a device scalar made from an int is a host sync)
+        s, e = int(start or 0), int(end if end is not None else n)
+        max_len = max(e - s, 0) if max_len is None else min(int(max_len), max(e - s, 0))
+    return s, e, max_len, ranged
+
+
+def _window_bounds(x: Tensor, k: int, s, e, max_len: int, S: int, ranged: bool) -> Tensor:
+    """Step 1, the window: S jittered evenly spaced positions of the range sorted by |x|; the
+    int32 |x| bits [lo, hi] at sample ranks k*S/len -+ (WINDOW_Z*sqrt(r) + 1)."""
+    dev, n = x.device, x.numel()
     if ranged:
         length = (e - s).clamp(min=1).to(torch.float64)
         pos = s + (_jitter(S, dev) * length).floor().to(torch.int64)
@@ -298,8 +318,8 @@ def magnitude_threshold(x: Tensor, k: int, *, start: IntOrTensor = None, end: In
     if ranged:
         hi = torch.where(r_hi < 0, torch.full_like(ordered[0], _INF_BITS),
                          ordered.gather(0, r_hi.clamp(0, S - 1).reshape(1)).reshape(()))
-        lo = torch.where(r_lo >= S, torch.ones_like(ordered[0]),
-                         ordered.gather(0, r_lo.clamp(0, S - 1).reshape(1)).reshape(()).clamp(min=1))
+        at_lo = ordered.gather(0, r_lo.clamp(0, S - 1).reshape(1)).reshape(())
+        lo = torch.where(r_lo >= S, torch.ones_like(ordered[0]), at_lo.clamp(min=1))
         bounds = torch.stack([lo, torch.maximum(hi, lo)]).to(torch.int32)
     else:
         hi_i = min(max(r_hi, 0), S - 1)
@@ -308,7 +328,15 @@ def magnitude_threshold(x: Tensor, k: int, *, start: IntOrTensor = None, end: In
         lo = pair[0].clamp(min=1) if r_lo < S else torch.ones_like(pair[0])
         hi = pair[1] if r_hi >= 0 else torch.full_like(pair[1], _INF_BITS)
         bounds = torch.stack([lo, torch.maximum(hi, lo)]).to(torch.int32)
+    return bounds
 
+
+def _window_threshold(x: Tensor, k: int, s, e, max_len: int, S: int, bounds: Tensor,
+                      backend: str):
+    """Steps 2 and 3: one pass gathers the candidates inside the window, the (k - above)-th
+    largest of them is the threshold; the histogram fallback answers when the window missed.
+    Returns (threshold, window held it, above, inside, nonzero, candidate capacity)."""
+    dev = x.device
     # 2. one pass (program p appends to segment p % nseg: as many segments as programs, at most
     # WINDOW_SEGMENTS, each with its share of the capacity and 25% to spare)
     cap = candidate_capacity(k, max_len, S)
@@ -334,6 +362,4 @@ def magnitude_threshold(x: Tensor, k: int, *, start: IntOrTensor = None, end: In
     skip = (ok | short).to(torch.int32)
     t_fallback = histogram_threshold(x, k, start=s, end=e, backend=backend, skip=skip)
     t = torch.where(short, torch.zeros_like(t_window), torch.where(ok, t_window, t_fallback))
-    if info is not None:
-        info.update(window_ok=ok, stats=torch.stack([above, inside, nonzero]), S=S, cap=cap)
-    return t
+    return t, ok, above, inside, nonzero, cap

@@ -2,7 +2,8 @@
 
     oktopk-bench kernels      [--n 16777216 67108864 268435456] [--density 0.01] [--json PATH]
     oktopk-bench collectives  --algorithms all --world-sizes 2 4 8 --n ... [--backend local]
-    oktopk-bench ddp          --world-size 4 --hooks all --algorithms all --density 0.01 [--json PATH]
+    oktopk-bench ddp          --world-size 4 --hooks all --algorithms all --density 0.01
+                              [--json PATH]
     oktopk-bench train        --algorithms dense oktopk --density 0.01 --world-size 4
     oktopk-bench train        --model gpt [--size 1m|25m|100m] [--device cuda] --seeds 0 1 2
     oktopk-bench demo         (what `make demo` runs)
@@ -16,13 +17,17 @@ import sys
 
 # subcommand -> (module in oktopk_triton.bench, help)
 SUBCOMMANDS = {
-    "kernels": ("kernels", "time every selection kernel and threshold + select against torch.topk + gather"),
-    "collectives": ("collectives", "bytes per rank and step time of every algorithm over world sizes"),
-    "ddp": ("ddp", "step time of DDP on a Linear stack with each comm hook: none, allreduce, fp16, PowerSGD, sparse"),
+    "kernels": ("kernels", "time every selection kernel and threshold + select against "
+                           "torch.topk + gather"),
+    "collectives": ("collectives", "bytes per rank and step time of every algorithm over world "
+                                   "sizes"),
+    "ddp": ("ddp_bench", "step time of DDP on a Linear stack with each comm hook: none, "
+                         "allreduce, fp16, PowerSGD, sparse"),
     "train": ("train", "train a model with each algorithm and compare: the digits CNN (default) or "
                        "a byte-level GPT on the Python stdlib (--model gpt)"),
     "demo": ("train", "the main job: 4 ranks, dense and every sparse algorithm at density 1%"),
-    "project": ("project", "project every algorithm's step time to 1024 GPUs for a model size and a network"),
+    "project": ("project", "project every algorithm's step time to 1024 GPUs for a model size "
+                           "and a network"),
 }
 
 

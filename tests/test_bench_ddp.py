@@ -6,7 +6,7 @@ import json
 import pytest
 
 from oktopk_triton.algorithms import available_algorithms
-from oktopk_triton.bench import ddp as D
+from oktopk_triton.bench import ddp_bench as D
 
 W, LAYERS, BATCH, STEPS, WARMUP, P = 16, 2, 8, 3, 2, 2
 

@@ -144,7 +144,8 @@ def stage_env() -> Dict[str, str]:
 
 def mps_running(pipe_dir: str) -> bool:
     """An MPS control daemon serves ``pipe_dir``: its control pipe exists and a process named
-    nvidia-cuda-mps-control is alive (oktopk_triton.bench.ddp._mps_active does the same)."""
+    nvidia-cuda-mps-control is alive (oktopk_triton.bench._common.detect_mps, what the benchmarks
+    use, asks the daemon itself)."""
     if not os.path.exists(os.path.join(pipe_dir, "control")):
         return False
     for pid in (d for d in os.listdir("/proc") if d.isdigit()):

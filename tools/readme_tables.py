@@ -132,8 +132,9 @@ def goal_table(pairs) -> str:
 
 
 def ddp_table(path: str) -> str:
-    """A ``oktopk-bench ddp`` JSON as its README table (oktopk_triton.bench.ddp.format_markdown)."""
-    from oktopk_triton.bench.ddp import format_markdown
+    """A ``oktopk-bench ddp`` JSON as its README table
+    (oktopk_triton.bench.ddp_bench.format_markdown)."""
+    from oktopk_triton.bench.ddp_bench import format_markdown
     return f"`{os.path.basename(path)}`: " + format_markdown(json.load(open(path))) + "\n"
 
 

@@ -74,11 +74,8 @@ class GTopk(Algorithm):
         finally sends it ``2k + ceil(k/32)`` words; the folded rank sends 2k words, then receives
         the result. ``rank=None``: rank 0 (a survivor whenever there are folds: the critical
         path)."""
-        o = S.resolve_options(cls, n, k, P, options)
-        if k >= n:
-            return S.dense_step_specs(n, P, o)
-        specs = S.flag_specs(P, o)
-        if P == 1:
+        o, specs, whole = S.step_start(cls, n, k, P, options)
+        if whole:
             return specs
         r = 0 if o["rank"] is None else o["rank"]
         P2, e = _layout(P)

@@ -30,18 +30,19 @@ A steady step on rank r of P (k = density·n), all on the device, in the paper's
    histogram puts there), because a full row keeps entries by position.
    ``row_threshold="region"``: each row its own threshold, aimed at filling its staging to the
    geometric middle of ``[cap_r, cap_s]``. The regions are re-balanced from I (each gathered
-   entry of region j weighted by how many of its sums reached the global threshold); ``th_global`` becomes the
-   smallest |value| in I.
+   entry of region j weighted by how many of its sums reached the global threshold);
+   ``th_global`` becomes the smallest |value| in I.
 
 Why it is shaped so (measured on an H100, 4 ranks on one GPU over sockets, n = 2^26, 1%;
-docs/gpu-measurements.md): the previous step took 290 ms against 143 ms for a dense allreduce, because
-it recomputed both thresholds with histograms every step (13 histogram launches, 70 ms), summed
-the gather into ``out`` with ``index_put_(accumulate=True)`` over every padded slot (40 ms), read
-the host once and issued two threshold allreduces. Here a steady step reads the gradient-sized
-vectors once in the select pass (plus once in the base class's non-finite check), issues three
-collectives (the 4-byte non-finite flag, the send/recv batch, the allgather), never reads the
-host, and its thresholds come from counts the select pass gathered anyway. The global threshold
-needs no exchange: the k largest of the gathered slots are the same on every rank.
+docs/gpu-measurements.md): the previous step took 290 ms against 143 ms for a dense allreduce,
+because it recomputed both thresholds with histograms every step (13 histogram launches,
+70 ms), summed the gather into ``out`` with ``index_put_(accumulate=True)`` over every padded
+slot (40 ms), read the host once and issued two threshold allreduces. Here a steady step reads
+the gradient-sized vectors once in the select pass (plus once in the base class's non-finite
+check), issues three collectives (the 4-byte non-finite flag, the send/recv batch, the
+allgather), never reads the host, and its thresholds come from counts the select pass gathered
+anyway. The global threshold needs no exchange: the k largest of the gathered slots are the same
+on every rank.
 
 **Capacities** are static (message sizes must be known to the host): ``cap_r + cap_g`` is the
 largest that keeps a step within ``volume_budget·k(P−1)/P`` words per rank, headers and the
@@ -130,7 +131,8 @@ class OkTopk(Algorithm):
                              f"{o['row_threshold']!r}")
         self.rank_threshold = o["row_threshold"] == "rank"
         if o["wire_dtype"] not in ("fp32", "bf16"):
-            raise ValueError(f"oktopk: wire_dtype must be 'fp32' or 'bf16', got {o['wire_dtype']!r}")
+            raise ValueError(f"oktopk: wire_dtype must be 'fp32' or 'bf16', "
+                             f"got {o['wire_dtype']!r}")
         self.bf16_wire = o["wire_dtype"] == "bf16"
         self.backend = o["backend"]
         dev, n, P = self.device, self.numel, self.P
@@ -213,11 +215,8 @@ class OkTopk(Algorithm):
         ``2 + cap_r + ceil(cap_r/2)``), one to and one from every other rank (destination
         rotation), ONE allgather of a ``2 + 2·cap_g``-word slot; capacities from
         :meth:`capacities`."""
-        o = S.resolve_options(cls, n, k, P, options)
-        if k >= n:
-            return S.dense_step_specs(n, P, o)
-        specs = S.flag_specs(P, o)
-        if P == 1:
+        o, specs, whole = S.step_start(cls, n, k, P, options)
+        if whole:
             return specs
         cr, cg = cls.capacities(n, k, P, o["volume_budget"], o["capacity_split"],
                                 o["check_finite"] != "off", o["wire_dtype"])
@@ -246,7 +245,7 @@ class OkTopk(Algorithm):
         self._calibrated = True
         self._rows = self._sorted = self._gval_keep = None   # nothing O(k) outlives the step
 
-    # -- phases --------------------------------------------------------------------------------------
+    # -- phases ------------------------------------------------------------------------------
     def _calibrate(self, grad: torch.Tensor, nonfinite: Optional[torch.Tensor]) -> None:
         """First step (and every step in the exact reference mode): thresholds from this step's
         acc itself. Rows: the region's ``stage_mid``-th largest |acc| (exact mode: this rank's
@@ -341,7 +340,8 @@ class OkTopk(Algorithm):
         rows = torch.cat([msg[r:r + 1], recv[:P - 1]]) if P > 1 else msg
         self._rows = rows
         vals = rows[:, _HEADER + cr:]
-        vals = vals.view(torch.bfloat16)[:, :cr].float() if self.bf16_wire else vals.view(torch.float32)
+        vals = (vals.view(torch.bfloat16)[:, :cr].float() if self.bf16_wire
+                else vals.view(torch.float32))
         idx = rows[:, _HEADER:_HEADER + cr].to(torch.int64)
         valid = torch.arange(cr, device=self.device) < rows[:, :1]     # [P, cr]: slot < count
         key = torch.where(valid, idx, torch.full_like(idx, self.numel)).reshape(-1)
@@ -375,7 +375,8 @@ class OkTopk(Algorithm):
         pos = torch.cumsum(keep.to(torch.int32), 0) - 1
         tgt = torch.where(keep & (pos < cg), pos, torch.full_like(pos, cg)).to(torch.int64)
         slot = self._slot
-        ext_i = torch.full((cg + 1,), -1, dtype=torch.int32, device=self.device).scatter_(0, tgt, cidx)
+        ext_i = torch.full((cg + 1,), -1, dtype=torch.int32,
+                           device=self.device).scatter_(0, tgt, cidx)
         ext_v = torch.zeros(cg + 1, dtype=torch.float32, device=self.device).scatter_(0, tgt, cval)
         slot[_HEADER:_HEADER + cg] = ext_i[:cg]
         slot[_HEADER + cg:] = ext_v[:cg].view(torch.int32)
@@ -493,13 +494,15 @@ class OkTopk(Algorithm):
         shift = K.SELECT_HIST_SHIFT
         lo = tb + ((b - B // 2) << shift)
         lo = torch.where(b == 0, tb - ((B // 2 + 32) << shift), lo)          # open bottom bin
-        width = torch.where(b == 0, torch.full_like(lo, 32 << shift), torch.full_like(lo, 1 << shift))
+        width = torch.where(b == 0, torch.full_like(lo, 32 << shift),
+                            torch.full_like(lo, 1 << shift))
         bits = (lo + (frac * width.to(torch.float32)).to(torch.int64)).clamp(1, 0x7F7FFFFF)
         new = bits.to(torch.int32).view(torch.float32)
         return torch.where(h.sum(1) > 0, new, th)
 
     @staticmethod
-    def _rank_threshold_at(hist: torch.Tensor, th: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def _rank_threshold_at(hist: torch.Tensor, th: torch.Tensor,
+                           target: torch.Tensor) -> torch.Tensor:
         """The |acc| at which the rows together hold ``target`` entries at or above, from the
         rows' histograms (each binned around its own threshold ``th[j]``): every row's count is
         evaluated at every row's bin edges (piecewise linear in bit space inside a bin), the
@@ -507,7 +510,6 @@ class OkTopk(Algorithm):
         a 1-element tensor (``th.min()`` when every histogram is empty)."""
         B, shift = K.SELECT_HIST_BINS, K.SELECT_HIST_SHIFT
         W = 1 << shift
-        P = hist.shape[0]
         h = hist.to(torch.float32)
         suffix = torch.flip(torch.cumsum(torch.flip(h, (1,)), 1), (1,))
         suffix = torch.cat([suffix, torch.zeros_like(suffix[:, :1])], 1)      # [P, B+1]

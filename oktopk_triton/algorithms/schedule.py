@@ -172,6 +172,15 @@ def dense_step_specs(n: int, P: int, o: Dict[str, Any]) -> List[CollectiveSpec]:
     return flag_specs(P, o) + ([allreduce(4 * n, P)] if P > 1 else [])
 
 
+def step_start(cls, n: int, k: int, P: int, options: Dict[str, Any]):
+    """(resolved options, the specs of a step so far, whether they are the whole step): the
+    dense step when k >= n, else the flag, which is all of a step on one rank."""
+    o = resolve_options(cls, n, k, P, options)
+    if k >= n:
+        return o, dense_step_specs(n, P, o), True
+    return o, flag_specs(P, o), P == 1
+
+
 # -- helpers for the cost model and the tests ---------------------------------------------------
 def total_bytes(specs: Sequence[CollectiveSpec]) -> int:
     return sum(s.bytes_per_rank for s in specs)

@@ -152,6 +152,43 @@ class TopkDSA(Algorithm):
             acc_pad.index_copy_(0, self._pad_pos, acc)
             acc_pad = acc_pad.view(P, L)
 
+        residual, sel_count, sent_count, rmsg = self._select_and_send(acc, acc_pad)
+
+        # 3. owner reduces in rank order
+        iidx, ivals = self._unpack(rmsg)
+        R = torch.zeros(L, dtype=torch.float32, device=dev)
+        for s in range(P):
+            R.index_add_(0, iidx[s], ivals[s])
+
+        # 4. allgather of the reduced regions
+        mode = self.mode
+        opad, counts, kept = self._gather_regions(R, mode)
+        residual[r] += R
+        if self._pad_pos is None:
+            out.copy_(opad.view(-1)).div_(P)
+            self.commit_residual(residual.view(-1), nonfinite)
+        else:
+            out.copy_(opad.view(-1).index_select(0, self._pad_pos).div_(P))
+            self.commit_residual(residual.view(-1).index_select(0, self._pad_pos), nonfinite)
+
+        self.stats.update(
+            local_selected=sent_count.sum(),
+            global_selected=(out != 0).sum(),
+            overflow=(sel_count - sent_count).sum(),
+            fill=counts.sum(),
+            gathered=kept,
+            mode=mode,
+            cap=cap,
+            cap2=self.cap2 if mode == SPARSE else L,
+        )
+        if self.step_count % self.tau == 0:
+            self._decide(counts, nonfinite)
+
+    def _select_and_send(self, acc, acc_pad):
+        """Steps 1 and 2: the local top-k, and the largest ``cap`` selected entries of each
+        region sent to its owner (one alltoall). Returns (residual rows, selected per region,
+        sent per region, the received messages)."""
+        P, L, cap, dev = self.P, self.L, self.cap, self.device
         # 1. local top-k
         _, sidx = torch.topk(acc.abs(), self.k, sorted=False)
         sel = torch.zeros(P * L, dtype=torch.float32, device=dev)
@@ -174,14 +211,13 @@ class TopkDSA(Algorithm):
         else:
             rmsg.copy_(msg)
 
-        # 3. owner reduces in rank order
-        iidx, ivals = self._unpack(rmsg)
-        R = torch.zeros(L, dtype=torch.float32, device=dev)
-        for s in range(P):
-            R.index_add_(0, iidx[s], ivals[s])
+        return residual, sel_count, sent_count, rmsg
 
-        # 4. allgather of the reduced regions
-        mode = self.mode
+    def _gather_regions(self, R, mode):
+        """Step 4: every rank's reduced region to everyone, sparse (the ``cap2`` largest; what
+        does not fit stays in ``R``) or dense (``R`` zeroed). Returns (the gathered rows, the
+        entries per row, the entries kept)."""
+        P, L, dev = self.P, self.L, self.device
         if mode == SPARSE:
             _, gidx = torch.topk(R.abs(), self.cap2, sorted=False)
             gvals = R.gather(0, gidx)
@@ -207,23 +243,4 @@ class TopkDSA(Algorithm):
             R.zero_()
             counts = (opad != 0).sum(1)
             kept = counts.sum()
-        residual[r] += R
-        if self._pad_pos is None:
-            out.copy_(opad.view(-1)).div_(P)
-            self.commit_residual(residual.view(-1), nonfinite)
-        else:
-            out.copy_(opad.view(-1).index_select(0, self._pad_pos).div_(P))
-            self.commit_residual(residual.view(-1).index_select(0, self._pad_pos), nonfinite)
-
-        self.stats.update(
-            local_selected=sent_count.sum(),
-            global_selected=(out != 0).sum(),
-            overflow=(sel_count - sent_count).sum(),
-            fill=counts.sum(),
-            gathered=kept,
-            mode=mode,
-            cap=cap,
-            cap2=self.cap2 if mode == SPARSE else L,
-        )
-        if self.step_count % self.tau == 0:
-            self._decide(counts, nonfinite)
+        return opad, counts, kept

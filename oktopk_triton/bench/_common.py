@@ -1,12 +1,12 @@
-"""Helpers every benchmark shares: the source a result came from, the versions it ran with, and
-the algorithms a command line names. One home each, so every result JSON records its commit the
-same way."""
+"""Helpers every benchmark shares: the source a result came from, the versions it ran with, the
+algorithms a command line names, byte counts for tables, and whether CUDA MPS is active. One
+home each, so every result JSON records its commit the same way."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -26,7 +26,8 @@ def git_commit(short: bool = False) -> Optional[str]:
         return None
 
 
-def versions(modules=("torch", "triton", "numpy", "cupy", "oktopk_triton")) -> Dict[str, Optional[str]]:
+def versions(modules=("torch", "triton", "numpy", "cupy", "oktopk_triton")
+             ) -> Dict[str, Optional[str]]:
     """Python's and each module's version (``None`` when it does not import)."""
     out: Dict[str, Optional[str]] = {"python": sys.version.split()[0]}
     for mod in modules:
@@ -57,3 +58,74 @@ def resolve_algorithms(names: List[str], command: str) -> Tuple[List[str], List[
         elif a not in run:
             run.append(a)
     return run, skipped
+
+
+def fmt_bytes(b: float, digits: int = 1) -> str:
+    """``b`` bytes as a short human string with ``digits`` decimals: ``512 B``, ``12.3 kB``,
+    ``4.2 MB``, ``1.1 GB`` (``n/a`` for NaN)."""
+    if b != b:  # nan
+        return "n/a"
+    for unit, f in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(b) >= f:
+            return f"{b / f:.{digits}f} {unit}"
+    return f"{b:.0f} B"
+
+
+def nccl_version_text(v) -> Optional[str]:
+    """An NCCL version (a tuple, or NCCL_VERSION_CODE as an int) as ``major.minor.patch``."""
+    if v is None:
+        return None
+    if isinstance(v, (tuple, list)):
+        return ".".join(str(int(x)) for x in v)
+    v = int(v)
+    if v >= 20900:  # NCCL_VERSION_CODE = major*10000 + minor*100 + patch since 2.9
+        return f"{v // 10000}.{(v % 10000) // 100}.{v % 100}"
+    return f"{v // 1000}.{(v % 1000) // 100}.{v % 100}"
+
+
+_MPS_DEFAULT_PIPE = "/tmp/nvidia-mps"
+
+
+def detect_mps(env=None, run=None, exists=None) -> Dict[str, Any]:
+    """Whether the CUDA MPS control daemon serves this environment's processes.
+
+    Active when its pipe directory (``CUDA_MPS_PIPE_DIRECTORY``, default /tmp/nvidia-mps) holds
+    the ``control`` pipe and ``echo get_server_list | nvidia-cuda-mps-control`` answers. Without
+    that command, a running ``nvidia-cuda-mps-server`` in ``nvidia-smi`` counts. ``run`` and
+    ``exists`` replace ``subprocess.run`` and ``os.path.exists`` (tests)."""
+    import subprocess
+    env = dict(os.environ if env is None else env)
+    run = subprocess.run if run is None else run
+    exists = os.path.exists if exists is None else exists
+    pipe = env.get("CUDA_MPS_PIPE_DIRECTORY") or _MPS_DEFAULT_PIPE
+    info: Dict[str, Any] = {"active": False, "pipe_directory": pipe,
+                            "control_pipe": exists(os.path.join(pipe, "control")),
+                            "servers": None, "detail": ""}
+    try:
+        r = run(["nvidia-cuda-mps-control"], input="get_server_list\n", capture_output=True,
+                text=True, timeout=10, env=env)
+    except FileNotFoundError:
+        info["detail"] = "nvidia-cuda-mps-control not found"
+    except subprocess.TimeoutExpired:
+        info["detail"] = "nvidia-cuda-mps-control did not answer in 10 s"
+    else:
+        text = f"{r.stdout or ''}{r.stderr or ''}".strip()
+        refused = any(w in text.lower() for w in ("cannot find", "not running", "failed",
+                                                  "error", "no such"))
+        if r.returncode == 0 and not refused and info["control_pipe"]:
+            info["active"] = True
+            info["servers"] = [x for x in (r.stdout or "").split() if x.isdigit()]
+            info["detail"] = f"control daemon answers on {pipe}"
+        else:
+            info["detail"] = (f"nvidia-cuda-mps-control: rc={r.returncode}, "
+                              f"control pipe {'present' if info['control_pipe'] else 'absent'}"
+                              + (f": {text[:200]}" if text else ""))
+        return info
+    try:
+        r = run(["nvidia-smi", "-q"], capture_output=True, text=True, timeout=20, env=env)
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return info
+    if r.returncode == 0 and "nvidia-cuda-mps-server" in (r.stdout or ""):
+        info["active"] = True
+        info["detail"] += "; nvidia-smi lists nvidia-cuda-mps-server"
+    return info

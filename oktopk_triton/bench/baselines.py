@@ -43,7 +43,8 @@ class _CountingDist:
 
 
 def _compressed(rows: int, cols: int, rank: int, min_rate: float) -> bool:
-    """torch's PowerSGD rule: a matrix is factorised when (rows + cols)·rank·min_rate < rows·cols."""
+    """torch's PowerSGD rule: a matrix is factorised when
+    (rows + cols)·rank·min_rate < rows·cols."""
     return (rows + cols) * rank * min_rate < rows * cols
 
 

@@ -51,10 +51,6 @@ a latency/bandwidth model.
 """
 from __future__ import annotations
 
-from . import _args as A
-from ._common import git_commit as _git_commit
-from ._common import resolve_algorithms as _resolve
-from ..algorithms._sparse import _log2ceil
 import datetime
 import json
 import math
@@ -63,14 +59,26 @@ import platform
 import resource
 import sys
 import time
-import traceback
 from typing import Any, Dict, List, Optional
 
-from ._procs import exit_rank, free_port
+from ..algorithms._sparse import _log2ceil
+from . import _args as A
+from ._common import REPO, detect_mps, fmt_bytes, nccl_version_text, versions
+from ._common import git_commit as _git_commit
+from ._common import resolve_algorithms as _resolve
+from ._procs import free_port
+# one rank's side, re-exported (bench/collectives_rank.py)
+from .collectives_rank import (_proc_entry, _rank_probes, _rank_run, _run_local,
+                               _run_local_probes, count_host_syncs, grad_scale, make_grad,
+                               out_checksum, peak_transient_bytes, probe_sizes,
+                               rank_device_index, rank_env, ranks_share_gpu)
 
 __all__ = ["add_arguments", "main", "run_benchmark", "make_grad", "formula_words",
            "lower_bound_words", "rank_env", "detect_mps", "mps_warning", "out_checksum",
-           "count_host_syncs", "default_json_path"]
+           "count_host_syncs", "default_json_path",
+           # one rank's side (bench/collectives_rank.py)
+           "grad_scale", "peak_transient_bytes", "probe_sizes", "rank_device_index",
+           "ranks_share_gpu", "_rank_run", "_rank_probes"]
 
 
 # -- arguments -------------------------------------------------------------------------------------
@@ -79,7 +87,8 @@ def add_arguments(p) -> None:
                    help="algorithm names, or 'all' = dense + every available sparse algorithm")
     p.add_argument("--world-sizes", nargs="+", type=A.positive_int, default=[2, 4, 8],
                    help="world sizes P to run (default: 2 4 8)")
-    p.add_argument("--n", type=A.positive_int, default=1 << 22, help="gradient length (default 2^22)")
+    p.add_argument("--n", type=A.positive_int, default=1 << 22,
+                   help="gradient length (default 2^22)")
     p.add_argument("--density", type=A.density, default=0.01, help="k = density * n (default 0.01)")
     p.add_argument("--steps", type=A.positive_int, default=3,
                    help="steps per run; the first is the calibration step (default 3)")
@@ -102,11 +111,12 @@ def add_arguments(p) -> None:
     p.add_argument("--json", type=A.out_path, default=None,
                    help="write the results JSON here (nccl default: "
                         "bench/results/gpu-collectives-<date>-<device>.json)")
-    p.add_argument("--plot", type=A.out_path, default=None, help="write a bytes-vs-P plot (PNG) here")
+    p.add_argument("--plot", type=A.out_path, default=None,
+                   help="write a bytes-vs-P plot (PNG) here")
     p.add_argument("--quiet", action="store_true", help="print only the final table")
 
 
-# -- formulas -----------------------------------------------------------------------------------------
+# -- formulas --------------------------------------------------------------------------------------
 
 
 def formula_words(name: str, n: int, k: int, P: int):
@@ -138,232 +148,7 @@ def lower_bound_words(k: int, P: int) -> float:
     return 2.0 * k * (P - 1) / P
 
 
-# -- gradients ------------------------------------------------------------------------------------------
-def make_grad(n: int, seed: int, rank: int, step: int, device=None, scale=None):
-    """Heavy-tailed gradient of ``rank`` at ``step`` (see the module docstring)."""
-    import torch
-    if scale is None:
-        scale = grad_scale(n, seed)
-    g1 = torch.Generator().manual_seed(seed * 1_000_003 + 7 * step + 1)
-    g2 = torch.Generator().manual_seed(seed * 1_000_003 + 104_729 * (rank + 1) + 7 * step + 2)
-    x = torch.randn(n, generator=g1)
-    x.add_(torch.randn(n, generator=g2)).mul_(scale)
-    return x if device is None else x.to(device)
-
-
-def grad_scale(n: int, seed: int):
-    import torch
-    g = torch.Generator().manual_seed(seed * 1_000_003 + 999_983)
-    return torch.randn(n, generator=g).mul_(1.5).exp_()
-
-
-# -- one rank -------------------------------------------------------------------------------------------
-def _sync(dev) -> None:
-    import torch
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def _start_together(comm) -> None:
-    """Every rank leaves here after every rank arrived and its GPU is idle: a barrier (on NCCL it
-    is enqueued on the stream), then the host waits for the stream."""
-    comm.barrier()
-    _sync(comm.device)
-
-
-def out_checksum(out) -> str:
-    """A checksum of ``out``'s bit pattern computed where ``out`` lives (one 16-byte result
-    crosses to the host): the sum of the words and a position-weighted sum, both mod 2^64.
-    Equal on two ranks iff (up to a 2^-64-ish collision) their ``out`` are bitwise equal."""
-    import torch
-    flat = out.detach().contiguous().reshape(-1)
-    words = flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
-        flat.element_size()])
-    s1 = s2 = 0
-    chunk = 1 << 24
-    for start in range(0, words.numel(), chunk):
-        w = words[start:start + chunk].to(torch.int64)
-        idx = torch.arange(start, start + w.numel(), device=w.device, dtype=torch.int64)
-        weight = (idx * 2654435761) % 2147483647 + 1
-        s1 += int(w.sum())
-        s2 += int((w * weight).sum())  # int64 products wrap: the same on every rank
-    m = (1 << 64) - 1
-    return f"{s1 & m:016x}{s2 & m:016x}"
-
-
-def count_host_syncs(fn):
-    """``(number of synchronizing CUDA calls, fn())`` with ``torch.cuda.set_sync_debug_mode
-    ("warn")`` around ``fn`` (one warning per host synchronisation)."""
-    import warnings
-
-    import torch
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            result = fn()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    n = sum(1 for w in caught if "synchroniz" in str(w.message).lower())
-    return n, result
-
-
-def _rank_run(comm, name: str, n: int, density: float, steps: int, seed: int,
-              check_finite: str, scale=None, count_syncs: bool = True) -> Dict[str, Any]:
-    """``steps`` timed steps of algorithm ``name`` on this rank; on CUDA one more step counted
-    under the sync debug mode (not timed, not in the per-step lists)."""
-    from ..algorithms import get_algorithm
-    dev = comm.device
-    cuda = dev.type == "cuda"
-    alg = get_algorithm(name)(n, comm, density, check_finite=check_finite)
-    if scale is None:
-        scale = grad_scale(n, seed)
-    rec: Dict[str, Any] = {"bytes": [], "stats_bytes": [], "time_s": [], "nnz": [],
-                           "checksum": [], "collectives": [], "host_syncs": None}
-    for t in range(steps):
-        g = make_grad(n, seed, comm.rank, t, device=dev, scale=scale)
-        _start_together(comm)
-        b0 = comm.bytes_sent
-        t0 = time.perf_counter()
-        out = alg(g)
-        _sync(dev)
-        dt = time.perf_counter() - t0
-        rec["bytes"].append(int(comm.bytes_sent - b0))
-        rec["stats_bytes"].append(int(alg.stats.get("bytes_sent", -1)))
-        rec["collectives"].append(alg.stats.get("collectives"))
-        rec["time_s"].append(dt)
-        rec["nnz"].append(int((out != 0).sum().item()))
-        rec["checksum"].append(out_checksum(out))
-        del out, g
-    if cuda and count_syncs:
-        g = make_grad(n, seed, comm.rank, steps, device=dev, scale=scale)
-        _start_together(comm)
-        rec["host_syncs"], out = count_host_syncs(lambda: alg(g))
-        _sync(dev)
-        del out, g
-    elif not cuda:      # one more step, rank 0 under the profiler's memory view (not timed;
-        # one profiler per process: LocalCluster's ranks are threads of one)
-        g = make_grad(n, seed, comm.rank, steps, device=dev, scale=scale)
-        _start_together(comm)
-        if comm.rank == 0:
-            rec["peak_transient_bytes"] = peak_transient_bytes(lambda: alg(g))
-        else:
-            alg(g)
-        del g
-    rec["persistent_bytes"] = alg.persistent_bytes()
-    rec["k"] = alg.k
-    return rec
-
-
-def peak_transient_bytes(fn) -> int:
-    """The peak of the bytes ``fn`` allocated and had not yet freed, on this thread, from the
-    torch profiler's memory view (CPU): each op's own allocations and frees in time order.
-    What stays allocated after ``fn`` (its result) counts up to the peak too."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events()
-                    if e.self_cpu_memory_usage)
-    cur = peak = 0
-    for _, b in events:
-        cur += b
-        peak = max(peak, cur)
-    return int(peak)
-
-
-def probe_sizes(n: int) -> List[int]:
-    """Bytes of the probe allreduces: the dense gradient (4n), 4 bytes and 64 KiB (a
-    latency/bandwidth model is fitted to these)."""
-    return [4 * n, 4, 64 * 1024]
-
-
-def _rank_probes(comm, n: int, reps: int) -> List[Dict[str, Any]]:
-    """fp32 allreduces of each probe size: one warm-up, then ``reps`` timed calls, each started
-    together on all ranks and timed to the end of the stream."""
-    import torch
-    out = []
-    for nbytes in probe_sizes(n):
-        t = torch.zeros(max(1, nbytes // 4), device=comm.device)
-        times = []
-        for i in range(reps + 1):
-            _start_together(comm)
-            t0 = time.perf_counter()
-            comm.allreduce(t)
-            _sync(comm.device)
-            if i:
-                times.append(time.perf_counter() - t0)
-        out.append({"op": "allreduce", "bytes": nbytes, "time_s": times})
-        del t
-    return out
-
-
-# -- placement of ranks on GPUs, MPS ------------------------------------------------------------------
-def ranks_share_gpu(P: int, ngpu: int) -> bool:
-    return ngpu > 0 and P > ngpu
-
-
-def rank_device_index(rank: int, ngpu: int) -> int:
-    return rank % ngpu
-
-
-def rank_env(rank: int, P: int, ngpu: int) -> Dict[str, str]:
-    """Environment variables rank ``rank``'s process sets before NCCL initialises. Ranks sharing
-    a GPU each get their own ``NCCL_HOSTID``: NCCL then sees P hosts and talks over loopback
-    sockets (NCCL 2.28 refuses two ranks of one communicator on one GPU of one host)."""
-    env: Dict[str, str] = {}
-    if ranks_share_gpu(P, ngpu):
-        env["NCCL_HOSTID"] = f"oktopk-bench-rank{rank}"
-    return env
-
-
-_MPS_DEFAULT_PIPE = "/tmp/nvidia-mps"
-
-
-def detect_mps(env=None, run=None, exists=None) -> Dict[str, Any]:
-    """Whether the CUDA MPS control daemon serves this environment's processes.
-
-    Active when its pipe directory (``CUDA_MPS_PIPE_DIRECTORY``, default /tmp/nvidia-mps) holds
-    the ``control`` pipe and ``echo get_server_list | nvidia-cuda-mps-control`` answers. Without
-    that command, a running ``nvidia-cuda-mps-server`` in ``nvidia-smi`` counts. ``run`` and
-    ``exists`` replace ``subprocess.run`` and ``os.path.exists`` (tests)."""
-    import subprocess
-    env = dict(os.environ if env is None else env)
-    run = subprocess.run if run is None else run
-    exists = os.path.exists if exists is None else exists
-    pipe = env.get("CUDA_MPS_PIPE_DIRECTORY") or _MPS_DEFAULT_PIPE
-    info: Dict[str, Any] = {"active": False, "pipe_directory": pipe,
-                            "control_pipe": exists(os.path.join(pipe, "control")),
-                            "servers": None, "detail": ""}
-    try:
-        r = run(["nvidia-cuda-mps-control"], input="get_server_list\n", capture_output=True,
-                text=True, timeout=10, env=env)
-    except FileNotFoundError:
-        info["detail"] = "nvidia-cuda-mps-control not found"
-    except subprocess.TimeoutExpired:
-        info["detail"] = "nvidia-cuda-mps-control did not answer in 10 s"
-    else:
-        text = f"{r.stdout or ''}{r.stderr or ''}".strip()
-        refused = any(w in text.lower() for w in ("cannot find", "not running", "failed",
-                                                  "error", "no such"))
-        if r.returncode == 0 and not refused and info["control_pipe"]:
-            info["active"] = True
-            info["servers"] = [x for x in (r.stdout or "").split() if x.isdigit()]
-            info["detail"] = f"control daemon answers on {pipe}"
-        else:
-            info["detail"] = (f"nvidia-cuda-mps-control: rc={r.returncode}, "
-                              f"control pipe {'present' if info['control_pipe'] else 'absent'}"
-                              + (f": {text[:200]}" if text else ""))
-        return info
-    try:
-        r = run(["nvidia-smi", "-q"], capture_output=True, text=True, timeout=20, env=env)
-    except (FileNotFoundError, subprocess.TimeoutExpired):
-        return info
-    if r.returncode == 0 and "nvidia-cuda-mps-server" in (r.stdout or ""):
-        info["active"] = True
-        info["detail"] += "; nvidia-smi lists nvidia-cuda-mps-server"
-    return info
-
-
+# -- MPS -------------------------------------------------------------------------------------------
 def mps_warning(P: int, ngpu: int, mps: Dict[str, Any]) -> Optional[str]:
     """The loud warning when ranks share a GPU without MPS (None otherwise)."""
     if not ranks_share_gpu(P, ngpu) or mps.get("active"):
@@ -382,101 +167,122 @@ def _warn_loudly(text: str) -> None:
     print(f"\n{bar}\nWARNING: {text}\n{bar}\n", file=sys.stderr, flush=True)
 
 
-# -- backends -------------------------------------------------------------------------------------------
-def _run_local(name, P, n, density, steps, seed, check_finite, timeout):
-    from ..comm.local import LocalCluster
-    scale = grad_scale(n, seed)
-    return LocalCluster(P, timeout=timeout).run(_rank_run, name, n, density, steps, seed,
-                                                check_finite, scale)
+class _Group:
+    """One group of P rank processes running ``algs``: started in the constructor, their
+    messages gathered by :meth:`collect`, stopped by :meth:`stop` (see :func:`_run_group`)."""
 
+    def __init__(self, P: int, algs: List[str], cfg: Dict[str, Any], log) -> None:
+        import torch.multiprocessing as mp
+        ctx = mp.get_context("spawn")
+        self.P, self.algs, self.log = P, algs, log
+        self.q = ctx.Queue()
+        port = free_port()
+        self.procs = [ctx.Process(target=_proc_entry, args=(r, P, port, cfg, algs, self.q),
+                                  daemon=True, name=f"oktopk-bench-rank{r}") for r in range(P)]
+        for pr in self.procs:
+            pr.start()
+        self.per_alg: Dict[str, List[Any]] = {a: [None] * P for a in algs}
+        self.out: Dict[str, Any] = {"results": {}, "probes": None, "info": [None] * P,
+                                    "error": None, "remaining": []}
+        self.probes: List[Any] = [None] * P
+        self.done = [False] * P
+        self.timeout = float(cfg["timeout"])
+        self.deadline = time.monotonic() + self.timeout + float(cfg["startup_timeout"])
 
-def _run_local_probes(P, n, reps, timeout):
-    from ..comm.local import LocalCluster
-    return LocalCluster(P, timeout=timeout).run(_rank_probes, n, reps)
+    def current(self) -> Optional[str]:
+        return next((a for a in self.algs if a not in self.out["results"]), None)
 
+    def handle(self, rank, kind, payload) -> bool:
+        """Take one message; True when the group must stop (an error)."""
+        out = self.out
+        if kind == "ready":
+            out["info"][rank] = payload
+        elif kind == "probes":
+            self.probes[rank] = payload
+            if all(p is not None for p in self.probes):
+                out["probes"] = self.probes
+        elif kind == "alg":
+            name, rec = payload
+            self.per_alg[name][rank] = rec
+            if all(x is not None for x in self.per_alg[name]):
+                out["results"][name] = self.per_alg[name]
+                self.deadline = time.monotonic() + self.timeout
+                self.log(f"  {name:9s} P={self.P:3d} done")
+        elif kind == "done":
+            self.done[rank] = True
+        elif kind == "error":
+            name, tb = payload
+            out["error"] = {"algorithm": name, "error": f"rank {rank} failed:\n{tb}"}
+            return True
+        return False
 
-def _nccl_version_text(v) -> Optional[str]:
-    if v is None:
-        return None
-    if isinstance(v, (tuple, list)):
-        return ".".join(str(int(x)) for x in v)
-    v = int(v)
-    if v >= 20900:  # NCCL_VERSION_CODE = major*10000 + minor*100 + patch since 2.9
-        return f"{v // 10000}.{(v % 10000) // 100}.{v % 100}"
-    return f"{v // 1000}.{(v % 1000) // 100}.{v % 100}"
+    def next_item(self):
+        """The next message, or None when the group must stop: a rank died without a message,
+        or the deadline passed (``out["error"]`` says which)."""
+        import queue as _queue
+        while True:
+            try:
+                return self.q.get(timeout=0.5)
+            except _queue.Empty:
+                pass
+            dead = [r for r, pr in enumerate(self.procs)
+                    if not self.done[r] and pr.exitcode is not None]
+            if dead:
+                try:  # what it put on the queue just before exiting comes first
+                    return self.q.get(timeout=1.0)
+                except _queue.Empty:
+                    codes = {r: self.procs[r].exitcode for r in dead}
+                    self.out["error"] = {"algorithm": None,
+                                         "error": f"ranks {dead} died (exit codes {codes})"}
+                    return None
+            if time.monotonic() > self.deadline:
+                self.out["error"] = {"algorithm": None,
+                                     "error": f"TimeoutError: P={self.P} "
+                                              f"{self.current() or 'probes'} did not finish in "
+                                              f"{self.timeout:g}s"}
+                return None
 
+    def collect(self) -> None:
+        while not all(self.done):
+            item = self.next_item()
+            if item is None or self.handle(*item):
+                break
+        if self.out["error"] is not None:
+            self._drain()
+            if self.out["error"]["algorithm"] is None:
+                self.out["error"]["algorithm"] = self.current()
 
-def _make_comm(rank: int, P: int, port: int, cfg: Dict[str, Any]):
-    """This rank's communicator: gloo -> TorchCommunicator on gloo; nccl -> NcclCommunicator
-    (``comm="cupy"``, bootstrapped through a gloo group) or TorchCommunicator on an NCCL group.
-    Returns ``(comm, info)``."""
-    import torch
-    import torch.distributed as dist
-    from ..comm.torch_dist import TorchCommunicator
-    backend, timeout = cfg["backend"], float(cfg["comm_timeout"])
-    init = dict(init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=P,
-                timeout=datetime.timedelta(seconds=timeout))
-    info: Dict[str, Any] = {"pid": os.getpid(), "env": cfg["env"][rank],
-                            "NCCL_HOSTID": os.environ.get("NCCL_HOSTID")}  # as NCCL will see it
-    if backend == "gloo":
-        dist.init_process_group("gloo", **init)
-        return TorchCommunicator(timeout=timeout), info
-    dev = torch.device("cuda", rank_device_index(rank, cfg["ngpu"]))
-    torch.cuda.set_device(dev)
-    info["device"] = str(dev)
-    info["device_name"] = torch.cuda.get_device_name(dev)
-    if cfg["comm"] == "torch":
-        dist.init_process_group("nccl", **init)
-        comm = TorchCommunicator()
-        comm.device = dev
+    def _drain(self) -> None:
+        """Other ranks' results sent before the failure may still be on the way."""
+        import queue as _queue
+        drain_end = time.monotonic() + 5.0
         try:
-            info["nccl"] = _nccl_version_text(torch.cuda.nccl.version())
-        except Exception:  # noqa: BLE001
-            info["nccl"] = None
-        return comm, info
-    dist.init_process_group("gloo", **init)  # bootstrap: the unique id, peers, the last barrier
-    from ..comm.nccl import NcclCommunicator
-    comm = NcclCommunicator.from_torch_distributed(device=dev, timeout=timeout)
-    try:
-        from cupy.cuda import nccl
-        info["nccl"] = _nccl_version_text(nccl.get_version())
-    except Exception:  # noqa: BLE001
-        info["nccl"] = None
-    return comm, info
-
-
-def _proc_entry(rank, P, port, cfg, algs, q):
-    """One rank's process: environment first (before NCCL initialises), the communicator, the
-    probes, then each algorithm in turn; every result goes to the parent as soon as it exists.
-    A failing rank reports and exits at once: its peers then fail fast (lost peer) instead of
-    waiting; no teardown that could block on a dead peer."""
-    code = 0
-    name = "<setup>"  # what was running when a failure came: setup, an algorithm, teardown
-    try:
-        os.environ.update(cfg["env"][rank])
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        import torch
-        torch.set_num_threads(1)
-        comm, info = _make_comm(rank, P, port, cfg)
-        q.put((rank, "ready", info))
-        if cfg["probes"]:
-            q.put((rank, "probes", _rank_probes(comm, cfg["n"], cfg["probe_reps"])))
-        for name in algs:
-            rec = _rank_run(comm, name, cfg["n"], cfg["density"], cfg["steps"], cfg["seed"],
-                            cfg["check_finite"])
-            q.put((rank, "alg", (name, rec)))
-        name = "<teardown>"
-        import torch.distributed as dist
-        dist.barrier()  # keep this rank's sockets open until every rank is done
-        q.put((rank, "done", None))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        code = 1
-        try:
-            q.put((rank, "error", (name, traceback.format_exc())))
-        except Exception:  # noqa: BLE001
+            while time.monotonic() < drain_end:
+                rank, kind, payload = self.q.get(timeout=0.5)
+                if kind in ("alg", "probes", "ready"):
+                    self.handle(rank, kind, payload)
+        except _queue.Empty:
             pass
-    finally:
-        exit_rank(q, code)
+
+    def stop(self) -> None:
+        for pr in self.procs:
+            pr.join(timeout=5 if self.out["error"] is None else 0.5)
+        for pr in self.procs:
+            if pr.is_alive():
+                pr.kill()
+                pr.join(timeout=5)
+        self.q.close()
+
+    def result(self) -> Dict[str, Any]:
+        out = self.out
+        if out["error"] is not None:
+            failed = out["error"]["algorithm"]
+            if failed == "<setup>":  # the group could not start: a new one would fail the same way
+                out["remaining"] = []
+            else:
+                out["remaining"] = [a for a in self.algs
+                                    if a not in out["results"] and a != failed]
+        return out
 
 
 def _run_group(P: int, algs: List[str], cfg: Dict[str, Any], log=print) -> Dict[str, Any]:
@@ -486,105 +292,17 @@ def _run_group(P: int, algs: List[str], cfg: Dict[str, Any], log=print) -> Dict[
     "info": per-rank info, "error": None or {"algorithm", "error"}, "remaining": names not
     run because of the error}``. A failure ends the group (its processes are killed); the caller
     starts a new group for the remaining algorithms."""
-    import queue as _queue
-
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_proc_entry, args=(r, P, port, cfg, algs, q), daemon=True,
-                         name=f"oktopk-bench-rank{r}") for r in range(P)]
-    for pr in procs:
-        pr.start()
-    per_alg: Dict[str, List[Any]] = {a: [None] * P for a in algs}
-    out: Dict[str, Any] = {"results": {}, "probes": None, "info": [None] * P, "error": None,
-                           "remaining": []}
-    probes: List[Any] = [None] * P
-    done = [False] * P
-    timeout = float(cfg["timeout"])
-    deadline = time.monotonic() + timeout + float(cfg["startup_timeout"])
-
-    def current() -> Optional[str]:
-        return next((a for a in algs if a not in out["results"]), None)
-
-    def handle(rank, kind, payload) -> bool:
-        """Take one message; True when the group must stop (an error)."""
-        nonlocal deadline
-        if kind == "ready":
-            out["info"][rank] = payload
-        elif kind == "probes":
-            probes[rank] = payload
-            if all(p is not None for p in probes):
-                out["probes"] = probes
-        elif kind == "alg":
-            name, rec = payload
-            per_alg[name][rank] = rec
-            if all(x is not None for x in per_alg[name]):
-                out["results"][name] = per_alg[name]
-                deadline = time.monotonic() + timeout
-                log(f"  {name:9s} P={P:3d} done")
-        elif kind == "done":
-            done[rank] = True
-        elif kind == "error":
-            name, tb = payload
-            out["error"] = {"algorithm": name, "error": f"rank {rank} failed:\n{tb}"}
-            return True
-        return False
-
+    group = _Group(P, algs, cfg, log)
     try:
-        while not all(done):
-            try:
-                item = q.get(timeout=0.5)
-            except _queue.Empty:
-                dead = [r for r, pr in enumerate(procs) if not done[r] and pr.exitcode is not None]
-                if dead:
-                    try:  # what it put on the queue just before exiting comes first
-                        item = q.get(timeout=1.0)
-                    except _queue.Empty:
-                        codes = {r: procs[r].exitcode for r in dead}
-                        out["error"] = {"algorithm": None,
-                                        "error": f"ranks {dead} died (exit codes {codes})"}
-                        break
-                elif time.monotonic() > deadline:
-                    out["error"] = {"algorithm": None,
-                                    "error": f"TimeoutError: P={P} {current() or 'probes'} did "
-                                             f"not finish in {timeout:g}s"}
-                    break
-                else:
-                    continue
-            if handle(*item):
-                break
-        if out["error"] is not None:
-            # other ranks' results sent before the failure may still be on the way
-            drain_end = time.monotonic() + 5.0
-            try:
-                while time.monotonic() < drain_end:
-                    rank, kind, payload = q.get(timeout=0.5)
-                    if kind in ("alg", "probes", "ready"):
-                        handle(rank, kind, payload)
-            except _queue.Empty:
-                pass
-            if out["error"]["algorithm"] is None:
-                out["error"]["algorithm"] = current()
+        group.collect()
     finally:
-        for pr in procs:
-            pr.join(timeout=5 if out["error"] is None else 0.5)
-        for pr in procs:
-            if pr.is_alive():
-                pr.kill()
-                pr.join(timeout=5)
-        q.close()
-    if out["error"] is not None:
-        failed = out["error"]["algorithm"]
-        if failed == "<setup>":  # the group could not start: a new one would fail the same way
-            out["remaining"] = []
-        else:
-            out["remaining"] = [a for a in algs if a not in out["results"] and a != failed]
-    return out
+        group.stop()
+    return group.result()
 
 
-# -- the benchmark ----------------------------------------------------------------------------------------
-def _summary(name, P, n, density, per_rank, wall_s, check_finite, warmup: int = 1) -> Dict[str, Any]:
+# -- the benchmark ---------------------------------------------------------------------------------
+def _summary(name, P, n, density, per_rank, wall_s, check_finite,
+             warmup: int = 1) -> Dict[str, Any]:
     steps = len(per_rank[0]["bytes"])
     later = list(range(1, steps)) if steps > 1 else [0]
     timed = list(range(warmup, steps)) if steps > warmup else list(range(steps))
@@ -688,16 +406,11 @@ def _machine() -> Dict[str, Any]:
 
 
 def _versions(nccl: Optional[str] = None) -> Dict[str, Any]:
-    v: Dict[str, Any] = {"python": sys.version.split()[0]}
-    for mod in ("torch", "triton", "cupy"):
-        try:
-            v[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001
-            v[mod] = None
+    v: Dict[str, Any] = versions(("torch", "triton", "cupy"))
     if nccl is None:
         try:
             import torch
-            nccl = _nccl_version_text(torch.cuda.nccl.version())
+            nccl = nccl_version_text(torch.cuda.nccl.version())
         except Exception:  # noqa: BLE001
             nccl = None
     v["nccl"] = nccl
@@ -712,7 +425,7 @@ def device_slug(name: str) -> str:
 def default_json_path(report: Dict[str, Any]) -> str:
     """``bench/results/gpu-collectives-<date>-<device>.json`` under the repository root (the
     current directory when the package is not in a checkout)."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = REPO
     if not os.path.isdir(os.path.join(root, "bench")):
         root = os.getcwd()
     return os.path.join(root, "bench", "results",
@@ -759,47 +472,14 @@ def run_benchmark(args, log=print) -> Dict[str, Any]:
         per_alg: Dict[str, Any] = {}
         walls: Dict[str, float] = {}
         if backend == "local":
-            if probe_reps > 0:
-                probes += _probe_summary(P, _run_local_probes(P, args.n, probe_reps, args.timeout))
-            for name in algs:
-                t0 = time.perf_counter()
-                try:
-                    per_alg[name] = _run_local(name, P, args.n, args.density, args.steps,
-                                               args.seed, args.check_finite, args.timeout)
-                except Exception as exc:  # noqa: BLE001 - one failing algorithm does not stop the rest
-                    msg = f"{type(exc).__name__}: {exc}"
-                    log(f"error: {name} P={P}: {msg.splitlines()[0] if msg else msg}")
-                    errors.append({"algorithm": name, "P": P, "error": msg})
-                    continue
-                walls[name] = time.perf_counter() - t0
+            probes += _local_world(args, P, algs, probe_reps, per_alg, walls, errors, log)
         else:
             cfg = {"backend": backend, "comm": comm_kind, "n": args.n, "density": args.density,
                    "steps": args.steps, "seed": args.seed, "check_finite": args.check_finite,
                    "timeout": args.timeout, "comm_timeout": comm_timeout,
                    "startup_timeout": 300.0, "ngpu": ngpu, "probes": probe_reps > 0,
                    "probe_reps": probe_reps, "env": [rank_env(r, P, ngpu) for r in range(P)]}
-            todo = list(algs)
-            while True:
-                t0 = time.perf_counter()
-                g = _run_group(P, todo, cfg, log=(lambda *a: None) if getattr(args, "quiet", False) else log)
-                wall = time.perf_counter() - t0
-                for name, recs in g["results"].items():
-                    per_alg[name] = recs
-                    walls[name] = wall / max(1, len(g["results"]))
-                if g["probes"] is not None:
-                    probes += _probe_summary(P, g["probes"])
-                if any(g["info"]):
-                    rank_info[P] = g["info"]
-                if g["error"] is None:
-                    break
-                e = g["error"]
-                first = e["error"].strip().splitlines()[-1] if e["error"].strip() else ""
-                log(f"error: {e['algorithm']} P={P}: {first}")
-                errors.append({"algorithm": e["algorithm"], "P": P, "error": e["error"]})
-                cfg["probes"] = False
-                todo = g["remaining"]
-                if not todo:
-                    break
+            probes += _process_world(args, P, algs, cfg, per_alg, walls, errors, rank_info, log)
         for name in algs:
             if name not in per_alg:
                 continue
@@ -812,6 +492,64 @@ def run_benchmark(args, log=print) -> Dict[str, Any]:
                 log(f"  {name:9s} P={P:3d}  {s['bytes_mean'] / 1e6:10.4f} MB/rank/step  "
                     f"{s['step_ms_mean']:9.2f} ms/step  ({walls[name]:.1f}s)")
     _fill_dense_ratios(results)
+    return _report(args, algs, backend, comm_kind, comm_timeout, warmup, probe_reps, ngpu, mps,
+                   date, probes, results, rank_info, warnings_, skipped, errors)
+
+
+def _local_world(args, P, algs, probe_reps, per_alg, walls, errors, log) -> List[Dict]:
+    """``--backend local``: every algorithm at world size P in this process (its records into
+    ``per_alg``, its wall time into ``walls``, a failure into ``errors``); returns the probes."""
+    probes: List[Dict] = []
+    if probe_reps > 0:
+        probes += _probe_summary(P, _run_local_probes(P, args.n, probe_reps, args.timeout))
+    for name in algs:
+        t0 = time.perf_counter()
+        try:
+            per_alg[name] = _run_local(name, P, args.n, args.density, args.steps,
+                                       args.seed, args.check_finite, args.timeout)
+        except Exception as exc:  # noqa: BLE001 - one failing algorithm does not stop the rest
+            msg = f"{type(exc).__name__}: {exc}"
+            log(f"error: {name} P={P}: {msg.splitlines()[0] if msg else msg}")
+            errors.append({"algorithm": name, "P": P, "error": msg})
+            continue
+        walls[name] = time.perf_counter() - t0
+    return probes
+
+
+def _process_world(args, P, algs, cfg, per_alg, walls, errors, rank_info, log) -> List[Dict]:
+    """gloo / nccl: the algorithms on groups of P processes, a new group after a failure for
+    the algorithms left (records into ``per_alg``, wall times into ``walls``, failures into
+    ``errors``, the ranks' info into ``rank_info``); returns the probes."""
+    probes: List[Dict] = []
+    todo = list(algs)
+    while True:
+        t0 = time.perf_counter()
+        quiet = getattr(args, "quiet", False)
+        g = _run_group(P, todo, cfg, log=(lambda *a: None) if quiet else log)
+        wall = time.perf_counter() - t0
+        for name, recs in g["results"].items():
+            per_alg[name] = recs
+            walls[name] = wall / max(1, len(g["results"]))
+        if g["probes"] is not None:
+            probes += _probe_summary(P, g["probes"])
+        if any(g["info"]):
+            rank_info[P] = g["info"]
+        if g["error"] is None:
+            break
+        e = g["error"]
+        first = e["error"].strip().splitlines()[-1] if e["error"].strip() else ""
+        log(f"error: {e['algorithm']} P={P}: {first}")
+        errors.append({"algorithm": e["algorithm"], "P": P, "error": e["error"]})
+        cfg["probes"] = False
+        todo = g["remaining"]
+        if not todo:
+            break
+    return probes
+
+
+def _report(args, algs, backend, comm_kind, comm_timeout, warmup, probe_reps, ngpu, mps, date,
+            probes, results, rank_info, warnings_, skipped, errors) -> Dict[str, Any]:
+    """The collectives report (what the JSON holds)."""
     info0 = next((i[0] for i in rank_info.values() if i and i[0]), {}) or {}
     device = info0.get("device_name") or ("cpu" if backend != "nccl" else None)
     if device is None:
@@ -851,15 +589,6 @@ def run_benchmark(args, log=print) -> Dict[str, Any]:
     }
 
 
-def _fmt_bytes(b: float) -> str:
-    if b != b:  # nan
-        return "n/a"
-    for unit, f in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(b) >= f:
-            return f"{b / f:.3f} {unit}"
-    return f"{b:.0f} B"
-
-
 def format_table(report: Dict[str, Any]) -> str:
     hdr = ("algorithm", "P", "bytes/rank/step (mean)", "max", "formula §6", "meas/formula",
            "lower bound", "meas/LB", "step ms mean", "min", "vs dense", "syncs", "bitwise",
@@ -867,7 +596,7 @@ def format_table(report: Dict[str, Any]) -> str:
     rows = [hdr]
     for s in report["results"]:
         lo, hi = s["formula_bytes_low"], s["formula_bytes_high"]
-        form = _fmt_bytes(hi) if lo == hi else f"{_fmt_bytes(lo)}..{_fmt_bytes(hi)}"
+        form = fmt_bytes(hi, 3) if lo == hi else f"{fmt_bytes(lo, 3)}..{fmt_bytes(hi, 3)}"
         r1 = s["ratio_to_formula_high"]
         if lo != hi and s.get("ratio_to_formula_low") is not None:  # a range: show both ends
             ratio = f"{s['ratio_to_formula_low']:.3f} lo/{r1:.3f} hi"
@@ -875,14 +604,15 @@ def format_table(report: Dict[str, Any]) -> str:
             ratio = "-" if r1 is None else f"{r1:.3f}"
         r2 = s["ratio_to_lower_bound"]
         rd = s.get("ratio_to_dense")
-        rows.append((s["algorithm"], str(s["P"]), _fmt_bytes(s["bytes_mean"]),
-                     _fmt_bytes(s["bytes_max"]), form,
-                     ratio, _fmt_bytes(s["lower_bound_bytes"]),
+        rows.append((s["algorithm"], str(s["P"]), fmt_bytes(s["bytes_mean"], 3),
+                     fmt_bytes(s["bytes_max"], 3), form,
+                     ratio, fmt_bytes(s["lower_bound_bytes"], 3),
                      "-" if r2 is None else f"{r2:.2f}", f"{s['step_ms_mean']:.2f}",
                      f"{s['step_ms_min']:.2f}", "-" if rd is None else f"{rd:.3f}",
                      "-" if s.get("host_syncs") is None else str(s["host_syncs"]),
                      "yes" if s.get("out_bitwise_equal") else "NO",
-                     "-" if s.get("collectives_per_step") is None else str(s["collectives_per_step"]),
+                     "-" if s.get("collectives_per_step") is None
+                     else str(s["collectives_per_step"]),
                      f"{s['nnz_mean']:.0f}", f"{s.get('persistent_words_per_n', 0):.3f}",
                      "-" if s.get("peak_transient_words_per_n") is None
                      else f"{s['peak_transient_words_per_n']:.2f}"))

@@ -18,7 +18,7 @@ that every machine can train with no download:
   run in a few minutes); ``25m`` and ``100m`` are for a GPU (``--device cuda``); ``tiny`` is for
   tests.
 
-Everything here is plain torch; the training loop is in :mod:`oktopk_triton.bench.train`.
+Everything here is plain torch; the training loop is in :mod:`oktopk_triton.bench.lm_loop`.
 """
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["GPTConfig", "SIZES", "GPT", "num_parameters", "batch_at", "val_starts", "ByteCorpus", "stdlib_files", "load_corpus"]
+__all__ = ["GPTConfig", "SIZES", "GPT", "num_parameters", "batch_at", "val_starts", "ByteCorpus",
+           "stdlib_files", "load_corpus"]
 
 VOCAB = 256
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
@@ -168,7 +169,8 @@ def stdlib_files(root: Optional[str] = None) -> List[str]:
 
 @dataclass
 class ByteCorpus:
-    """Training and validation bytes (uint8 tensors, files concatenated) and where they came from."""
+    """Training and validation bytes (uint8 tensors, files concatenated) and where they came
+    from."""
     train: torch.Tensor
     val: torch.Tensor
     info: Dict[str, object]

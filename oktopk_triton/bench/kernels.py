@@ -29,7 +29,6 @@ claim.  The kernel goals are printed (and stored under ``goals``) against the ro
 """
 from __future__ import annotations
 
-from . import _args as A
 import argparse
 import datetime
 import json
@@ -37,11 +36,13 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import time
 from typing import Callable, Dict, List, Optional
 
 import torch
+
+from . import _args as A
+from ._common import git_commit
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CPU_DEFAULT_SIZES = [1 << 16]
@@ -66,8 +67,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=A.positive_int, default=None,
                    help=f"timed repeats (default 20 on CUDA, at least {MIN_CUDA_REPEATS}; "
                         "5 on CPU)")
-    p.add_argument("--warmup", type=A.nonneg_int, default=3, help="untimed warm-up runs (default 3)")
-    p.add_argument("--device", type=A.device, default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--warmup", type=A.nonneg_int, default=3,
+                   help="untimed warm-up runs (default 3)")
+    p.add_argument("--device", type=A.device, default=None,
+                   help="cuda or cpu (default: cuda when available)")
     p.add_argument("--backend", choices=["auto", "triton", "torch"], default=None,
                    help="kernel backend (default: auto on CUDA, torch on CPU)")
     p.add_argument("--seed", type=int, default=0)
@@ -110,101 +113,93 @@ def device_name(device: torch.device) -> str:
            f"torch threads {torch.get_num_threads()})"
 
 
-def git_commit() -> Optional[str]:
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    try:
-        r = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                           timeout=10)
-        return r.stdout.strip() or None
-    except Exception:
-        return None
-
-
 def _abs_bits(v: float) -> int:
     return int(torch.tensor([abs(v)], dtype=torch.float32).view(torch.int32))
 
 
-def run(n: int, density: float, dtype="fp32", regions: int = 8, repeats: int = 5,
-        warmup: int = 2, device: Optional[str] = None, backend: Optional[str] = None,
-        seed: int = 0) -> Dict:
-    """Time every kernel at one n; return that run's dictionary (also used by tools/).
+class _Setup:
+    """One n's inputs (gradients per dtype, residual, velocity, their sum ``acc``, the threshold
+    and the selection buffers) and the rows timed on them (:meth:`add`)."""
 
-    ``dtype``: one gradient dtype name or a list of them (the fused select rows per dtype; the
-    unfused torch row uses the first)."""
-    from oktopk_triton import kernels as K
-    from oktopk_triton.kernels import threshold as T
+    def __init__(self, n, density, grad_dtypes, regions, repeats, warmup, dev, backend, seed):
+        from oktopk_triton import kernels as K
+        self.K, self.n, self.dev, self.backend = K, n, dev, backend
+        self.repeats, self.warmup, self.grad_dtypes = repeats, warmup, grad_dtypes
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        grad32 = torch.randn(n, device=dev, generator=gen, dtype=torch.float32)
+        self.grads = {gd: grad32 if gd == "fp32" else grad32.to(DTYPES[gd]) for gd in grad_dtypes}
+        self.residual0 = torch.randn(n, device=dev, generator=gen, dtype=torch.float32) * 0.5
+        self.velocity0 = torch.randn(n, device=dev, generator=gen, dtype=torch.float32) * 0.1
+        self.residual, self.velocity = self.residual0.clone(), self.velocity0.clone()
+        self.acc = self.residual0 + self.grads[grad_dtypes[0]].float()
+        self.k = k = max(1, int(round(density * n)))
+        self.P = P = max(1, int(regions))
+        self.region_offsets = torch.tensor([(n * p) // P for p in range(P + 1)],
+                                           dtype=torch.int64, device=dev)
+        self.info: Dict = {}
+        self.threshold = K.magnitude_threshold(self.acc, k, backend=backend, info=self.info)
+        self.thr_rows = self.threshold.reshape(1).expand(P).contiguous()
+        self.capacity = int(math.ceil(1.5 * k / P)) + 16
+        self.sel_out = K.empty_selection(P, self.capacity, dev)
+        self.hist = torch.zeros(P, K.SELECT_HIST_BINS, dtype=torch.int32, device=dev)
+        # untimed host reads: the selected count and the threshold's own statistics
+        info = self.info
+        self.selected = int(((self.acc.abs() >= self.threshold) & (self.acc != 0)).sum())
+        self.window_ok = bool(info["window_ok"]) if "window_ok" in info else None
+        self.cand_count = int(info["stats"][1]) if "stats" in info else 0
+        self.S = int(info.get("S", 0))
+        self.rows: List[Dict] = []
 
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    cuda = dev.type == "cuda"
-    if backend is None:
-        backend = "auto" if cuda else "torch"
-    used_backend = K.choose(backend, dev)
-    grad_dtypes = [dtype] if isinstance(dtype, str) else list(dtype)
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    grad32 = torch.randn(n, device=dev, generator=gen, dtype=torch.float32)
-    grads = {gd: grad32 if gd == "fp32" else grad32.to(DTYPES[gd]) for gd in grad_dtypes}
-    residual0 = torch.randn(n, device=dev, generator=gen, dtype=torch.float32) * 0.5
-    velocity0 = torch.randn(n, device=dev, generator=gen, dtype=torch.float32) * 0.1
-    residual, velocity = residual0.clone(), velocity0.clone()
-    acc = residual0 + grads[grad_dtypes[0]].float()
-    k = max(1, int(round(density * n)))
-    P = max(1, int(regions))
-    region_offsets = torch.tensor([(n * p) // P for p in range(P + 1)], dtype=torch.int64,
-                                  device=dev)
-    info: Dict = {}
-    threshold = K.magnitude_threshold(acc, k, backend=backend, info=info)
-    thr_rows = threshold.reshape(1).expand(P).contiguous()
-    capacity = int(math.ceil(1.5 * k / P)) + 16
-    sel_out = K.empty_selection(P, capacity, dev)
-    hist = torch.zeros(P, K.SELECT_HIST_BINS, dtype=torch.int32, device=dev)
-    # untimed host reads: the selected count and the threshold's own statistics
-    selected = int(((acc.abs() >= threshold) & (acc != 0)).sum())
-    window_ok = bool(info["window_ok"]) if "window_ok" in info else None
-    cand_count = int(info["stats"][1]) if "stats" in info else 0
-    S = int(info.get("S", 0))
+    def reset(self):
+        self.residual.copy_(self.residual0)
 
-    def reset():
-        residual.copy_(residual0)
+    def reset_all(self):
+        self.residual.copy_(self.residual0)
+        self.velocity.copy_(self.velocity0)
+        self.hist.zero_()
 
-    def reset_all():
-        residual.copy_(residual0)
-        velocity.copy_(velocity0)
-        hist.zero_()
-
-    rows: List[Dict] = []
-
-    def add(kernel, name, fn, setup, nbytes, formula, **variant):
-        times = _timer(dev, fn, repeats, warmup, setup)
+    def add(self, kernel, name, fn, setup, nbytes, formula, **variant):
+        times = _timer(self.dev, fn, self.repeats, self.warmup, setup)
         med = statistics.median(times)
-        rows.append({"kernel": kernel, "name": name, "n": n, **variant,
-                     "ms": med * 1e3, "median_ms": med * 1e3, "min_ms": min(times) * 1e3,
-                     "repeats": len(times), "bytes": int(nbytes), "bytes_formula": formula,
-                     "gbps": nbytes / med / 1e9})
-        if cuda:
+        self.rows.append({"kernel": kernel, "name": name, "n": self.n, **variant,
+                          "ms": med * 1e3, "median_ms": med * 1e3, "min_ms": min(times) * 1e3,
+                          "repeats": len(times), "bytes": int(nbytes), "bytes_formula": formula,
+                          "gbps": nbytes / med / 1e9})
+        if self.dev.type == "cuda":
             torch.cuda.empty_cache()
 
+
+def _time_references(b: _Setup) -> None:
+    """copy, read, torch.topk (+ gather) and the two threshold searches."""
+    K, acc, n, k, backend = b.K, b.acc, b.n, b.k, b.backend
     dst = torch.empty_like(acc)
-    add("copy", "copy", lambda: dst.copy_(acc), None, 8 * n, "8n (read + write fp32)")
-    add("read", "read (amax)", lambda: acc.amax(), None, 4 * n, "4n (read fp32)")
-    add("torch_topk", "torch.topk", lambda: torch.topk(acc.abs(), k, sorted=False), None, 4 * n,
-        "4n (one read of acc; abs inside the time)")
+    b.add("copy", "copy", lambda: dst.copy_(acc), None, 8 * n, "8n (read + write fp32)")
+    b.add("read", "read (amax)", lambda: acc.amax(), None, 4 * n, "4n (read fp32)")
+    b.add("torch_topk", "torch.topk", lambda: torch.topk(acc.abs(), k, sorted=False), None,
+          4 * n, "4n (one read of acc; abs inside the time)")
 
     def topk_gather():
         idx = torch.topk(acc.abs(), k, sorted=False).indices
         return acc.gather(0, idx)
 
-    add("topk_gather", "topk + gather", topk_gather, None, 4 * n + 24 * k,
-        "4n + 24k (read acc; topk writes fp32 values + int64 indices; gather reads them, "
-        "writes k values)")
-    add("hist_threshold", "hist threshold", lambda: K.histogram_threshold(acc, k, backend=backend),
-        None, 8 * n, "2 * 4n (two histogram passes over acc)")
-    add("magnitude_threshold", "magnitude_threshold",
-        lambda: K.magnitude_threshold(acc, k, backend=backend), None,
-        4 * n + 4 * S + 8 * cand_count,
-        f"4n + 4S + 8*candidates (one pass; S = {S} samples, {cand_count} candidates written "
-        f"and sorted)", window_ok=window_ok)
+    b.add("topk_gather", "topk + gather", topk_gather, None, 4 * n + 24 * k,
+          "4n + 24k (read acc; topk writes fp32 values + int64 indices; gather reads them, "
+          "writes k values)")
+    b.add("hist_threshold", "hist threshold",
+          lambda: K.histogram_threshold(acc, k, backend=backend),
+          None, 8 * n, "2 * 4n (two histogram passes over acc)")
+    b.add("magnitude_threshold", "magnitude_threshold",
+          lambda: K.magnitude_threshold(acc, k, backend=backend), None,
+          4 * n + 4 * b.S + 8 * b.cand_count,
+          f"4n + 4S + 8*candidates (one pass; S = {b.S} samples, {b.cand_count} candidates "
+          f"written and sorted)", window_ok=b.window_ok)
 
-    # window_pass alone, with the window magnitude_threshold would use (+-z*sqrt(r) sample ranks)
+
+def _time_window_pass(b: _Setup) -> None:
+    """window_pass alone, with the window magnitude_threshold would use (+-z*sqrt(r) sample
+    ranks)."""
+    from oktopk_triton.kernels import threshold as T
+    K, acc, n, k, dev = b.K, b.acc, b.n, b.k, b.dev
     S_w = T.sample_size(k, n)
     w = int(T.WINDOW_Z * math.sqrt(k * S_w / n) * n / S_w) + 1
     top = torch.topk(acc.abs(), min(n, k + w), sorted=True).values
@@ -223,77 +218,111 @@ def run(n: int, density: float, dtype="fp32", regions: int = 8, repeats: int = 5
         stats.zero_()
 
     window_reset()
-    K.window_pass(acc, bounds, cand, seg_count, stats, backend=backend)
+    K.window_pass(acc, bounds, cand, seg_count, stats, backend=b.backend)
     inside = int(seg_count.sum())
-    add("window_pass", "window_pass", lambda: K.window_pass(acc, bounds, cand, seg_count, stats,
-                                                            backend=backend),
-        window_reset, 4 * n + 4 * inside, f"4n + 4*candidates ({inside} in the window)")
+    b.add("window_pass", "window_pass",
+          lambda: K.window_pass(acc, bounds, cand, seg_count, stats, backend=b.backend),
+          window_reset, 4 * n + 4 * inside, f"4n + 4*candidates ({inside} in the window)")
 
-    for gd in grad_dtypes:
-        grad = grads[gd]
+
+def _time_selects(b: _Setup) -> None:
+    """The fused select per gradient dtype, with and without velocity and histogram, and the
+    unfused torch selection."""
+    K, n = b.K, b.n
+    for gd in b.grad_dtypes:
+        grad = b.grads[gd]
         s_g = grad.element_size()
-        base = (s_g + 8) * n + 8 * selected
+        base = (s_g + 8) * n + 8 * b.selected
         for vel, with_hist in ((False, False), (False, True), (True, False), (True, True)):
             label = (f"fused select {gd}" + (" +velocity" if vel else "")
                      + (" +hist" if with_hist else ""))
 
             def fused(grad=grad, vel=vel, with_hist=with_hist):
-                K.fused_select(grad, residual, thr_rows if with_hist else threshold,
-                               region_offsets, capacity, out=sel_out,
-                               velocity=velocity if vel else None, momentum=0.9,
-                               mask_velocity=vel, hist=hist if with_hist else None,
-                               backend=backend)
+                K.fused_select(grad, b.residual, b.thr_rows if with_hist else b.threshold,
+                               b.region_offsets, b.capacity, out=b.sel_out,
+                               velocity=b.velocity if vel else None, momentum=0.9,
+                               mask_velocity=vel, hist=b.hist if with_hist else None,
+                               backend=b.backend)
 
-            add("fused_select", label, fused, reset_all, base + (8 * n if vel else 0),
-                f"(s_g + 8)n + 8*selected{' + 8n (velocity)' if vel else ''}, s_g = {s_g}"
-                f"{'; hist atomics not counted' if with_hist else ''}",
-                grad_dtype=gd, velocity=vel, hist=with_hist)
-
-    gd0 = grad_dtypes[0]
-    grad0 = grads[gd0]
+            b.add("fused_select", label, fused, b.reset_all, base + (8 * n if vel else 0),
+                  f"(s_g + 8)n + 8*selected{' + 8n (velocity)' if vel else ''}, s_g = {s_g}"
+                  f"{'; hist atomics not counted' if with_hist else ''}",
+                  grad_dtype=gd, velocity=vel, hist=with_hist)
+    gd0 = b.grad_dtypes[0]
+    grad0 = b.grads[gd0]
 
     def unfused():
-        a = residual + grad0.float()
-        mask = (a.abs() >= threshold) & (a != 0)
+        a = b.residual + grad0.float()
+        mask = (a.abs() >= b.threshold) & (a != 0)
         idx = mask.nonzero().reshape(-1)
         vals = a[idx]
-        residual.copy_(a)
+        b.residual.copy_(a)
         return idx.to(torch.int32), vals
 
-    add("unfused_torch", "unfused torch", unfused, reset,
-        (grad0.element_size() + 8) * n + 8 * selected,
-        f"(s_g + 8)n + 8*selected, s_g = {grad0.element_size()}", grad_dtype=gd0)
+    b.add("unfused_torch", "unfused torch", unfused, b.reset,
+          (grad0.element_size() + 8) * n + 8 * b.selected,
+          f"(s_g + 8)n + 8*selected, s_g = {grad0.element_size()}", grad_dtype=gd0)
 
-    # scatter: the P rows of one selection into a dense out
-    reset()
-    sel = K.fused_select(grad0, residual, threshold, region_offsets, capacity, backend=backend)
-    reset()
+
+def _time_scatters(b: _Setup) -> None:
+    """scatter: the P rows of one selection into a dense out, against index_put_."""
+    K, P, capacity, dev = b.K, b.P, b.capacity, b.dev
+    grad0 = b.grads[b.grad_dtypes[0]]
+    b.reset()
+    sel = K.fused_select(grad0, b.residual, b.threshold, b.region_offsets, capacity,
+                         backend=b.backend)
+    b.reset()
     written = int(sel.counts.clamp(max=capacity).sum())
-    row_base = region_offsets[:P].contiguous()
-    out = K.dense_zeros(n, dev)
-    add("scatter_rows", "scatter_rows", lambda: K.scatter_rows(out, sel.indices, sel.values,
-                                                               sel.counts, row_base,
-                                                               backend=backend),
-        None, 12 * written, f"12*written ({written} entries: index, value, out)", regions=P)
+    row_base = b.region_offsets[:P].contiguous()
+    out = K.dense_zeros(b.n, dev)
+    b.add("scatter_rows", "scatter_rows",
+          lambda: K.scatter_rows(out, sel.indices, sel.values, sel.counts, row_base,
+                                 backend=b.backend),
+          None, 12 * written, f"12*written ({written} entries: index, value, out)", regions=P)
     slot = torch.arange(capacity, device=dev)
     valid = slot.reshape(1, -1) < sel.counts.reshape(-1, 1).to(torch.int64)
     gidx = torch.where(valid, row_base.reshape(-1, 1) + sel.indices.to(torch.int64),
                        torch.zeros_like(valid, dtype=torch.int64)).reshape(-1)
     gval = torch.where(valid, sel.values, torch.zeros_like(sel.values)).reshape(-1)
-    add("index_put", "index_put_ (accumulate)",
-        lambda: out.index_put_((gidx,), gval, accumulate=True), None, 12 * P * capacity,
-        f"12*P*capacity (every padded slot; padding writes index 0), P = {P}", regions=P)
-    del gidx, gval, valid
+    b.add("index_put", "index_put_ (accumulate)",
+          lambda: out.index_put_((gidx,), gval, accumulate=True), None, 12 * P * capacity,
+          f"12*P*capacity (every padded slot; padding writes index 0), P = {P}", regions=P)
 
-    # the whole selection: threshold + compaction, against topk + gather
+
+def _time_selection(b: _Setup) -> None:
+    """The whole selection: threshold + compaction, against topk + gather."""
+    K, gd0 = b.K, b.grad_dtypes[0]
+    grad0 = b.grads[gd0]
+
     def selection():
-        t = K.magnitude_threshold(acc, k, backend=backend)
-        K.fused_select(grad0, residual, t, region_offsets, capacity, out=sel_out, backend=backend)
+        t = K.magnitude_threshold(b.acc, b.k, backend=b.backend)
+        K.fused_select(grad0, b.residual, t, b.region_offsets, b.capacity, out=b.sel_out,
+                       backend=b.backend)
 
-    add("selection", f"selection (threshold + fused select {gd0})", selection, reset,
-        4 * n + 4 * S + 8 * cand_count + (grad0.element_size() + 8) * n + 8 * selected,
-        "magnitude_threshold + fused select formulas", grad_dtype=gd0)
+    b.add("selection", f"selection (threshold + fused select {gd0})", selection, b.reset,
+          4 * b.n + 4 * b.S + 8 * b.cand_count + (grad0.element_size() + 8) * b.n
+          + 8 * b.selected, "magnitude_threshold + fused select formulas", grad_dtype=gd0)
 
+
+def run(n: int, density: float, dtype="fp32", regions: int = 8, repeats: int = 5,
+        warmup: int = 2, device: Optional[str] = None, backend: Optional[str] = None,
+        seed: int = 0) -> Dict:
+    """Time every kernel at one n; return that run's dictionary (also used by tools/).
+
+    ``dtype``: one gradient dtype name or a list of them (the fused select rows per dtype; the
+    unfused torch row uses the first)."""
+    from oktopk_triton import kernels as K
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if backend is None:
+        backend = "auto" if dev.type == "cuda" else "torch"
+    used_backend = K.choose(backend, dev)
+    grad_dtypes = [dtype] if isinstance(dtype, str) else list(dtype)
+    b = _Setup(n, density, grad_dtypes, regions, repeats, warmup, dev, backend, seed)
+    for timed in (_time_references, _time_window_pass, _time_selects, _time_scatters,
+                  _time_selection):
+        timed(b)
+    rows = b.rows
     byname = {r["kernel"]: r for r in rows}
     copy_gbps, read_gbps = byname["copy"]["gbps"], byname["read"]["gbps"]
     topk_ms, tg_ms = byname["torch_topk"]["ms"], byname["topk_gather"]["ms"]
@@ -309,9 +338,10 @@ def run(n: int, density: float, dtype="fp32", regions: int = 8, repeats: int = 5
         "device": device_name(dev), "device_type": dev.type,
         "torch": torch.__version__, "triton": triton.__version__,
         "kernel_backend": used_backend,
-        "n": n, "density": density, "k": k, "dtype": gd0, "grad_dtypes": grad_dtypes,
-        "regions": P, "capacity": capacity, "threshold": float(threshold), "selected": selected,
-        "window_ok": window_ok, "repeats": repeats, "warmup": warmup,
+        "n": n, "density": density, "k": b.k, "dtype": grad_dtypes[0],
+        "grad_dtypes": grad_dtypes, "regions": b.P, "capacity": b.capacity,
+        "threshold": float(b.threshold), "selected": b.selected,
+        "window_ok": b.window_ok, "repeats": repeats, "warmup": warmup,
         "copy_gbps": copy_gbps, "read_gbps": read_gbps,
         "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "results": rows,

@@ -25,11 +25,11 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-# torch >= 2.13 names it all_gather_single (all_gather_into_tensor warns on every call there)
-_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 from .base import CommAborted, CommError, CommTimeout, Communicator
 from .peers import StorePeerTable
+
+# torch >= 2.13 names it all_gather_single (all_gather_into_tensor warns on every call there)
+_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 __all__ = ["TorchCommunicator"]
 
@@ -145,7 +145,8 @@ class TorchCommunicator(Communicator):
             ops.append(("send", peer, t.contiguous()))
             self._count_send(t, peer)
         for peer, t in recvs:
-            buf = t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
+            buf = t if t.is_contiguous() else torch.empty_like(
+                t, memory_format=torch.contiguous_format)
             if buf is not t:
                 copy_back.append((t, buf))
             ops.append(("recv", peer, buf))
@@ -178,15 +179,23 @@ class TorchCommunicator(Communicator):
         for t, buf in copy_back:
             t.copy_(buf)
 
-    def allgather(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        P = self.world_size
-        m = self._check_allgather(output, input)
+    def _flat_pair(self, output: torch.Tensor, input: torch.Tensor):
+        """(flat contiguous input, flat output) of a collective; None when this is the only
+        rank, after copying the input to the output (unless they are the same memory)."""
         inp = input.reshape(-1).contiguous()
         out = output.view(-1)
-        if P == 1:
+        if self.world_size == 1:
             if out.data_ptr() != inp.data_ptr():
                 out.copy_(inp)
+            return None
+        return inp, out
+
+    def allgather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        m = self._check_allgather(output, input)
+        pair = self._flat_pair(output, input)
+        if pair is None:
             return
+        inp, out = pair
         work = None
         if self._gather_into_tensor:
             try:
@@ -219,14 +228,11 @@ class TorchCommunicator(Communicator):
         self._count_allreduce(tensor)
 
     def alltoall(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        P = self.world_size
         self._check_alltoall(output, input)
-        inp = input.reshape(-1).contiguous()
-        out = output.view(-1)
-        if P == 1:
-            if out.data_ptr() != inp.data_ptr():
-                out.copy_(inp)
+        pair = self._flat_pair(output, input)
+        if pair is None:
             return
+        inp, out = pair
         if inp.data_ptr() == out.data_ptr():
             inp = inp.clone()
         work = self._issue("alltoall", dist.all_to_all_single, out, inp, group=self.group,

@@ -53,20 +53,20 @@ all ranks ended with bitwise-equal parameters (true for every averaging hook, fa
 """
 from __future__ import annotations
 
-from . import _args as A
-from ._common import git_commit as _git_commit
 import datetime
 import hashlib
 import inspect
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional
 
+from . import _args as A
+from ._common import detect_mps, nccl_version_text, versions
+from ._common import git_commit as _git_commit
 from ._procs import environ, exit_rank, free_port
 
 __all__ = ["add_arguments", "main", "run_benchmark", "format_markdown", "format_table",
@@ -85,7 +85,8 @@ def add_arguments(p) -> None:
                    help=f"hooks to run, or 'all' (default): {' '.join(HOOKS)}")
     p.add_argument("--algorithms", nargs="+", default=["all"],
                    help="algorithms of the sparse hook, or 'all' = every available sparse one")
-    p.add_argument("--density", type=A.density, default=0.01, help="sparse hook density (default 0.01)")
+    p.add_argument("--density", type=A.density, default=0.01,
+                   help="sparse hook density (default 0.01)")
     p.add_argument("--modes", nargs="+", default=["auto"],
                    help="SparseAllreduceState modes (bucket, flat); 'auto' = every mode the state "
                         "accepts, or its one behaviour when it has no mode argument")
@@ -109,15 +110,18 @@ def add_arguments(p) -> None:
                    help="the sparse hook's communicator on nccl (default auto: cupy if importable)")
     p.add_argument("--kernel-backend", choices=("auto", "triton", "torch"), default=None,
                    help="kernels of the sparse algorithms (default: torch on CPU, auto on CUDA)")
-    p.add_argument("--bucket-cap-mb", type=A.positive_float, default=25.0, help="DDP bucket size (default 25)")
+    p.add_argument("--bucket-cap-mb", type=A.positive_float, default=25.0,
+                   help="DDP bucket size (default 25)")
     p.add_argument("--powersgd-rank", type=A.positive_int, default=4)
     p.add_argument("--powersgd-start-iter", type=A.nonneg_int, default=2)
     p.add_argument("--lr", type=A.positive_float, default=0.01)
-    p.add_argument("--threads", type=A.positive_int, default=1, help="torch threads per rank on CPU")
+    p.add_argument("--threads", type=A.positive_int, default=1,
+                   help="torch threads per rank on CPU")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=A.positive_float, default=600.0,
                    help="seconds the whole run may take (default 600)")
-    p.add_argument("--json", type=A.out_path, default=None, metavar="PATH", help="write the results JSON here")
+    p.add_argument("--json", type=A.out_path, default=None, metavar="PATH",
+                   help="write the results JSON here")
     p.add_argument("--markdown", type=A.out_path, default=None, metavar="PATH",
                    help="write the README table (markdown) here")
     p.add_argument("--quiet", action="store_true", help="print only the final table")
@@ -146,28 +150,10 @@ def ring_bytes(nbytes: int, P: int) -> float:
 
 # -- environment facts -----------------------------------------------------------------------------
 def _mps_active() -> bool:
-    """Whether an MPS control daemon is running for this environment's pipe directory.
-
-    True when the control pipe ``$CUDA_MPS_PIPE_DIRECTORY/control`` (default
-    ``/tmp/nvidia-mps/control``) exists and a process named ``nvidia-cuda-mps-control`` is alive.
-    (The collectives benchmark has its own detector; the two may be merged.)
-    """
-    pipe_dir = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps"
-    if not os.path.exists(os.path.join(pipe_dir, "control")):
-        return False
-    try:
-        pids = [d for d in os.listdir("/proc") if d.isdigit()]
-    except OSError:
-        return False
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/comm") as f:
-                name = f.read().strip()
-        except OSError:
-            continue
-        if name.startswith("nvidia-cuda-mps"):   # comm is cut to 15 characters
-            return True
-    return False
+    """Whether the CUDA MPS control daemon serves this environment's processes
+    (:func:`oktopk_triton.bench._common.detect_mps`, the detector ``oktopk-bench collectives``
+    uses too)."""
+    return bool(detect_mps()["active"])
 
 
 def _load_avg() -> Optional[float]:
@@ -178,17 +164,12 @@ def _load_avg() -> Optional[float]:
 
 
 def _versions() -> Dict[str, Any]:
-    v: Dict[str, Any] = {"python": sys.version.split()[0]}
-    for mod in ("torch", "triton", "numpy", "cupy", "oktopk_triton"):
-        try:
-            v[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001
-            v[mod] = None
+    v: Dict[str, Any] = versions(("torch", "triton", "numpy", "cupy", "oktopk_triton"))
     try:
         import torch
         if torch.cuda.is_available():
             v["cuda"] = torch.version.cuda
-            v["nccl"] = ".".join(str(x) for x in torch.cuda.nccl.version())
+            v["nccl"] = nccl_version_text(torch.cuda.nccl.version())
     except Exception:  # noqa: BLE001
         pass
     return v
@@ -319,7 +300,8 @@ def _make_sparse_state(cfg: Dict[str, Any], comm, algorithm: str, mode: Optional
                                 start_iter=SPARSE_START_ITER, comm=comm, **options)
 
 
-def _run_one(spec: Dict[str, Any], cfg: Dict[str, Any], rank: int, dev, get_comm) -> Dict[str, Any]:
+def _run_one(spec: Dict[str, Any], cfg: Dict[str, Any], rank: int, dev,
+             get_comm) -> Dict[str, Any]:
     """Train ``warmup + steps`` iterations with one hook; this rank's record."""
     import torch
     import torch.distributed as dist
@@ -332,30 +314,8 @@ def _run_one(spec: Dict[str, Any], cfg: Dict[str, Any], rank: int, dev, get_comm
     model = make_model(cfg["width"], cfg["layers"]).to(dev)
     ddp = DDP(model, device_ids=[dev.index] if cuda else None,
               bucket_cap_mb=cfg["bucket_cap_mb"])
-    hook, comm, state, counter = spec["hook"], None, None, None
-    if hook == "none":
-        ddp.register_comm_hook(None, _none_hook)
-    elif hook == "fp16":
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
-        ddp.register_comm_hook(None, fp16_compress_hook)
-        counter = _AllreduceCounter(P)
-    elif hook == "powersgd":
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
-        state = psgd.PowerSGDState(process_group=None,
-                                   matrix_approximation_rank=cfg["powersgd_rank"],
-                                   start_powerSGD_iter=cfg["powersgd_start_iter"],
-                                   use_error_feedback=True, warm_start=True,
-                                   random_seed=cfg["seed"])
-        ddp.register_comm_hook(state, psgd.powerSGD_hook if cuda
-                               else _powersgd_one_bucket_at_a_time)
-        counter = _AllreduceCounter(P)
-    elif hook == "sparse":
-        comm = get_comm()
-        state = _make_sparse_state(cfg, comm, spec["algorithm"], spec["mode"])
-        from ..ddp import sparse_allreduce_hook
-        ddp.register_comm_hook(state, sparse_allreduce_hook)
-    elif hook != "allreduce":
-        raise ValueError(f"unknown hook {hook!r}")
+    hook = spec["hook"]
+    comm, state, counter = _register_hook(ddp, spec, cfg, cuda, get_comm)
 
     # this rank's data: a few fixed batches of a random regression problem
     g = torch.Generator().manual_seed(cfg["seed"] * 7919 + 1000 * (rank + 1))
@@ -404,6 +364,37 @@ def _run_one(spec: Dict[str, Any], cfg: Dict[str, Any], rank: int, dev, get_comm
     if cuda:
         torch.cuda.empty_cache()
     return rec
+
+
+def _register_hook(ddp, spec: Dict[str, Any], cfg: Dict[str, Any], cuda: bool, get_comm):
+    """Register ``spec``'s communication hook on ``ddp``; (communicator, hook state, allreduce
+    byte counter), each None when the hook has none."""
+    P = cfg["P"]
+    hook, comm, state, counter = spec["hook"], None, None, None
+    if hook == "none":
+        ddp.register_comm_hook(None, _none_hook)
+    elif hook == "fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+        ddp.register_comm_hook(None, fp16_compress_hook)
+        counter = _AllreduceCounter(P)
+    elif hook == "powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+        state = psgd.PowerSGDState(process_group=None,
+                                   matrix_approximation_rank=cfg["powersgd_rank"],
+                                   start_powerSGD_iter=cfg["powersgd_start_iter"],
+                                   use_error_feedback=True, warm_start=True,
+                                   random_seed=cfg["seed"])
+        ddp.register_comm_hook(state, psgd.powerSGD_hook if cuda
+                               else _powersgd_one_bucket_at_a_time)
+        counter = _AllreduceCounter(P)
+    elif hook == "sparse":
+        comm = get_comm()
+        state = _make_sparse_state(cfg, comm, spec["algorithm"], spec["mode"])
+        from ..ddp import sparse_allreduce_hook
+        ddp.register_comm_hook(state, sparse_allreduce_hook)
+    elif hook != "allreduce":
+        raise ValueError(f"unknown hook {hook!r}")
+    return comm, state, counter
 
 
 def _train_step(ddp, opt, x, y, F):
@@ -834,7 +825,7 @@ def main(args) -> int:
     return 1 if report["errors"] else 0
 
 
-if __name__ == "__main__":  # python -m oktopk_triton.bench.ddp
+if __name__ == "__main__":  # python -m oktopk_triton.bench.ddp_bench
     import argparse
     _p = argparse.ArgumentParser(prog="oktopk-bench ddp")
     add_arguments(_p)

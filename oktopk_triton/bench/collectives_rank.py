@@ -1,0 +1,277 @@
+"""What one rank of ``oktopk-bench collectives`` does (:mod:`oktopk_triton.bench.collectives` is
+the driver): its gradients, its timed steps and probes, the GPU it runs on, and its process
+entry point for the gloo / nccl backends (``local`` runs the ranks as threads here)."""
+from __future__ import annotations
+
+import datetime
+import os
+import time
+import traceback
+from typing import Any, Dict, List
+
+from ._common import nccl_version_text
+from ._procs import exit_rank
+
+
+# -- gradients -------------------------------------------------------------------------------------
+def make_grad(n: int, seed: int, rank: int, step: int, device=None, scale=None):
+    """Heavy-tailed gradient of ``rank`` at ``step`` (see the module docstring)."""
+    import torch
+    if scale is None:
+        scale = grad_scale(n, seed)
+    g1 = torch.Generator().manual_seed(seed * 1_000_003 + 7 * step + 1)
+    g2 = torch.Generator().manual_seed(seed * 1_000_003 + 104_729 * (rank + 1) + 7 * step + 2)
+    x = torch.randn(n, generator=g1)
+    x.add_(torch.randn(n, generator=g2)).mul_(scale)
+    return x if device is None else x.to(device)
+
+
+def grad_scale(n: int, seed: int):
+    import torch
+    g = torch.Generator().manual_seed(seed * 1_000_003 + 999_983)
+    return torch.randn(n, generator=g).mul_(1.5).exp_()
+
+
+# -- one rank --------------------------------------------------------------------------------------
+def _sync(dev) -> None:
+    import torch
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _start_together(comm) -> None:
+    """Every rank leaves here after every rank arrived and its GPU is idle: a barrier (on NCCL it
+    is enqueued on the stream), then the host waits for the stream."""
+    comm.barrier()
+    _sync(comm.device)
+
+
+def out_checksum(out) -> str:
+    """A checksum of ``out``'s bit pattern computed where ``out`` lives (one 16-byte result
+    crosses to the host): the sum of the words and a position-weighted sum, both mod 2^64.
+    Equal on two ranks iff (up to a 2^-64-ish collision) their ``out`` are bitwise equal."""
+    import torch
+    flat = out.detach().contiguous().reshape(-1)
+    words = flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
+        flat.element_size()])
+    s1 = s2 = 0
+    chunk = 1 << 24
+    for start in range(0, words.numel(), chunk):
+        w = words[start:start + chunk].to(torch.int64)
+        idx = torch.arange(start, start + w.numel(), device=w.device, dtype=torch.int64)
+        weight = (idx * 2654435761) % 2147483647 + 1
+        s1 += int(w.sum())
+        s2 += int((w * weight).sum())  # int64 products wrap: the same on every rank
+    m = (1 << 64) - 1
+    return f"{s1 & m:016x}{s2 & m:016x}"
+
+
+def count_host_syncs(fn):
+    """``(number of synchronizing CUDA calls, fn())`` with ``torch.cuda.set_sync_debug_mode
+    ("warn")`` around ``fn`` (one warning per host synchronisation)."""
+    import warnings
+
+    import torch
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    n = sum(1 for w in caught if "synchroniz" in str(w.message).lower())
+    return n, result
+
+
+def _rank_run(comm, name: str, n: int, density: float, steps: int, seed: int,
+              check_finite: str, scale=None, count_syncs: bool = True) -> Dict[str, Any]:
+    """``steps`` timed steps of algorithm ``name`` on this rank; on CUDA one more step counted
+    under the sync debug mode (not timed, not in the per-step lists)."""
+    from ..algorithms import get_algorithm
+    dev = comm.device
+    cuda = dev.type == "cuda"
+    alg = get_algorithm(name)(n, comm, density, check_finite=check_finite)
+    if scale is None:
+        scale = grad_scale(n, seed)
+    rec: Dict[str, Any] = {"bytes": [], "stats_bytes": [], "time_s": [], "nnz": [],
+                           "checksum": [], "collectives": [], "host_syncs": None}
+    for t in range(steps):
+        g = make_grad(n, seed, comm.rank, t, device=dev, scale=scale)
+        _start_together(comm)
+        b0 = comm.bytes_sent
+        t0 = time.perf_counter()
+        out = alg(g)
+        _sync(dev)
+        dt = time.perf_counter() - t0
+        rec["bytes"].append(int(comm.bytes_sent - b0))
+        rec["stats_bytes"].append(int(alg.stats.get("bytes_sent", -1)))
+        rec["collectives"].append(alg.stats.get("collectives"))
+        rec["time_s"].append(dt)
+        rec["nnz"].append(int((out != 0).sum().item()))
+        rec["checksum"].append(out_checksum(out))
+        del out, g
+    if cuda and count_syncs:
+        g = make_grad(n, seed, comm.rank, steps, device=dev, scale=scale)
+        _start_together(comm)
+        rec["host_syncs"], out = count_host_syncs(lambda: alg(g))
+        _sync(dev)
+        del out, g
+    elif not cuda:      # one more step, rank 0 under the profiler's memory view (not timed;
+        # one profiler per process: LocalCluster's ranks are threads of one)
+        g = make_grad(n, seed, comm.rank, steps, device=dev, scale=scale)
+        _start_together(comm)
+        if comm.rank == 0:
+            rec["peak_transient_bytes"] = peak_transient_bytes(lambda: alg(g))
+        else:
+            alg(g)
+        del g
+    rec["persistent_bytes"] = alg.persistent_bytes()
+    rec["k"] = alg.k
+    return rec
+
+
+def peak_transient_bytes(fn) -> int:
+    """The peak of the bytes ``fn`` allocated and had not yet freed, on this thread, from the
+    torch profiler's memory view (CPU): each op's own allocations and frees in time order.
+    What stays allocated after ``fn`` (its result) counts up to the peak too."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events()
+                    if e.self_cpu_memory_usage)
+    cur = peak = 0
+    for _, b in events:
+        cur += b
+        peak = max(peak, cur)
+    return int(peak)
+
+
+def probe_sizes(n: int) -> List[int]:
+    """Bytes of the probe allreduces: the dense gradient (4n), 4 bytes and 64 KiB (a
+    latency/bandwidth model is fitted to these)."""
+    return [4 * n, 4, 64 * 1024]
+
+
+def _rank_probes(comm, n: int, reps: int) -> List[Dict[str, Any]]:
+    """fp32 allreduces of each probe size: one warm-up, then ``reps`` timed calls, each started
+    together on all ranks and timed to the end of the stream."""
+    import torch
+    out = []
+    for nbytes in probe_sizes(n):
+        t = torch.zeros(max(1, nbytes // 4), device=comm.device)
+        times = []
+        for i in range(reps + 1):
+            _start_together(comm)
+            t0 = time.perf_counter()
+            comm.allreduce(t)
+            _sync(comm.device)
+            if i:
+                times.append(time.perf_counter() - t0)
+        out.append({"op": "allreduce", "bytes": nbytes, "time_s": times})
+        del t
+    return out
+
+
+# -- placement of ranks on GPUs, MPS ---------------------------------------------------------------
+def ranks_share_gpu(P: int, ngpu: int) -> bool:
+    return ngpu > 0 and P > ngpu
+
+
+def rank_device_index(rank: int, ngpu: int) -> int:
+    return rank % ngpu
+
+
+def rank_env(rank: int, P: int, ngpu: int) -> Dict[str, str]:
+    """Environment variables rank ``rank``'s process sets before NCCL initialises. Ranks sharing
+    a GPU each get their own ``NCCL_HOSTID``: NCCL then sees P hosts and talks over loopback
+    sockets (NCCL 2.28 refuses two ranks of one communicator on one GPU of one host)."""
+    env: Dict[str, str] = {}
+    if ranks_share_gpu(P, ngpu):
+        env["NCCL_HOSTID"] = f"oktopk-bench-rank{rank}"
+    return env
+
+
+# -- backends --------------------------------------------------------------------------------------
+def _run_local(name, P, n, density, steps, seed, check_finite, timeout):
+    from ..comm.local import LocalCluster
+    scale = grad_scale(n, seed)
+    return LocalCluster(P, timeout=timeout).run(_rank_run, name, n, density, steps, seed,
+                                                check_finite, scale)
+
+
+def _run_local_probes(P, n, reps, timeout):
+    from ..comm.local import LocalCluster
+    return LocalCluster(P, timeout=timeout).run(_rank_probes, n, reps)
+
+
+def _make_comm(rank: int, P: int, port: int, cfg: Dict[str, Any]):
+    """This rank's communicator: gloo -> TorchCommunicator on gloo; nccl -> NcclCommunicator
+    (``comm="cupy"``, bootstrapped through a gloo group) or TorchCommunicator on an NCCL group.
+    Returns ``(comm, info)``."""
+    import torch
+    import torch.distributed as dist
+    from ..comm.torch_dist import TorchCommunicator
+    backend, timeout = cfg["backend"], float(cfg["comm_timeout"])
+    init = dict(init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=P,
+                timeout=datetime.timedelta(seconds=timeout))
+    info: Dict[str, Any] = {"pid": os.getpid(), "env": cfg["env"][rank],
+                            "NCCL_HOSTID": os.environ.get("NCCL_HOSTID")}  # as NCCL will see it
+    if backend == "gloo":
+        dist.init_process_group("gloo", **init)
+        return TorchCommunicator(timeout=timeout), info
+    dev = torch.device("cuda", rank_device_index(rank, cfg["ngpu"]))
+    torch.cuda.set_device(dev)
+    info["device"] = str(dev)
+    info["device_name"] = torch.cuda.get_device_name(dev)
+    if cfg["comm"] == "torch":
+        dist.init_process_group("nccl", **init)
+        comm = TorchCommunicator()
+        comm.device = dev
+        try:
+            info["nccl"] = nccl_version_text(torch.cuda.nccl.version())
+        except Exception:  # noqa: BLE001
+            info["nccl"] = None
+        return comm, info
+    dist.init_process_group("gloo", **init)  # bootstrap: the unique id, peers, the last barrier
+    from ..comm.nccl import NcclCommunicator
+    comm = NcclCommunicator.from_torch_distributed(device=dev, timeout=timeout)
+    try:
+        from cupy.cuda import nccl
+        info["nccl"] = nccl_version_text(nccl.get_version())
+    except Exception:  # noqa: BLE001
+        info["nccl"] = None
+    return comm, info
+
+
+def _proc_entry(rank, P, port, cfg, algs, q):
+    """One rank's process: environment first (before NCCL initialises), the communicator, the
+    probes, then each algorithm in turn; every result goes to the parent as soon as it exists.
+    A failing rank reports and exits at once: its peers then fail fast (lost peer) instead of
+    waiting; no teardown that could block on a dead peer."""
+    code = 0
+    name = "<setup>"  # what was running when a failure came: setup, an algorithm, teardown
+    try:
+        os.environ.update(cfg["env"][rank])
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        import torch
+        torch.set_num_threads(1)
+        comm, info = _make_comm(rank, P, port, cfg)
+        q.put((rank, "ready", info))
+        if cfg["probes"]:
+            q.put((rank, "probes", _rank_probes(comm, cfg["n"], cfg["probe_reps"])))
+        for name in algs:
+            rec = _rank_run(comm, name, cfg["n"], cfg["density"], cfg["steps"], cfg["seed"],
+                            cfg["check_finite"])
+            q.put((rank, "alg", (name, rec)))
+        name = "<teardown>"
+        import torch.distributed as dist
+        dist.barrier()  # keep this rank's sockets open until every rank is done
+        q.put((rank, "done", None))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        code = 1
+        try:
+            q.put((rank, "error", (name, traceback.format_exc())))
+        except Exception:  # noqa: BLE001
+            pass
+    finally:
+        exit_rank(q, code)

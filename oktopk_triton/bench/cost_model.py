@@ -1,0 +1,766 @@
+"""The cost model behind ``oktopk-bench project`` (the command line is
+:mod:`oktopk_triton.bench.project`): one steady step of every algorithm, from P = 2 to 1024
+GPUs, for a model size, a density and a network, and its validation against measured steps.
+
+**What is projected.** step time = communication + selection kernels, per rank, for one steady
+step (after calibration and warm-up). The forward and backward passes (dense compute) are
+**excluded**: this is the time the gradient exchange adds to a step that does not overlap it.
+
+**Communication** prices each algorithm's own schedule (``Algorithm.schedule``: every call of a
+step with its bytes, as ``bytes_sent`` counts them, and rounds; tested against recorded traffic)
+on a network of per-GPU bandwidth β (bytes/s, each direction) and per-message latency α:
+
+=============  =================================================================================
+allreduce      min(ring, tree): ring ``2(P−1)·α + 2(P−1)/P·b/β``; tree (binomial reduce then
+               broadcast, not pipelined) ``2·⌈log2 P⌉·(α + b/β)``. The tree wins only for
+               small messages (the 4-byte non-finite flag), the ring for the dense gradient.
+allgather      ring: ``(P−1)·α + (P−1)·c/β`` (c = the chunk)
+alltoall       pairwise exchange: ``(P−1)·α + (P−1)/P·b/β``
+broadcast      min(chain ``(P−1)·α + b/β``, binomial ``⌈log2 P⌉·(α + b/β)``)
+send_recv      ``rounds·α + max(sent, received)/β`` (a batch to several peers goes out one
+               message after another on this rank's link: Ok-Topk's batch has P−1 rounds)
+=============  =================================================================================
+
+The calls of a step run one after the other (no overlap between them); the time of the rank the
+step waits for is taken (``schedule(rank=None)``).
+
+**Selection kernels** (and the other passes over n a step makes: the non-finite check, forming
+``acc``, writing the residual and ``out``) are priced per element, scaled linearly with n:
+
+* memory-bound passes: the bytes per element counted from each algorithm's code
+  (:data:`PASSES`), at the copy bandwidth;
+* Ok-Topk's fused select pass and ``torch.topk`` over n: their measured time per element;
+* the work on the selected entries (sorts and top-ks of ~k entries, priced like ``torch.topk``
+  per element; scatter-adds of the P gathered sets of TopkA and Gaussiank, ~20 B per entry):
+  :func:`entry_work`.
+
+The copy bandwidth and the two measured kernels come from the newest
+``bench/results/gpu-kernels-*.json`` when one exists (``oktopk-bench kernels`` on a GPU, at its
+largest n; or the ``tools/gpu_kernel_variants.py`` row format), else from the
+**defaults** (:data:`DEFAULT_KERNELS`), an H100's own measurements at n = 2^28
+(``bench/results/gpu-kernel-variants-call1.json``): copy bandwidth 2.94 TB/s, the fused select
+with its histogram 2.90 ms (32 bytes-equivalent per element at that bandwidth, for the 12 it
+moves), ``torch.topk`` 5.83 ms (64 bytes-equivalent: a multi-pass radix select).
+
+Not modeled: launch and Python overheads (tens of kernels a step, ~10 µs each); overlap of
+communication with computation; Gaussiank's compaction, which stores every unselected element
+to one trash slot (same-address stores serialize on a GPU: its measured step is far above this
+model's).
+
+**Data-dependent sizes.** TopkDSA's gather depends on how much the P selections overlap: the
+largest reduced region holds ``fill·cap`` entries (``cap = ⌈1.25k/P⌉``), with ``fill =
+0.74 + 0.465·log2 P`` fitted to the LocalCluster collectives benchmark (correlated heavy-tailed
+gradients, P = 2..32: 1.2 at P=2 up to 3.1 at P=32); ``--topkdsa-fill`` sets a constant instead.
+Every other algorithm sends static sizes.
+
+**Validation** (``--validate JSON`` or ``tools/validate_projection.py``): fits α and β to the
+allreduce probes and the dense steps of a one-GPU NCCL collectives run (per world size by
+default: on one box the ranks share the host's loopback, so the bandwidth per rank falls with
+P), then predicts every algorithm's measured step time (the kernels of the P ranks share the one
+GPU: their time is multiplied by the ranks per GPU) and prints predicted against measured.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import math
+import os
+import re
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from ..algorithms._sparse import _log2ceil
+from ._common import REPO
+
+ALGORITHMS = ("dense", "oktopk", "topka", "gtopk", "spardl", "topkdsa", "gaussiank")
+
+# -- networks -------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Network:
+    """Per-GPU bandwidth (bytes/s, each direction) and per-message latency (s)."""
+    bandwidth: float
+    latency: float
+    name: str = ""
+
+    def describe(self) -> str:
+        return (f"{self.name + ': ' if self.name else ''}{self.bandwidth * 8 / 1e9:g} Gb/s "
+                f"({self.bandwidth / 1e9:.3g} GB/s) per GPU, {self.latency * 1e6:g} us per message")
+
+
+# name -> (spec, what it stands for). Latencies: per message as NCCL sees it, software included.
+NET_PRESETS = {
+    "10Gbps": ("10Gbps,50us", "10 GbE, TCP sockets"),
+    "25Gbps": ("25Gbps,25us", "25 GbE, TCP sockets"),
+    "100Gbps": ("100Gbps,5us", "100 Gb/s InfiniBand EDR / RoCE, GPUDirect RDMA"),
+    "400Gbps": ("400Gbps,3us", "400 Gb/s InfiniBand NDR, GPUDirect RDMA"),
+}
+_BW_UNITS = {"gbps": 1e9 / 8, "gb/s": 1e9, "mbps": 1e6 / 8, "mb/s": 1e6, "tbps": 1e12 / 8,
+             "tb/s": 1e12, "kb/s": 1e3, "b/s": 1.0}
+_LAT_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+def parse_net(text: str) -> Network:
+    """``100Gbps,5us`` | ``3GB/s,50us`` | a preset name (``10Gbps`` ... ``400Gbps``).
+
+    ``Gbps``/``Mbps``/``Tbps`` are bits per second, ``GB/s``/``MB/s`` bytes per second (case
+    sensitive on the b/B: ``Gb/s`` is read as bits, like ``Gbps``)."""
+    t = text.strip()
+    if t in NET_PRESETS:
+        return dataclasses.replace(parse_net(NET_PRESETS[t][0]), name=t)
+    parts = [p.strip() for p in t.split(",")]
+    if len(parts) != 2:
+        raise ValueError(f"network {text!r}: expected BANDWIDTH,LATENCY (e.g. 100Gbps,5us) or one "
+                         f"of {sorted(NET_PRESETS)}")
+    m = re.fullmatch(r"([0-9.]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z/]+)", parts[0])
+    if not m:
+        raise ValueError(f"network {text!r}: bad bandwidth {parts[0]!r}")
+    unit = m.group(2)
+    key = unit.lower()
+    if key.endswith("/s") and unit[-3] == "b":       # Gb/s: bits
+        key = key[:-2] + "ps"
+    if key not in _BW_UNITS:
+        raise ValueError(f"network {text!r}: unknown bandwidth unit {unit!r} (Gbps, Mbps, Tbps, "
+                         "GB/s, MB/s)")
+    bw = float(m.group(1)) * _BW_UNITS[key]
+    m = re.fullmatch(r"([0-9.]+(?:[eE][-+]?[0-9]+)?)\s*([a-zµ]+)", parts[1].lower())
+    if not m or m.group(2) not in _LAT_UNITS:
+        raise ValueError(f"network {text!r}: bad latency {parts[1]!r} (e.g. 5us, 0.05ms)")
+    lat = float(m.group(1)) * _LAT_UNITS[m.group(2)]
+    if bw <= 0 or lat < 0:
+        raise ValueError(f"network {text!r}: bandwidth must be > 0 and latency >= 0")
+    return Network(bw, lat, t)
+
+
+# -- models ---------------------------------------------------------------------------------------
+MODEL_PRESETS = {"resnet50": 25_600_000, "bert-large": 340_000_000, "gpt2-xl": 1_500_000_000}
+
+
+# -- kernels --------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class KernelCosts:
+    """Per-element costs of the passes over n (seconds per element, one rank alone on its GPU)."""
+    copy_bandwidth: float            # bytes/s of a device copy (read + write counted)
+    fused_select_s: float            # Ok-Topk's fused select pass, per element
+    topk_s: float                    # torch.topk over n fp32, per element
+    source: str                      # "default" or the JSON's path
+    device: str = "assumed H100-class GPU"
+
+    def memory_s(self, bytes_per_element: float) -> float:
+        return bytes_per_element / self.copy_bandwidth
+
+
+_N28 = float(1 << 28)
+# An H100 80GB HBM3 at n = 2^28 (bench/results/gpu-kernel-variants-call1.json, 2026-11-23): copy
+# 0.731 ms (2.94 TB/s); fused select with the in-pass histogram at the launcher's configuration
+# (BLOCK 2048, 4 warps) 2.90 ms, i.e. 32 bytes-equivalent per element at that bandwidth for the
+# 12 it moves; torch.topk(acc.abs(), k) 5.83 ms (64 bytes-equivalent: a multi-pass radix select).
+DEFAULT_KERNELS = KernelCosts(copy_bandwidth=8 * _N28 / 0.731e-3, fused_select_s=2.90e-3 / _N28,
+                              topk_s=5.83e-3 / _N28, source="default",
+                              device="defaults: an H100's copy 2.94 TB/s, fused select 2.90 ms and "
+                                     "torch.topk 5.83 ms at 2^28 (gpu-kernel-variants-call1.json)")
+
+# Per algorithm, one steady step: (bytes per element of its memory-bound passes over n, fused
+# select passes, torch.topk passes over n in fp32 units: a top-k of int64 keys counts 2, twice the
+# radix digits). Counted op by op from each algorithm's code, with check_finite="skip": every
+# algorithm pays the non-finite check (read grad: 4) and the zeroed output (4); commit_residual
+# under the check is a where (12) and a copy (8).
+PASSES = {
+    # clone (8), div_ (8), copy into out (8)
+    "dense": (4 + 4 + 24, 0, 0),
+    # fused_select reads grad and residual and writes the residual in its own pass; the rest of
+    # the step works on rows of ~k entries (entry_work)
+    "oktopk": (4 + 4, 1, 0),
+    # acc (12); topk_entries: arange int64 (8) and the int64 keys (to 12, & 16, << 16, - 16,
+    # | 24), a top-k of n int64 keys; out /= P (8); commit (20)
+    "topka": (4 + 4 + 12 + 8 + 84 + 8 + 20, 0, 2),
+    # as TopkA (its top-k of n int64 keys) without the division (out.index_copy_)
+    "gtopk": (4 + 4 + 12 + 8 + 84 + 20, 0, 2),
+    # acc (12); Spar-Reduce-Scatter touches (P-1)/P of n on each side: index_select + |.| +
+    # index_copy on the sending side (24), index_select + index_copy on the receiving side (16),
+    # the block top-ks cover n once (fp32); padded out (4), copy + div (16), commit (20)
+    "spardl": (4 + 4 + 12 + 40 + 4 + 16 + 20, 0, 1),
+    # acc (12), |acc| (8) and a top-k over n; selection buffer (4), counts (5), |sel| (8) and a
+    # row-wise top-k over n; residual scatter clone (8); padded out (4); copy + div (16),
+    # commit (20)
+    "topkdsa": (4 + 4 + 12 + 8 + 4 + 5 + 8 + 8 + 4 + 16 + 20, 0, 2),
+    # acc (12), std_mean (4), |acc| (8), 8 counting passes (>=, !=, &, sum: 14 each), the final
+    # mask (21), compact (int64 cumsum, masks, where, arange, two scatters of n: 115), the
+    # residual where (17) and commit (20), the (n+1) copies of the scatter-add (20), out /= P (8)
+    "gaussiank": (4 + 4 + 12 + 4 + 8 + 8 * 14 + 21 + 115 + 17 + 20 + 20 + 8, 0, 0),
+}
+
+
+def find_kernels_json() -> Optional[str]:
+    """The newest ``bench/results/gpu-kernels-*.json`` (of this checkout, else of the cwd)."""
+    for root in (REPO, os.getcwd()):
+        paths = sorted(glob.glob(os.path.join(root, "bench", "results", "gpu-kernels-*.json")),
+                       key=lambda p: (os.path.getmtime(p), p))
+        if paths:
+            return paths[-1]
+    return None
+
+
+def load_kernels(path: str) -> KernelCosts:
+    """Per-element costs from a kernels JSON, at the largest n it holds. Formats:
+
+    * ``oktopk-bench kernels`` (several sizes): top-level ``entries[{kernel, n, ms, grad_dtype,
+      velocity, hist}]`` (or ``runs[{n, results}]``): ``copy``, ``torch_topk`` and the fp32
+      ``fused_select`` with the histogram and without velocity (the Ok-Topk step without
+      momentum);
+    * the older single-size one: ``n`` and ``results[{name, median_ms}]`` (``copy``, ``fused
+      select``, ``torch.topk``);
+    * the row format of ``tools/gpu_kernel_variants.py``: ``rows[{what, log2n, ms, hist}]`` (the
+      fastest fused-select variant with the histogram)."""
+    with open(path) as f:
+        d = json.load(f)
+    device = str(d.get("device", "?"))
+    if d.get("device_type") not in (None, "cuda"):
+        raise ValueError(f"{path}: a {d.get('device_type')} run, not a GPU run")
+    entries = d.get("entries") or [r for run in d.get("runs", []) for r in run.get("results", [])]
+    if entries:
+        n = max(int(r["n"]) for r in entries if r.get("kernel") == "fused_select")
+
+        def pick(kernel, *prefs):
+            rows = [r for r in entries if r.get("kernel") == kernel and int(r.get("n", -1)) == n]
+            for pref in prefs + ({},):
+                ok = [r for r in rows if all(r.get(key) == v for key, v in pref.items())]
+                if ok:
+                    return min(float(r.get("ms", r.get("median_ms"))) for r in ok) * 1e-3
+            return None
+        copy, topk = pick("copy"), pick("torch_topk")
+        fused = pick("fused_select", {"grad_dtype": "fp32", "hist": True, "velocity": False},
+                     {"hist": True, "velocity": False}, {"hist": True})
+    elif "results" in d and "n" in d:
+        n = int(d["n"])
+        rows = {r["name"]: float(r["median_ms"]) * 1e-3 for r in d["results"]}
+        copy, fused, topk = rows.get("copy"), rows.get("fused select"), rows.get("torch.topk")
+    elif "rows" in d:
+        rows = d["rows"]
+        big = max(int(r["log2n"]) for r in rows if r.get("what") == "fused_select")
+        n = 1 << big
+
+        def best(what, pred=lambda r: True):
+            ms = [float(r["ms"]) for r in rows
+                  if r.get("what") == what and int(r.get("log2n", -1)) == big and pred(r)]
+            return min(ms) * 1e-3 if ms else None
+        copy = best("copy")
+        fused = best("fused_select", lambda r: r.get("hist", True)) or best("fused_select")
+        topk = best("torch.topk")
+    else:
+        raise ValueError(f"{path}: not a kernels JSON (no entries, results/n or rows)")
+    if not (copy and fused and topk):
+        raise ValueError(f"{path}: needs copy, fused select and torch.topk timings")
+    return KernelCosts(copy_bandwidth=8.0 * n / copy, fused_select_s=fused / n, topk_s=topk / n,
+                       source=path, device=device)
+
+
+def resolve_kernels(spec: Optional[str]) -> Tuple[KernelCosts, Optional[str]]:
+    """``spec``: a path, ``none`` (the defaults) or None (newest gpu-kernels JSON, else the
+    defaults). Returns (costs, a note when a found file could not be used)."""
+    if spec is not None and spec.lower() in ("none", "default", "defaults"):
+        return DEFAULT_KERNELS, None
+    path = spec or find_kernels_json()
+    if path is None:
+        return DEFAULT_KERNELS, None
+    try:
+        return load_kernels(path), None
+    except (ValueError, KeyError, OSError) as exc:
+        if spec is not None:
+            raise
+        return DEFAULT_KERNELS, f"ignored {path}: {exc}"
+
+
+def entry_work(name: str, k: int, P: int) -> Tuple[float, float]:
+    """Per-step work proportional to k (or P·k) of ``name``: (elements through a sort/top-k,
+    priced at ``topk_s`` each; bytes of memory-bound scatters, at the copy bandwidth).
+
+    Ok-Topk: the top-k of the staging rows (``stage_factor``·k), the sort and top-k of the
+    received rows (≈ k each) and the top-k of the gathered slots (≈ k): 7k, and ~200 B per
+    entry of cumsums, gathers and scatters over those rows. TopkA and Gaussiank
+    scatter-add all P gathered sets into ``out`` (≈ 20 B per entry: int64 index, value,
+    read-modify-write). gTop-k: a merge per round (argsort and top-k of 2k: 4k·log2 P, and ~300 B
+    per entry of keys and concatenations). TopkDSA:
+    the owner adds P·cap ≈ 1.25k entries. SparDL's block top-ks are in its pass over n."""
+    lg = max(0, (P.bit_length() - 1))
+    return {
+        "dense": (0.0, 0.0),
+        "oktopk": (7.0 * k, 200.0 * k),
+        "topka": (1.0 * k, 20.0 * P * k),
+        "gtopk": (1.0 * k + 4.0 * k * lg, 300.0 * k * lg),
+        "spardl": (0.0, 20.0 * k),
+        "topkdsa": (0.0, 20.0 * 1.25 * k),
+        "gaussiank": (0.0, 20.0 * 1.5 * P * k),
+    }[name]
+
+
+def selection_time(name: str, n: int, kernels: KernelCosts, ranks_per_gpu: int = 1,
+                   k: int = 0, P: int = 1) -> float:
+    """Seconds of the passes over n one steady step of ``name`` makes (:data:`PASSES`) plus its
+    work on the k selected entries (:func:`entry_work`, when k is given); ``ranks_per_gpu`` ranks
+    sharing one GPU's memory bandwidth take that many times longer."""
+    mem, fused, topk = PASSES[name]
+    per = kernels.memory_s(mem) + fused * kernels.fused_select_s + topk * kernels.topk_s
+    sort_elems, scatter_bytes = entry_work(name, k, P) if k else (0.0, 0.0)
+    t = n * per + sort_elems * kernels.topk_s + kernels.memory_s(scatter_bytes)
+    return t * ranks_per_gpu
+
+
+# -- communication --------------------------------------------------------------------------------
+
+
+def spec_time(spec, P: int, net: Network) -> Tuple[float, str]:
+    """(seconds, the collective algorithm priced) of one call (see the module docstring)."""
+    a, B = net.latency, net.bandwidth
+    if P <= 1:
+        return 0.0, "local"
+    if spec.kind == "allreduce":
+        ring = 2 * (P - 1) * a + spec.bytes_per_rank / B
+        b = spec.bytes_per_rank * P / (2.0 * (P - 1))       # the message itself
+        tree = 2 * _log2ceil(P) * (a + b / B)
+        return (ring, "ring") if ring <= tree else (tree, "tree")
+    if spec.kind == "allgather":
+        return (P - 1) * a + spec.bytes_per_rank / B, "ring"
+    if spec.kind == "alltoall":
+        return (P - 1) * a + spec.bytes_per_rank / B, "pairwise"
+    if spec.kind == "broadcast":
+        b = spec.bytes_per_rank
+        chain = (P - 1) * a + b / B
+        tree = _log2ceil(P) * (a + b / B)
+        return (chain, "chain") if chain <= tree else (tree, "binomial")
+    if spec.kind == "send_recv":
+        return spec.rounds * a + max(spec.bytes_per_rank, spec.received) / B, "p2p"
+    raise ValueError(f"unknown collective kind {spec.kind!r}")
+
+
+def comm_time(specs, P: int, net: Network) -> float:
+    return sum(spec_time(s, P, net)[0] for s in specs)
+
+
+def _fit_coefficients(spec, P: int, net: Network) -> Tuple[float, float]:
+    """(latency count, bytes on the link) of the branch ``spec_time`` chose: time = c·α + b/β."""
+    _, how = spec_time(spec, P, net)
+    if spec.kind == "allreduce":
+        if how == "ring":
+            return 2 * (P - 1), spec.bytes_per_rank
+        b = spec.bytes_per_rank * P / (2.0 * (P - 1))
+        return 2 * _log2ceil(P), 2 * _log2ceil(P) * b
+    if spec.kind in ("allgather", "alltoall"):
+        return P - 1, spec.bytes_per_rank
+    if spec.kind == "broadcast":
+        if how == "chain":
+            return P - 1, spec.bytes_per_rank
+        return _log2ceil(P), _log2ceil(P) * spec.bytes_per_rank
+    return spec.rounds, max(spec.bytes_per_rank, spec.received)
+
+
+# -- schedules ------------------------------------------------------------------------------------
+def _k(n: int, density: float) -> int:
+    return max(1, min(n, int(round(density * n))))
+
+
+def topkdsa_fill_factor(P: int) -> float:
+    """Largest reduced region / cap, fitted to the LocalCluster collectives run (see above)."""
+    return 0.74 + 0.465 * math.log2(max(P, 1))
+
+
+def topkdsa_state(n: int, k: int, P: int, fill_factor: Optional[float] = None,
+                  slack: float = 1.25, gather_slack: float = 1.25,
+                  fill: float = 1.0 / 3.0) -> Dict[str, Any]:
+    """TopkDSA's gather mode and cap2 after a decision, as its ``_decide`` takes them, for a
+    largest region of ``fill_factor·cap`` entries (the fit when None; all regions alike)."""
+    L = -(-n // P)
+    cap = max(1, min(L, math.ceil(slack * k / P)))
+    f = topkdsa_fill_factor(P) if fill_factor is None else float(fill_factor)
+    mx = min(L, max(1, int(round(f * cap))))
+    cap2 = max(1, min(L, math.ceil(gather_slack * mx)))
+    if P * mx > fill * n or 1 + 2 * cap2 >= L:
+        return {"mode": "dense", "cap2": None}
+    return {"mode": "sparse", "cap2": cap2}
+
+
+def algorithm_schedule(name: str, n: int, k: int, P: int, check_finite: str = "skip",
+                       dtype: str = "fp32", topkdsa_fill: Optional[float] = None,
+                       topkdsa_bytes: Optional[float] = None):
+    """The schedule the projection prices. TopkDSA: its gather from the fill model, or (when
+    ``topkdsa_bytes``, a measured total per step, is given) the cap2 that reproduces it."""
+    from ..algorithms.schedule import schedule_of
+    opts: Dict[str, Any] = {"check_finite": check_finite}
+    if name == "dense":
+        opts["dtype"] = dtype
+    if name == "topkdsa" and P > 1 and k < n:
+        if topkdsa_bytes is not None:
+            bound = schedule_of(name, n, k, P, **opts)
+            static = sum(s.bytes_per_rank for s in bound[:-1])
+            chunk = (topkdsa_bytes - static) / (P - 1) / 4.0        # words of the gathered slot
+            L = -(-n // P)
+            if chunk >= L:
+                opts.update(mode="dense")
+            else:
+                opts.update(mode="sparse", cap2=max(1, min(L, int(round((chunk - 1) / 2)))))
+        else:
+            opts.update(topkdsa_state(n, k, P, topkdsa_fill))
+    return schedule_of(name, n, k, P, **opts)
+
+
+def step_time(name: str, n: int, density: float, P: int, net: Network, kernels: KernelCosts,
+              ranks_per_gpu: int = 1, **schedule_kw) -> Dict[str, Any]:
+    k = _k(n, density)
+    specs = algorithm_schedule(name, n, k, P, **schedule_kw)
+    comm = comm_time(specs, P, net)
+    sel = selection_time(name, n, kernels, ranks_per_gpu, k, P)
+    return {"algorithm": name, "P": P, "n": n, "k": k, "comm_ms": 1e3 * comm,
+            "select_ms": 1e3 * sel, "step_ms": 1e3 * (comm + sel),
+            "bytes_per_rank": sum(s.bytes_per_rank for s in specs),
+            "messages": sum(s.rounds for s in specs), "calls": len(specs),
+            "collectives": [dataclasses.asdict(s) | {"algorithm_priced": spec_time(s, P, net)[1]}
+                            for s in specs]}
+
+
+def project(n: int, density: float, world_sizes: Sequence[int], net: Network,
+            kernels: KernelCosts, algorithms: Sequence[str] = ALGORITHMS,
+            **schedule_kw) -> List[Dict[str, Any]]:
+    return [step_time(a, n, density, P, net, kernels, **schedule_kw)
+            for P in world_sizes for a in algorithms]
+
+
+def fastest_ranges(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Consecutive world sizes with the same fastest algorithm: [{P_from, P_to, algorithm,
+    speedup_vs_dense: (min, max) or None}]."""
+    out: List[Dict[str, Any]] = []
+    for P in sorted({r["P"] for r in rows}):
+        here = [r for r in rows if r["P"] == P]
+        best = min(here, key=lambda r: r["step_ms"])
+        dense = next((r for r in here if r["algorithm"] == "dense"), None)
+        sp = dense["step_ms"] / best["step_ms"] if dense else None
+        if out and out[-1]["algorithm"] == best["algorithm"]:
+            out[-1]["P_to"] = P
+            if sp is not None:
+                lo, hi = out[-1]["speedup_vs_dense"]
+                out[-1]["speedup_vs_dense"] = (min(lo, sp), max(hi, sp))
+        else:
+            out.append({"P_from": P, "P_to": P, "algorithm": best["algorithm"],
+                        "speedup_vs_dense": (sp, sp) if sp is not None else None})
+    return out
+
+
+def describe_ranges(ranges: List[Dict[str, Any]]) -> str:
+    parts = []
+    for r in ranges:
+        span = f"P={r['P_from']}" if r["P_from"] == r["P_to"] else f"P={r['P_from']}-{r['P_to']}"
+        sp = r["speedup_vs_dense"]
+        extra = ""
+        if sp and r["algorithm"] != "dense":
+            extra = (f" ({sp[0]:.1f}x dense)" if abs(sp[0] - sp[1]) < 0.05
+                     else f" ({sp[0]:.1f}-{sp[1]:.1f}x dense)")
+        parts.append(f"{span}: {r['algorithm']}{extra}")
+    return "; ".join(parts)
+
+
+# -- output ---------------------------------------------------------------------------------------
+def _fmt_ms(x: float) -> str:
+    if x >= 100:
+        return f"{x:.0f}"
+    if x >= 10:
+        return f"{x:.1f}"
+    return f"{x:.2f}"
+
+
+def format_table(rows: List[Dict[str, Any]], title: str = "") -> str:
+    algs = list(dict.fromkeys(r["algorithm"] for r in rows))
+    Ps = sorted({r["P"] for r in rows})
+    by = {(r["P"], r["algorithm"]): r for r in rows}
+    hdr = ["P"] + algs + ["fastest", "vs dense"]
+    table = [hdr]
+    for P in Ps:
+        here = [by[(P, a)] for a in algs if (P, a) in by]
+        best = min(here, key=lambda r: r["step_ms"])
+        cells = [str(P)]
+        for a in algs:
+            r = by.get((P, a))
+            cells.append("-" if r is None else _fmt_ms(r["step_ms"]) + ("*" if r is best else ""))
+        d = by.get((P, "dense"))
+        cells += [best["algorithm"], f"{d['step_ms'] / best['step_ms']:.1f}x" if d else "-"]
+        table.append(cells)
+    w = [max(len(r[i]) for r in table) for i in range(len(hdr))]
+    lines = [title] if title else []
+    lines += ["  ".join(c.rjust(w[i]) for i, c in enumerate(r)) for r in table]
+    lines.insert(2 if title else 1, "  ".join("-" * x for x in w))
+    return "\n".join(lines)
+
+
+def plot(report: Dict[str, Any], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cases = report["cases"]
+    ncols = min(len(cases), 2 if len(cases) == 4 else 3)
+    nrows = -(-len(cases) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6.2 * ncols, 4.6 * nrows), squeeze=False)
+    for ax in axes.flat[len(cases):]:
+        ax.axis("off")
+    for ax, case in zip(axes.flat, cases):
+        rows = case["rows"]
+        for a in dict.fromkeys(r["algorithm"] for r in rows):
+            rs = sorted((r for r in rows if r["algorithm"] == a), key=lambda r: r["P"])
+            ax.plot([r["P"] for r in rs], [r["step_ms"] for r in rs], marker="o", ms=3,
+                    label=a, lw=2.2 if a in ("dense", "oktopk") else 1.4)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("GPUs P")
+        ax.set_title(f"{case['model']} (n={case['n']:.3g}), density {case['density']:g}\n"
+                     f"{case['net']['describe']}", fontsize=9)
+        ax.set_ylabel("step ms (communication + selection)", fontsize=8)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"PROJECTED, not measured (oktopk-bench project, kernels: "
+                 f"{os.path.basename(report['kernels']['source'])}); dense compute excluded",
+                 fontsize=10)
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -- validation -----------------------------------------------------------------------------------
+def _result_name(r: Dict[str, Any]) -> str:
+    return str(r.get("name", r.get("algorithm", ""))).lower()
+
+
+def _ranks_per_gpu(d: Dict[str, Any], P: int, override: Optional[int]) -> int:
+    if override:
+        return int(override)
+    for src in (d, d.get("config", {})):
+        if src.get("ranks_per_gpu"):
+            return int(src["ranks_per_gpu"])
+    gpus = d.get("machine", {}).get("gpus")
+    if gpus:
+        return max(1, math.ceil(P / len(gpus)))
+    return P          # the one-GPU benchmark: every rank on the one GPU
+
+
+def _lstsq2(rows: List[Tuple[float, float, float]]) -> Tuple[float, float]:
+    """Least squares of t = c·α + b·x (x = 1/β) with relative weights (1/t)."""
+    s_cc = s_cb = s_bb = s_ct = s_bt = 0.0
+    for c, b, t in rows:
+        w = 1.0 / max(t, 1e-12) ** 2
+        s_cc += w * c * c
+        s_cb += w * c * b
+        s_bb += w * b * b
+        s_ct += w * c * t
+        s_bt += w * b * t
+    det = s_cc * s_bb - s_cb * s_cb
+    if abs(det) < 1e-300 * max(1.0, s_cc * s_bb):
+        raise ValueError("fit: the probes do not separate latency from bandwidth (need a small "
+                         "and a large allreduce)")
+    alpha = (s_ct * s_bb - s_bt * s_cb) / det
+    x = (s_cc * s_bt - s_cb * s_ct) / det
+    return alpha, x
+
+
+def fit_network(d: Dict[str, Any], use_dense: bool = True, kernels: KernelCosts = DEFAULT_KERNELS,
+                ranks_per_gpu: Optional[int] = None, stat: str = "ms_mean",
+                only_P: Optional[int] = None) -> Dict[str, Any]:
+    """α and β from the allreduce probes and (``use_dense``) the dense steps of a collectives
+    JSON (only those at ``only_P`` when given), under the same model the projection uses (the
+    ring/tree branch of each point is re-chosen with the current α, β until it no longer
+    changes). Relative least squares: every point weighs the same, small or large."""
+    from ..algorithms.schedule import allreduce
+    points = []          # (P, [specs], measured seconds, what, fixed seconds)
+    for p in d.get("probes", []):
+        if str(p.get("op", "")).lower() != "allreduce" or p.get(stat) is None:
+            continue
+        P = int(p["P"])
+        if only_P is not None and P != only_P:
+            continue
+        points.append((P, [allreduce(int(p["bytes"]), P)], float(p[stat]) * 1e-3,
+                       f"allreduce {int(p['bytes'])} B", 0.0))
+    if use_dense:
+        rstat = "step_ms_mean" if stat == "ms_mean" else "step_ms_min"
+        for r in d.get("results", []):
+            if _result_name(r) != "dense" or r.get(rstat) is None:
+                continue
+            P, n = int(r["P"]), int(r["n"])
+            if only_P is not None and P != only_P:
+                continue
+            specs = algorithm_schedule("dense", n, int(r.get("k") or _k(n, 0.01)), P,
+                                       check_finite=d.get("config", {}).get("check_finite", "skip"))
+            fixed = selection_time("dense", n, kernels, _ranks_per_gpu(d, P, ranks_per_gpu), 1, P)
+            points.append((P, specs, float(r[rstat]) * 1e-3, f"dense step n={n}", fixed))
+    if len(points) < 2:
+        raise ValueError("fit: need at least two allreduce probes / dense results")
+    # start: α from the smallest message, β from the largest
+    small = min(points, key=lambda p: sum(s.bytes_per_rank for s in p[1]))
+    large = max(points, key=lambda p: sum(s.bytes_per_rank for s in p[1]))
+    alpha = max(small[2] - small[4], 1e-9) / max(1, 2 * _log2ceil(small[0]))
+    beta = sum(s.bytes_per_rank for s in large[1]) / max(large[2] - large[4], 1e-12)
+    net = Network(beta, alpha)
+    for _ in range(50):
+        rows = []
+        for P, specs, t, _, fixed in points:
+            c = b = 0.0
+            for s in specs:
+                ci, bi = _fit_coefficients(s, P, net)
+                c += ci
+                b += bi
+            rows.append((c, b, t - fixed))
+        a_new, x = _lstsq2(rows)
+        if x <= 0 or a_new < 0:
+            raise ValueError(f"fit: no positive solution (alpha={a_new:.3g} s, 1/beta={x:.3g})")
+        new = Network(1.0 / x, a_new)
+        if math.isclose(new.latency, net.latency, rel_tol=1e-12) and \
+                math.isclose(new.bandwidth, net.bandwidth, rel_tol=1e-12):
+            net = new
+            break
+        net = new
+    resid = []
+    for P, specs, t, what, fixed in points:
+        pred = comm_time(specs, P, net) + fixed
+        resid.append({"P": P, "what": what, "measured_ms": 1e3 * t, "fitted_ms": 1e3 * pred,
+                      "error_pct": 100.0 * (pred - t) / t})
+    return {"network": Network(net.bandwidth, net.latency, "fitted"), "points": resid}
+
+
+def validate(d: Dict[str, Any], kernels: KernelCosts = DEFAULT_KERNELS,
+             world_sizes: Sequence[int] = (4, 8), ranks_per_gpu: Optional[int] = None,
+             use_dense: bool = True, stat: str = "mean", target_pct: float = 25.0,
+             fit: str = "per-P") -> Dict[str, Any]:
+    """Fit α, β (:func:`fit_network`), then predict every algorithm's measured step at the
+    world sizes asked for. TopkDSA's data-dependent gather is sized from the measured bytes.
+
+    ``fit="per-P"`` (default): one (α, β) per world size, from that world size's probes and dense
+    step: on one box the P ranks share the host's loopback and CPU, so the bandwidth per rank
+    falls with P (docs/gpu-measurements.md: 3.0 GB/s per rank at P=4, 1.9 at P=8 for the dense
+    allreduce); a world size without two usable points falls back to the global fit.
+    ``fit="global"``: one (α, β) for all, as on a cluster whose links do not depend on P."""
+    if fit not in ("per-P", "global"):
+        raise ValueError(f"validate: fit must be 'per-P' or 'global', got {fit!r}")
+    glob_fit = fit_network(d, use_dense, kernels, ranks_per_gpu, "ms_" + stat)
+    fits: Dict[Optional[int], Dict[str, Any]] = {None: glob_fit}
+    if fit == "per-P":
+        for P in world_sizes:
+            try:
+                fits[P] = fit_network(d, use_dense, kernels, ranks_per_gpu, "ms_" + stat, P)
+            except ValueError:
+                fits[P] = glob_fit
+    cf = d.get("config", {}).get("check_finite", "skip")
+    rows = []
+    for r in d.get("results", []):
+        name, P = _result_name(r), int(r["P"])
+        if P not in world_sizes or name not in PASSES or r.get("step_ms_" + stat) is None:
+            continue
+        net = fits.get(P, glob_fit)["network"]
+        n = int(r["n"])
+        k = int(r.get("k") or _k(n, float(d.get("config", {}).get("density", 0.01))))
+        measured_bytes = r.get("mb_sent_per_rank")
+        kw: Dict[str, Any] = {"check_finite": cf}
+        if name == "topkdsa" and measured_bytes is not None:
+            kw["topkdsa_bytes"] = float(measured_bytes) * 1e6
+        specs = algorithm_schedule(name, n, k, P, **kw)
+        rpg = _ranks_per_gpu(d, P, ranks_per_gpu)
+        comm = comm_time(specs, P, net)
+        sel = selection_time(name, n, kernels, rpg, k, P)
+        meas = float(r["step_ms_" + stat])
+        pred = 1e3 * (comm + sel)
+        rows.append({"algorithm": name, "P": P, "n": n, "k": k, "ranks_per_gpu": rpg,
+                     "alpha_s": net.latency, "beta_Bps": net.bandwidth,
+                     "measured_ms": meas, "predicted_ms": pred, "comm_ms": 1e3 * comm,
+                     "select_ms": 1e3 * sel, "error_pct": 100.0 * (pred - meas) / meas,
+                     "schedule_mb": sum(s.bytes_per_rank for s in specs) / 1e6,
+                     "measured_mb": measured_bytes})
+    within = [abs(x["error_pct"]) <= target_pct for x in rows]
+
+    def net_json(f, P):
+        net = f["network"]
+        return {"P": P, "bandwidth_Bps": net.bandwidth, "latency_s": net.latency,
+                "describe": net.describe(), "points": f["points"],
+                "fallback_to_global": P is not None and f is glob_fit}
+    return {"synthetic": bool(d.get("synthetic")), "synthetic_from": d.get("synthetic_from"),
+            "note": d.get("note"), "fit": fit,
+            "networks": [net_json(f, P) for P, f in fits.items()],
+            "rows": rows, "target_pct": target_pct,
+            "all_within_target": bool(rows) and all(within),
+            "kernels": {"source": kernels.source, "device": kernels.device}}
+
+
+def synthetic_collectives(net: Network, kernels: KernelCosts = DEFAULT_KERNELS,
+                          world_sizes: Sequence[int] = (4, 8),
+                          n_of: Optional[Dict[int, int]] = None,
+                          density: float = 0.01, noise: float = 0.0, seed: int = 0,
+                          topkdsa_fill: Optional[float] = None) -> Dict[str, Any]:
+    """A collectives JSON in the schema of ``oktopk-bench collectives --backend nccl`` (probes and
+    results), generated from the model with a known α, β (``net``) and P ranks on one GPU, with
+    optional multiplicative noise (uniform in ±noise). Marked ``"synthetic": true``."""
+    import random
+    from ..algorithms.schedule import allreduce
+    rnd = random.Random(seed)
+    n_of = n_of or {4: 1 << 26, 8: 1 << 25}
+
+    def jitter(x):
+        return x * (1.0 + rnd.uniform(-noise, noise)) if noise else x
+
+    probes, results = [], []
+    for P in world_sizes:
+        n = n_of.get(P, 1 << 24)
+        for b in (4, 4 * n):
+            t = 1e3 * comm_time([allreduce(b, P)], P, net)
+            probes.append({"P": P, "op": "allreduce", "bytes": b, "ms_mean": jitter(t),
+                           "ms_min": t})
+        for name in ALGORITHMS:
+            r = step_time(name, n, density, P, net, kernels, ranks_per_gpu=P,
+                          topkdsa_fill=topkdsa_fill)
+            results.append({"name": name, "P": P, "n": n, "k": r["k"],
+                            "step_ms_mean": jitter(r["step_ms"]), "step_ms_min": r["step_ms"],
+                            "mb_sent_per_rank": r["bytes_per_rank"] / 1e6})
+    return {"benchmark": "collectives", "synthetic": True,
+            "synthetic_from": {"bandwidth_Bps": net.bandwidth, "latency_s": net.latency,
+                               "noise": noise, "kernels": kernels.source},
+            "note": "SYNTHETIC: generated by oktopk_triton.bench.project.synthetic_collectives "
+                    "from a known network, not measured",
+            "config": {"backend": "nccl", "density": density, "check_finite": "skip",
+                       "ranks_per_gpu": None},
+            "machine": {"gpus": ["synthetic GPU"]},
+            "probes": probes, "results": results}
+
+
+def format_validation(v: Dict[str, Any]) -> str:
+    lines = []
+    banner = "*** SYNTHETIC INPUT: generated from a known network, NOT a measurement ***"
+    if v["synthetic"]:
+        src = v.get("synthetic_from") or {}
+        lines += [banner, f"    (generated with beta={src.get('bandwidth_Bps', 0) / 1e9:.4g} GB/s, "
+                          f"alpha={src.get('latency_s', 0) * 1e6:.4g} us, noise "
+                          f"{100 * src.get('noise', 0):g}%)"]
+    elif v.get("note"):
+        lines.append(f"input note: {v['note']}")
+    for net in v["networks"]:
+        if v["fit"] == "per-P" and net["P"] is None:
+            continue
+        which = "all P" if net["P"] is None else f"P={net['P']}"
+        fb = " (too few points at this P: the global fit)" if net["fallback_to_global"] else ""
+        lines.append(f"fitted for {which}: beta = {net['bandwidth_Bps'] / 1e9:.4g} GB/s per rank, "
+                     f"alpha = {net['latency_s'] * 1e6:.4g} us per message{fb}")
+        for p in net["points"]:
+            lines.append(f"  fit point P={p['P']:<3d} {p['what']:<28s} measured "
+                         f"{p['measured_ms']:9.3f} ms  model {p['fitted_ms']:9.3f} ms  "
+                         f"({p['error_pct']:+.1f}%)")
+    lines.append(f"kernels: {v['kernels']['source']} ({v['kernels']['device']})")
+    hdr = ("algorithm", "P", "n", "measured ms", "predicted ms", "error", "comm ms", "select ms",
+           "MB sched", "MB meas")
+    table = [hdr]
+    for r in sorted(v["rows"], key=lambda r: (r["P"], r["algorithm"])):
+        mm = r["measured_mb"]
+        table.append((r["algorithm"], str(r["P"]), str(r["n"]), f"{r['measured_ms']:.2f}",
+                      f"{r['predicted_ms']:.2f}", f"{r['error_pct']:+.1f}%", f"{r['comm_ms']:.2f}",
+                      f"{r['select_ms']:.2f}", f"{r['schedule_mb']:.3f}",
+                      "-" if mm is None else f"{float(mm):.3f}"))
+    w = [max(len(t[i]) for t in table) for i in range(len(hdr))]
+    lines += ["  ".join(c.rjust(w[i]) for i, c in enumerate(t)) for t in table]
+    lines.insert(len(lines) - len(table) + 1, "  ".join("-" * x for x in w))
+    ok = "all within" if v["all_within_target"] else "NOT all within"
+    lines.append(f"{ok} {v['target_pct']:g}% of the measurement")
+    if v["synthetic"]:
+        lines.append(banner)
+    return "\n".join(lines)
+
+

@@ -1,0 +1,208 @@
+"""The digits training loop (:func:`train_one`, ``--model cnn|mlp``) and what every training
+loop of ``oktopk-bench train`` shares: the optimizer, the per-step stats record and the bitwise
+check that the replicas agree. The language-model loop is :mod:`oktopk_triton.bench.lm_loop`."""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Dict, List
+
+from ._common import fmt_bytes as _fmt_bytes
+from .digits import evaluate, make_model
+
+
+def _param_checksum(model):
+    """Exact checksum of the fp32 bit patterns (int64 sum of the int32 views, and of them times a
+    position weight so a permutation is caught too)."""
+    import torch
+    flat = torch.cat([p.detach().reshape(-1).float().cpu() for p in model.parameters()])
+    bits = flat.view(torch.int32).to(torch.int64)
+    w = torch.arange(1, bits.numel() + 1, dtype=torch.int64) % 1000003
+    return torch.stack([bits.sum(), (bits * w).sum()])
+
+
+def replicas_identical(model) -> bool:
+    import torch
+    import torch.distributed as dist
+    cs = _param_checksum(model)
+    dev = next(model.parameters()).device
+    cs = cs.to(dev)
+    out = [torch.zeros_like(cs) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, cs)
+    return all(torch.equal(o, out[0]) for o in out)
+
+
+class RunLog:
+    """What a run records per step: the step and reduce times, the bytes the reducer sent and its
+    numeric stats; :meth:`ms` averages times past the first steps (one-time set-up)."""
+
+    def __init__(self, device) -> None:
+        import torch
+        self.step_times: List[float] = []
+        self.reduce_times: List[float] = []
+        self.bytes_curve: List[int] = []
+        self.stats_curve: Dict[str, List[float]] = {}
+        cuda = device.type == "cuda"
+        self.sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+
+    def record(self, t0: float, t1: float, t2: float, t3: float, stats: Dict[str, Any]) -> None:
+        """One step: started at ``t0``, reduce from ``t1`` to ``t2``, ended at ``t3``."""
+        self.step_times.append(t3 - t0)
+        self.reduce_times.append(t2 - t1)
+        self.bytes_curve.append(int(stats["bytes_sent"]))
+        _record_stats(self.stats_curve, stats)
+
+    def ms(self, times: List[float]) -> float:
+        warm = 2 if len(self.step_times) > 4 else 0  # the first steps include one-time set-up
+        return 1000 * sum(times[warm:]) / len(times[warm:])
+
+    def recent(self, n: int, width: int = 6) -> str:
+        """Bytes and ms per step over the last ``n`` steps, for a progress line."""
+        recent = self.step_times[-n:]
+        return (f"bytes/step {_fmt_bytes(sum(self.bytes_curve[-n:]) / len(recent)):>9}  "
+                f"{1000 * sum(recent) / len(recent):{width}.1f} ms/step")
+
+    def totals(self) -> Dict[str, Any]:
+        """The run record's bytes and time fields."""
+        return {"bytes_per_step": sum(self.bytes_curve) / len(self.bytes_curve),
+                "bytes_curve": self.bytes_curve,
+                "time_per_step_ms": self.ms(self.step_times),
+                "reduce_ms": self.ms(self.reduce_times)}
+
+
+def sparse_setup(cfg, algorithm: str, model):
+    """(optimizer, SparseAllreduce options, density) of a run. Momentum correction: the sparse
+    reducers keep the velocity (with DGC's masking) and the optimizer runs without momentum;
+    dense stays the plain momentum SGD baseline (at density 1 the masking would remove every
+    entry's momentum)."""
+    corrected = bool(cfg.get("momentum_correction")) and algorithm != "dense"
+    opt = _make_optimizer(cfg, model.parameters(), corrected)
+    options = dict(cfg.get("options") or {}) if algorithm != "dense" else {}
+    if corrected:
+        options["momentum"] = cfg["momentum"]
+    density = cfg["density"] if algorithm != "dense" else 1.0
+    return opt, options, density
+
+
+def _digits_lr(cfg, steps_per_epoch: int):
+    """The learning rate after ``i`` steps: linear warm-up, then cosine decay (or constant)."""
+    total_steps = steps_per_epoch * cfg["epochs"]
+    warmup = int(round(cfg.get("warmup_epochs", 0) * steps_per_epoch))
+
+    def lr_at(i):  # i = steps done so far
+        if cfg.get("schedule", "constant") == "constant":
+            return cfg["lr"]
+        if i < warmup:
+            return cfg["lr"] * (i + 1) / warmup
+        t = (i - warmup) / max(1, total_steps - warmup)
+        return cfg["lr"] * 0.5 * (1 + math.cos(math.pi * t))
+    return lr_at
+
+
+def _digits_step(model, opt, sar, x, y, lr: float, run: RunLog):
+    """One timed step: forward and backward, the sparse allreduce of the gradients, the
+    optimizer at learning rate ``lr``. Returns the local loss."""
+    import torch.nn.functional as F
+    run.sync()
+    t0 = time.perf_counter()
+    opt.zero_grad(set_to_none=False)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    run.sync()
+    t1 = time.perf_counter()
+    sar.reduce_gradients()   # averages .grad over ranks, error feedback inside
+    run.sync()
+    t2 = time.perf_counter()
+    for group in opt.param_groups:
+        group["lr"] = lr
+    opt.step()
+    run.sync()
+    t3 = time.perf_counter()
+    run.record(t0, t1, t2, t3, sar.stats)
+    return loss
+
+
+def train_one(cfg, algorithm: str, seed: int, comm, device, data, log) -> Dict[str, Any]:
+    """One run of the digits classifier (``--model cnn|mlp``): ``cfg["epochs"]`` epochs, each
+    rank on its shard of a per-epoch permutation, test accuracy after every epoch (and every
+    ``eval_every`` steps)."""
+    import torch
+    import torch.distributed as dist
+    from .. import SparseAllreduce
+
+    Xtr, ytr, Xte, yte = data
+    P, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(seed)  # the same init on every rank
+    model = make_model(cfg["model"], cfg["width"]).to(device)
+    opt, options, density = sparse_setup(cfg, algorithm, model)
+    sar = SparseAllreduce(model.parameters(), comm=comm, density=density, algorithm=algorithm,
+                          **options)
+    numel = sum(p.numel() for p in model.parameters())
+    init_identical = replicas_identical(model)
+
+    per_rank, bs = len(ytr) // P, cfg["batch_size"]
+    steps_per_epoch = max(1, math.ceil(per_rank / bs))
+    g = torch.Generator().manual_seed(10007 * seed + 17)
+    acc_curve = [(0, evaluate(model, Xte, yte))]
+    run, epoch_losses = RunLog(device), []
+    lr_at = _digits_lr(cfg, steps_per_epoch)
+    step = 0
+    eval_every = int(cfg.get("eval_every") or 0)
+    for epoch in range(cfg["epochs"]):
+        perm = torch.randperm(len(ytr), generator=g)     # same on every rank
+        shard = perm[rank::P][:per_rank]                  # this rank's part of the epoch
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for b in range(steps_per_epoch):
+            idx = shard[b * bs:(b + 1) * bs]
+            x, y = Xtr[idx].to(device), ytr[idx].to(device)
+            loss = _digits_step(model, opt, sar, x, y, lr_at(step), run)
+            step += 1
+            loss_sum += float(loss.detach())
+            if eval_every and step % eval_every == 0 and b != steps_per_epoch - 1:
+                acc_curve.append((step, evaluate(model, Xte, yte)))
+        # mean training loss over ranks and batches of the epoch (one tiny allreduce)
+        lt = (loss_sum / steps_per_epoch).to(torch.float32).reshape(1).to(device)
+        dist.all_reduce(lt)
+        epoch_losses.append(float(lt) / P)
+        acc_curve.append((step, evaluate(model, Xte, yte)))
+        if rank == 0 and log:
+            print(f"  [{algorithm:>9} seed {seed}] epoch {epoch + 1:>2}/{cfg['epochs']}  "
+                  f"step {step:>4}  loss {epoch_losses[-1]:.4f}  test acc "
+                  f"{100 * acc_curve[-1][1]:6.2f}%  {run.recent(steps_per_epoch)}", flush=True)
+    identical = replicas_identical(model) and init_identical
+    return {
+        "algorithm": algorithm, "seed": seed, "density": density,
+        "world_size": P, "numel": numel, "k": max(1, int(round(density * numel))), "steps": step,
+        "final_test_acc": acc_curve[-1][1], "acc_curve": acc_curve,
+        "final_train_loss": epoch_losses[-1], "train_loss_per_epoch": epoch_losses,
+        **run.totals(),
+        "replicas_identical": bool(identical), "device": str(device),
+        "stats_curve": run.stats_curve,
+        "backend": type(comm).__name__,
+    }
+
+
+def _make_optimizer(cfg, params, corrected: bool):
+    import torch
+    if cfg.get("optimizer", "sgd") == "adamw":
+        return torch.optim.AdamW(params, lr=cfg["lr"], betas=tuple(cfg.get("betas", (0.9, 0.95))),
+                                 weight_decay=cfg["weight_decay"])
+    return torch.optim.SGD(params, lr=cfg["lr"], momentum=0.0 if corrected else cfg["momentum"],
+                           weight_decay=cfg["weight_decay"])
+
+
+def _record_stats(curves: Dict[str, List[float]], stats: Dict[str, Any]) -> None:
+    """Per-step numeric stats of the algorithm (counts, overflow, thresholds, capacities): a host
+    read of a few scalars per step, fine for this benchmark (and free on CPU)."""
+    import torch
+    for key, v in stats.items():
+        if key == "bytes_sent" or v is None:
+            continue
+        if isinstance(v, torch.Tensor):
+            if v.numel() != 1:
+                continue
+            v = v.item()
+        if isinstance(v, bool):
+            v = int(v)
+        if isinstance(v, (int, float)):
+            curves.setdefault(key, []).append(v)
