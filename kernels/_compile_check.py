@@ -9,8 +9,8 @@ interpreter tests cannot allocate such n).  fused_select is compiled as its laun
 (``enable_fp_fusion=False``), and a variant with a velocity FAILS if its PTX holds an fma (16 of
 them with fusion on): the velocity update ``u * momentum + grad`` must round twice, bitwise like
 the torch reference.  Must run in a process WITHOUT ``TRITON_INTERPRET=1`` (the kernels are then
-decorated as compiled JIT functions); tests/test_kernels.py runs it in a subprocess.  Exit status
-1 when a variant fails to compile.
+decorated as compiled JIT functions); tests/test_kernel_dispatch.py runs it in a subprocess.
+Exit status 1 when a variant fails to compile.
 
 Why it exists: the first H100 run found a fused_select failure that only the compiled kernel
 had (an overflowing row held unselected indices; docs/gpu-measurements.md), and the interpreter

@@ -230,8 +230,8 @@ def histogram_threshold(x: Tensor, k, *, start: IntOrTensor = None, end: IntOrTe
     Level 0 -> kth_bin -> level 1 in that bin -> kth_bin(k - above) -> bin_threshold.  t is the
     lower edge of the final bin, so the count is >= k whenever x holds >= k nonzero finite
     entries, and exceeds k by less than the population of that final bin (relative width
-    2^-14; tested in tests/test_kernels.py).  With fewer than k nonzero finite entries t = 0,
-    which selects every nonzero.
+    2^-14; tested in tests/test_kernel_histogram.py).  With fewer than k nonzero finite entries
+    t = 0, which selects every nonzero.
     """
     h0 = abs_histogram(x, start=start, end=end, skip=skip, backend=backend)
     b0, above0 = kth_bin(h0, k)

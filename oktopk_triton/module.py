@@ -103,7 +103,8 @@ class SparseAllreduce(torch.nn.Module):
                 raise ValueError("SparseAllreduce: all parameters must be on one device, got "
                                  f"{sorted({str(p.device) for p in params})}")
             if device is not None and torch.device(device) != pdev:
-                raise ValueError(f"SparseAllreduce: device={device} but the parameters are on {pdev}")
+                raise ValueError(f"SparseAllreduce: device={device} but the parameters are "
+                                 f"on {pdev}")
             device = pdev
             numel = sum(p.numel() for p in params)
         if comm is None:

@@ -52,7 +52,6 @@ step)):
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
@@ -62,7 +61,19 @@ from oktopk_triton.algorithms import get_algorithm
 from oktopk_triton.comm.local import LocalCluster
 
 __all__ = ["RunResult", "run_steps", "assert_conservation", "assert_bitwise_agreement",
-           "student_t", "moving_hotspots", "one_big_rank", "mixed", "to_number"]
+           "student_t", "moving_hotspots", "one_big_rank", "mixed", "to_number",
+           "PS", "FLAG_BYTES", "flag_bytes", "first_step_body"]
+
+# world sizes the per-algorithm suites run (odd and non-powers of two included)
+PS = [1, 2, 3, 5, 6, 8]
+# the base class's 4-byte non-finite flag allreduce: 2(P-1)/P * 4 <= 8 bytes per rank per step
+FLAG_BYTES = 8
+
+
+def flag_bytes(P: int) -> int:
+    """The exact bytes per rank of that flag allreduce (check_finite='skip')."""
+    return 2 * (P - 1) * 4 // P if P > 1 else 0
+
 
 
 def to_number(v: Any) -> Any:
@@ -199,7 +210,8 @@ def assert_bitwise_agreement(res_or_outs: Any) -> None:
         for p, o in enumerate(row[1:], 1):
             if not torch.equal(ref, _bits(o)):
                 d = int((ref != _bits(o)).sum())
-                raise AssertionError(f"step {t}: out of rank {p} differs from rank 0 in {d} entries")
+                raise AssertionError(f"step {t}: out of rank {p} differs from rank 0 "
+                                     f"in {d} entries")
 
 
 # -- structured gradients --------------------------------------------------------------------------
@@ -254,3 +266,13 @@ def mixed(seed: int = 0, big: int = 0, factor: float = 30.0):
         x = t(rank, step, n) + h(rank, step, n)
         return x * factor if rank == big else x
     return fn
+
+
+def first_step_body(comm, name, n, density, seed):
+    """One step of ``name`` from a zero residual on a seeded gradient: (grad, out, residual,
+    bytes sent, k); a ``LocalCluster.run`` body."""
+    g = torch.Generator().manual_seed(seed * 100 + comm.rank)
+    grad = torch.randn(n, generator=g) * (1 + comm.rank)
+    a = get_algorithm(name)(n, comm, density)
+    out = a(grad)
+    return grad, out, a.residual.clone(), a.stats["bytes_sent"], a.k

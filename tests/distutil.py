@@ -121,7 +121,8 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, q,
 
 def run_gloo(world_size: int, fn: Callable, *args: Any, timeout: float = 120,
              pg_timeout: float | None = None) -> List[Any]:
-    """Run ``fn(comm, *args)`` on ``world_size`` gloo processes; results by rank (see module doc)."""
+    """Run ``fn(comm, *args)`` on ``world_size`` gloo processes; results by rank (see the
+    module doc)."""
     return _run(world_size, fn, args, timeout, pg_timeout, "gloo")
 
 
@@ -145,7 +146,8 @@ def _run(world_size: int, fn: Callable, args: tuple, timeout: float,
     procs = []
     with environ({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}):
         for r in range(world_size):
-            p = ctx.Process(target=_worker, args=(r, world_size, port, fn, args, q, pg_timeout, backend),
+            p = ctx.Process(target=_worker,
+                            args=(r, world_size, port, fn, args, q, pg_timeout, backend),
                             name=f"run_gloo-rank{r}", daemon=True)
             try:
                 p.start()

@@ -27,7 +27,7 @@ import math
 import pytest
 import torch
 
-from conservation import assert_bitwise_agreement, assert_conservation, mixed, run_steps
+from conservation import FLAG_BYTES, assert_bitwise_agreement, assert_conservation, mixed, run_steps
 from oktopk_triton.algorithms import SPARSE_ALGORITHMS, get_algorithm
 from oktopk_triton.algorithms._sparse import volume_formula_words
 from oktopk_triton.comm.local import LocalCluster
@@ -43,14 +43,6 @@ STEPS = 24
 # slack (docs/algorithms.md §3).
 SLACK = {"oktopk": 1.5}
 HEADER_WORDS_PER_MESSAGE = 8
-FLAG_BYTES = 8  # the base class's 4-byte non-finite allreduce, 2(P-1)/P * 4 <= 8
-
-
-def require(name: str):
-    try:
-        return get_algorithm(name)
-    except (ImportError, AttributeError) as exc:
-        pytest.skip(f"{name}: implementation not present yet ({exc})")
 
 
 def messages_bound(P: int) -> int:
@@ -79,7 +71,6 @@ def _run(name: str, P: int):
 @pytest.mark.parametrize("P", PS)
 @pytest.mark.parametrize("name", ALL)
 def test_conservation_and_bitwise_agreement(name, P):
-    require(name)
     res = _run(name, P)
     assert_bitwise_agreement(res)
     assert_conservation(res)
@@ -94,7 +85,6 @@ def test_conservation_and_bitwise_agreement(name, P):
 def test_warmup_steps_are_dense_then_sparse(name):
     """warmup_steps=3: steps 0-2 put every rank's whole acc into out (the exact average) and
     empty the residuals; the sparse steps that follow conserve and stay sparse."""
-    require(name)
     P, W = 3, 3
     res = run_steps(name, P, N, W + 6, DENSITY, mixed(seed=11), warmup_steps=W)
     assert_conservation(res)
@@ -109,7 +99,7 @@ def test_warmup_steps_are_dense_then_sparse(name):
             assert not any(bool(st["warmup"]) for st in res.stats[t])
             assert int((res.outs[t][0] != 0).sum()) < N // 2, f"step {t} not sparse"
     with pytest.raises(ValueError, match="warmup_steps"):
-        LocalCluster(1).run(lambda comm: require(name)(N, comm, DENSITY, warmup_steps=-1))
+        LocalCluster(1).run(lambda comm: get_algorithm(name)(N, comm, DENSITY, warmup_steps=-1))
 
 
 def _velocity_recorder():
@@ -131,7 +121,6 @@ def test_momentum_correction(name, masking):
     masking (the default of the sparse algorithms; dense does not mask by default), u restarts
     from 0 exactly where the step delivered the whole accumulated value (residual 0 after it),
     and only there."""
-    require(name)
     P, m, steps = 3, 0.9, 8
     gf = mixed(seed=5)
     seen, record = _velocity_recorder()
@@ -164,7 +153,7 @@ def test_momentum_correction(name, masking):
         if name != "dense":
             assert kept_somewhere, "a sparse algorithm delivered everything"
     with pytest.raises(ValueError, match="momentum"):
-        LocalCluster(1).run(lambda comm: require(name)(N, comm, DENSITY, momentum=1.0))
+        LocalCluster(1).run(lambda comm: get_algorithm(name)(N, comm, DENSITY, momentum=1.0))
 
 
 @pytest.mark.parametrize("name", SPARSE_ALGORITHMS)
@@ -172,7 +161,6 @@ def test_momentum_not_masked_in_dense_warmup(name):
     """The dense warm-up steps deliver every entry; masking there would drop all momentum, so
     the velocity stays exactly momentum SGD's (u = m·u + grad, and out its average) until the
     first sparse step, which masks."""
-    require(name)
     P, m, warm = 2, 0.9, 3
     gf = mixed(seed=8)
     seen, record = _velocity_recorder()
@@ -194,7 +182,7 @@ def test_momentum_not_masked_in_dense_warmup(name):
 @pytest.mark.parametrize("P", PS)
 @pytest.mark.parametrize("name", ALL)
 def test_bytes_per_step_within_formula(name, P):
-    cls = require(name)
+    cls = get_algorithm(name)
     res = _run(name, P)
     k = res.k
     bound = byte_bound(name, N, k, P)
@@ -207,7 +195,8 @@ def test_bytes_per_step_within_formula(name, P):
                             f"(formula {4 * volume_formula_words(name, N, k, P, **opts):.0f} B, "
                             f"k={k}, n={N})")
     if own is not None:
-        assert worst <= own(N, k, P, **opts) + FLAG_BYTES, f"{name}: above its own volume_bound_bytes"
+        assert worst <= own(N, k, P, **opts) + FLAG_BYTES, \
+            f"{name}: above its own volume_bound_bytes"
     if P > 1 and name != "dense":
         # static sizes: the per-rank volume does not depend on the data (same every step)
         for p in range(P):
@@ -219,14 +208,13 @@ def test_bytes_per_step_within_formula(name, P):
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
 @pytest.mark.parametrize("name", ALL)
 def test_low_precision_gradients_conserve(name, dtype):
-    require(name)
     res = run_steps(name, 3, 1000, 8, 0.03, mixed(seed=2), dtype=dtype)
     assert all(o.dtype == dtype for row in res.outs for o in row)
     assert_bitwise_agreement(res)
     assert_conservation(res)
 
 
-# -- bad inputs --------------------------------------------------------------------------------------
+# -- bad inputs ------------------------------------------------------------------------------------
 def _bad_inputs_body(comm, name):
     cls = get_algorithm(name)
     for d in (0.0, -0.1, 1.5, float("nan")):
@@ -247,7 +235,6 @@ def _bad_inputs_body(comm, name):
 
 @pytest.mark.parametrize("name", ALL)
 def test_bad_inputs(name):
-    require(name)
     outs = LocalCluster(2, timeout=30).run(_bad_inputs_body, name)
     assert torch.equal(outs[0], outs[1])
 
@@ -262,18 +249,16 @@ def _numel_mismatch_body(comm, name):
 
 @pytest.mark.parametrize("name", ALL)
 def test_numel_differing_across_ranks_raises_everywhere(name):
-    require(name)
     msgs = LocalCluster(3, timeout=30).run(_numel_mismatch_body, name)
     assert all(m is not None for m in msgs), msgs
     for m in msgs:
         assert "100" in m and "102" in m
 
 
-# -- non-finite policy --------------------------------------------------------------------------------
+# -- non-finite policy -----------------------------------------------------------------------------
 @pytest.mark.parametrize("P", (2, 3))
 @pytest.mark.parametrize("name", ALL)
 def test_nonfinite_policy(name, P):
-    require(name)
     steps = 8
     res = run_steps(name, P, 600, steps, 0.05, mixed(seed=11), nonfinite={4: P - 1})
     for p in range(P):
@@ -285,7 +270,7 @@ def test_nonfinite_policy(name, P):
         assert bool(torch.isfinite(res.outs[t][0]).all())
 
 
-# -- state_dict --------------------------------------------------------------------------------------
+# -- state_dict ------------------------------------------------------------------------------------
 def _state_body(comm, name, n, density):
     grad = mixed(seed=5)
     a = get_algorithm(name)(n, comm, density)
@@ -303,7 +288,6 @@ def _state_body(comm, name, n, density):
 
 @pytest.mark.parametrize("name", ALL)
 def test_state_dict_round_trip(name):
-    require(name)
     for r in LocalCluster(3, timeout=60).run(_state_body, name, 900, 0.03):
         outs_a, outs_b, ra, rb, sa, sb = r
         for oa, ob in zip(outs_a, outs_b):
@@ -353,7 +337,6 @@ def _gloo_all():
 
 @pytest.mark.parametrize("name", ALL)
 def test_gloo_equals_local_cluster(name):
-    require(name)
     gloo = [r[name] for r in _gloo_all()]
     for p, g in enumerate(gloo):
         assert not isinstance(g, str), f"{name} failed on gloo rank {p}:\n{g}"

@@ -20,7 +20,8 @@ CASES = [
     ("ddp --world-size 0", "--world-size"), ("ddp --density 1.5", "--density"),
     ("project --density 0", "--density"), ("project --n -3", "--n"),
     ("project --net 1Gbps", "--net"), ("project --steps-ratio oktopk", "--steps-ratio"),
-    ("project --steps-ratio oktopk=0", "--steps-ratio"), ("project --compute-ms -1", "--compute-ms"),
+    ("project --steps-ratio oktopk=0", "--steps-ratio"),
+    ("project --compute-ms -1", "--compute-ms"),
     ("train --powersgd-start 0", "--powersgd-start"),
 ]
 

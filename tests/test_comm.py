@@ -12,7 +12,7 @@ import torch
 
 from distutil import RemoteError, run_gloo, run_nccl
 from oktopk_triton.comm import (CommAborted, CommError, CommTimeout, LocalCluster,
-                                LocalCommunicator, tensor_bytes)
+                                LocalCommunicator)
 from oktopk_triton.comm.local import SingleCommunicator
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.uint8]
@@ -23,7 +23,8 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64
 # ---------------------------------------------------------------------------------------------
 def _eq(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     assert a.dtype == b.dtype, f"{what}: dtype {a.dtype} != {b.dtype}"
-    assert torch.equal(a.cpu(), b.cpu()), f"{what}: got {a.cpu().tolist()} expected {b.cpu().tolist()}"
+    assert torch.equal(a.cpu(), b.cpu()), \
+        f"{what}: got {a.cpu().tolist()} expected {b.cpu().tolist()}"
 
 
 def check_primitives(comm, dtypes=tuple(DTYPES)):
@@ -50,7 +51,8 @@ def check_primitives(comm, dtypes=tuple(DTYPES)):
         _eq(rc, torch.arange(4, dtype=dt) + nxt, "send_recv c")
         _eq(rs, torch.full((2,), 7, dtype=dt), "send_recv self")
         expect = 0 if P == 1 else (3 + 5 + 4) * es
-        assert comm.bytes_sent - before == expect, ("send_recv bytes", comm.bytes_sent - before, expect)
+        assert comm.bytes_sent - before == expect, \
+            ("send_recv bytes", comm.bytes_sent - before, expect)
         # an empty batch and a receive-only/send-only pair across two calls
         comm.send_recv([], [])
 
@@ -126,7 +128,8 @@ def expected_total_bytes(P: int, r: int, dtypes=tuple(DTYPES)) -> int:
 def random_allreduce(comm, n, seed):
     """Allreduce of random fp32 data; returns the result (compared bitwise across ranks)."""
     g = torch.Generator().manual_seed(seed + comm.rank)
-    t = (torch.randn(n, generator=g) * 10 ** torch.randint(-3, 4, (n,), generator=g)).to(comm.device)
+    t = (torch.randn(n, generator=g)
+         * 10 ** torch.randint(-3, 4, (n,), generator=g)).to(comm.device)
     comm.allreduce(t)
     return t
 
@@ -208,8 +211,9 @@ def test_local_allreduce_bitwise_identical(P):
     ref = torch.zeros(200_001)
     for r in range(P):
         g = torch.Generator().manual_seed(7 + r)
-        ref = torch.randn(200_001, generator=g) * 10 ** torch.randint(-3, 4, (200_001,), generator=g) \
-            if r == 0 else ref + torch.randn(200_001, generator=g) * 10 ** torch.randint(-3, 4, (200_001,), generator=g)
+        noise = torch.randn(200_001, generator=g) * 10 ** torch.randint(-3, 4, (200_001,),
+                                                                          generator=g)
+        ref = noise if r == 0 else ref + noise
     for t in res:
         assert torch.equal(t, res[0])
     assert torch.equal(res[0], ref)

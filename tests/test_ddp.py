@@ -1,5 +1,4 @@
 """The DDP communication hook (oktopk_triton/ddp.py) on 2 gloo ranks (CPU)."""
-import os
 
 import pytest
 import torch

@@ -47,7 +47,7 @@ def test_dry_run_command_list(gc, tmp_path, capsys):
     assert cmds["mps-stop"].startswith("echo quit | nvidia-cuda-mps-control")
     assert "CUDA_MPS_PIPE_DIRECTORY=/tmp/" in text and "CUDA_MPS_LOG_DIRECTORY=/tmp/" in text
     assert "-m pytest" in cmds["tests"] and "'not slow'" in cmds["tests"]
-    assert "tests/test_kernels.py" in cmds["tests"]
+    assert "tests/test_kernel_selection.py" in cmds["tests"]
     assert cmds["compile-check"].endswith("-m oktopk_triton.kernels._compile_check")
     # the same stages from build_stages: flags and sizes
     st = {s.name: s for s in gc.build_stages(str(tmp_path), "2026-11-23")}

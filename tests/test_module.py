@@ -113,7 +113,8 @@ def _sgd_pair_body(comm, alg):
         sa.reduce_updates(opt_a)
         sb.reduce_gradients()
         opt_b.step()
-    return [p.detach().clone() for p in a.parameters()], [p.detach().clone() for p in b.parameters()]
+    return ([p.detach().clone() for p in a.parameters()],
+            [p.detach().clone() for p in b.parameters()])
 
 
 def test_reduce_updates_with_sgd_matches_reduce_gradients():

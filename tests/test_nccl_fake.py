@@ -8,7 +8,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 import types
 

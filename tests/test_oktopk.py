@@ -190,10 +190,10 @@ def _reference_step(accs, offs, k):
         for src in source_order(j, P):
             s[lo:hi] += torch.where(sel[src][lo:hi], accs[src][lo:hi], 0.0)
     thg = torch.topk(s.abs(), k, sorted=False).values.min()
-    I = (s.abs() >= thg) & (s != 0)
-    out = torch.where(I, s * torch.tensor(1.0 / P, dtype=torch.float32), 0.0)
-    res = [torch.where(m & I, 0.0, a) for a, m in zip(accs, sel)]
-    return out, res, int(I.sum())
+    kept = (s.abs() >= thg) & (s != 0)       # the paper's I: the global top-k of the sum
+    out = torch.where(kept, s * torch.tensor(1.0 / P, dtype=torch.float32), 0.0)
+    res = [torch.where(m & kept, 0.0, a) for a, m in zip(accs, sel)]
+    return out, res, int(kept.sum())
 
 
 @pytest.mark.parametrize("P", [1, 3, 4])

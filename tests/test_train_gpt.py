@@ -163,7 +163,8 @@ def test_lm_table_summary_and_plot(tmp_path):
     for alg, base in (("dense", 2.0), ("oktopk", 2.1)):
         for s in (0, 1):
             v = base + 0.01 * s
-            runs.append({"algorithm": alg, "seed": s, "final_val_loss": v, "final_val_bpb": v / math.log(2),
+            runs.append({"algorithm": alg, "seed": s, "final_val_loss": v,
+                         "final_val_bpb": v / math.log(2),
                          "val_curve": [(0, 5.5), (10, v)], "final_train_loss": v,
                          "bytes_per_step": 1000.0 if alg == "dense" else 20.0,
                          "bytes_curve": [1000] * 10, "time_per_step_ms": 2.0, "reduce_ms": 1.0,

@@ -57,9 +57,11 @@ MPS_PIPE_DEFAULT = "/tmp/oktopk-mps-pipe"
 MPS_LOG_DEFAULT = "/tmp/oktopk-mps-log"
 MPS_CONTROL = "nvidia-cuda-mps-control"
 # the test files that exercise the CUDA path, run first so that a time limit cuts the others
-CUDA_TEST_FILES = ("test_kernels.py", "test_kernels_new.py", "test_comm.py",
-                   "test_topka_gtopk_gaussiank.py",
-                   "test_oktopk.py", "test_algorithms.py", "test_ddp.py", "test_module.py")
+CUDA_TEST_FILES = ("test_kernel_selection.py", "test_kernel_histogram.py",
+                   "test_kernel_threshold.py", "test_kernel_scatter.py", "test_kernel_region.py",
+                   "test_kernel_elementwise.py", "test_kernel_dispatch.py", "test_comm.py",
+                   "test_step_costs.py", "test_oktopk.py", "test_algorithms.py", "test_ddp.py",
+                   "test_module.py")
 
 # collectives runs: (P, n)
 COLLECTIVE_RUNS = ((4, 1 << 26), (8, 1 << 25))

@@ -8,13 +8,14 @@ measured in the same run.  Also checks the compiled kernels against their torch 
 
 Results are recorded in bench/NOTES-kernels.md (the decisions quote them).
 """
+# The timed lambdas close over loop variables that each iteration deletes after timing them
+# (freeing GPU memory before the next size): ruff reads those as undefined names.
+# ruff: noqa: F821, E731
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 import traceback
 
@@ -62,7 +63,8 @@ def main():
 
     def row(**kw):
         rec["rows"].append(kw)
-        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in kw.items()),
+        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                       for k, v in kw.items()),
               flush=True)
         with open(args.json, "w") as f:
             json.dump(rec, f, indent=1)
@@ -80,7 +82,8 @@ def main():
             r[::9] = 0
             g[::9] = 0
             u = torch.randn(n, device=dev) if vel else None
-            offs = torch.tensor([0, n // 7, n // 3, n // 3, n // 2, n], dtype=torch.int64, device=dev)
+            offs = torch.tensor([0, n // 7, n // 3, n // 3, n // 2, n], dtype=torch.int64,
+                                device=dev)
             thr = torch.tensor([3.0, 2.0, 1.0, 4.0, 2.5], device=dev)
             res = {}
             for be in ("torch", "triton"):
@@ -125,7 +128,8 @@ def main():
                 k = int(dens * n)
                 info = {}
                 t = K.magnitude_threshold(x, k, info=info)
-                exact = T._exact_torch(x, k, torch.tensor(0, device=dev), torch.tensor(n, device=dev), n)
+                exact = T._exact_torch(x, k, torch.tensor(0, device=dev),
+                                       torch.tensor(n, device=dev), n)
                 c = int(((x.abs() >= t) & (x != 0)).sum())
                 check(f"threshold {dist} d={dens}", float(t) == float(exact) and c >= k,
                       f"count/k={c / k:.5f} window_ok={bool(info['window_ok'])}")
@@ -147,7 +151,7 @@ def main():
         except Exception:
             rec["errors"].append(traceback.format_exc())
 
-    # -- fused_select variants ----------------------------------------------------------------------
+    # -- fused_select variants ---------------------------------------------------------------------
     for lg in sorted({26, args.max_log2}):
         n = 1 << lg
         try:
@@ -169,7 +173,8 @@ def main():
                 r.copy_(r0)
 
             base_bytes = 12 * n + 8 * k
-            for block, warps in [(1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16)]:
+            for block, warps in [(1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16),
+                                 (8192, 16)]:
                 for hist in (False, True):
                     fn = lambda: S._fused_select_triton(g, r, thr, offs, cap, None, out, None, 0.0,
                                                         False, h if hist else None, block=block,
@@ -232,7 +237,8 @@ def main():
         n, P = 1 << 26, 4
         cap = n // 100 // P
         dense = torch.zeros(n, device=dev)
-        idx = torch.sort(torch.randint(0, n // P, (P, cap), device=dev, dtype=torch.int32), 1).values
+        idx = torch.sort(torch.randint(0, n // P, (P, cap), device=dev, dtype=torch.int32),
+                         1).values
         val = torch.randn(P, cap, device=dev)
         cnt = torch.full((P,), int(cap * 0.8), dtype=torch.int32, device=dev)
         base = torch.tensor([j * (n // P) for j in range(P)], device=dev)
@@ -243,14 +249,15 @@ def main():
     except Exception:
         rec["errors"].append(traceback.format_exc())
 
-    # -- cupy / nccl facts ---------------------------------------------------------------------------
+    # -- cupy / nccl facts -------------------------------------------------------------------------
     try:
         import cupy
         from cupy.cuda import nccl
         uid = nccl.get_unique_id()
         rec["cupy"] = {"version": cupy.__version__, "nccl": nccl.get_version(),
                        "unique_id_type": type(uid).__name__, "unique_id_len": len(uid),
-                       "comm_methods": [m for m in dir(nccl.NcclCommunicator) if not m.startswith("_")]}
+                       "comm_methods": [m for m in dir(nccl.NcclCommunicator)
+                                        if not m.startswith("_")]}
         print("cupy", rec["cupy"], flush=True)
     except Exception:
         rec["errors"].append(traceback.format_exc())

@@ -37,11 +37,13 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def sorted_rows(indices, values, counts, capacity):
     """Valid prefix of each row sorted by index; padding = int32 max / 0."""
-    valid = torch.arange(capacity, device=indices.device)[None, :] < counts.clamp(max=capacity)[:, None]
+    valid = (torch.arange(capacity, device=indices.device)[None, :]
+             < counts.clamp(max=capacity)[:, None])
     big = torch.iinfo(torch.int32).max
     idx = torch.where(valid, indices, torch.full_like(indices, big))
     order = idx.argsort(dim=1, stable=True)
-    return idx.gather(1, order), torch.where(valid, values, torch.zeros_like(values)).gather(1, order)
+    return (idx.gather(1, order),
+            torch.where(valid, values, torch.zeros_like(values)).gather(1, order))
 
 
 def check_fused_select(n, dtype, P, density, device, gen):
@@ -58,7 +60,8 @@ def check_fused_select(n, dtype, P, density, device, gen):
     k = max(1, int(density * n))
     thr = K.histogram_threshold(acc, k)
     out = {}
-    for cap_name, capacity in (("ample", max(1, int(3 * k / P)) + 64), ("tight", max(1, k // (4 * P)))):
+    for cap_name, capacity in (("ample", max(1, int(3 * k / P)) + 64),
+                               ("tight", max(1, k // (4 * P)))):
         rt, rr = residual.clone(), residual.clone()
         st = K.fused_select(grad, rt, thr, offsets, capacity, backend="triton")
         sr = K.fused_select(grad, rr, thr, offsets, capacity, backend="torch")
@@ -97,8 +100,8 @@ def check_histogram(n, dtype, density, device, gen):
     h1t = K.abs_histogram(x, prefix=b0, backend="triton")
     h1r = K.abs_histogram(x, prefix=b0, backend="torch")
     s, e = n // 3, n - n // 5
-    hst = K.abs_histogram(x, start=torch.tensor(s, device=device), end=torch.tensor(e, device=device),
-                          backend="triton")
+    hst = K.abs_histogram(x, start=torch.tensor(s, device=device),
+                          end=torch.tensor(e, device=device), backend="triton")
     hsr = K.abs_histogram(x, start=s, end=e, backend="torch")
     tt = K.histogram_threshold(x, k, backend="triton")
     tr = K.histogram_threshold(x, k, backend="torch")
@@ -118,7 +121,8 @@ def check_sparse(n, device, gen):
     # scatter_add: 4 sources over one region, repeated indices across sources
     S, m = 4, min(n, 1 << 20)
     capS = max(1, m // 50)
-    idx = torch.stack([torch.randperm(m, device=device, generator=gen)[:capS] for _ in range(S)]).to(torch.int32)
+    idx = torch.stack([torch.randperm(m, device=device, generator=gen)[:capS]
+                       for _ in range(S)]).to(torch.int32)
     vals = torch.randn(S, capS, device=device, generator=gen)
     counts = torch.full((S,), capS, dtype=torch.int32, device=device)
     counts[1] = capS // 2
@@ -144,7 +148,8 @@ def check_sparse(n, device, gen):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", help="JSON output path")
     ap.add_argument("--max-log2", type=int, default=28, help="largest n = 2^max-log2 to check")
     ap.add_argument("--bench-log2", type=int, nargs="*", default=[24, 26, 28])
@@ -161,7 +166,8 @@ def main(argv=None) -> int:
         sizes = [1, 1000, (1 << 14) + 3]
         bench_sizes, repeats = [1 << 12], 2
     else:
-        sizes = [(1 << 10) + 3] + [1 << p for p in range(16, args.max_log2 + 1, 4)] + [(1 << 20) + 7]
+        sizes = ([(1 << 10) + 3] + [1 << p for p in range(16, args.max_log2 + 1, 4)]
+                 + [(1 << 20) + 7])
         if (1 << args.max_log2) not in sizes:
             sizes.append(1 << args.max_log2)
         sizes = sorted(set(sizes))
@@ -178,7 +184,8 @@ def main(argv=None) -> int:
     gen = torch.Generator(device=device).manual_seed(0)
     for n in sizes:
         for dtype in DTYPES:
-            for name, fn in (("fused_select", lambda: check_fused_select(n, dtype, 8, 0.01, device, gen)),
+            for name, fn in (("fused_select",
+                              lambda: check_fused_select(n, dtype, 8, 0.01, device, gen)),
                              ("histogram", lambda: check_histogram(n, dtype, 0.01, device, gen))):
                 t0 = time.perf_counter()
                 try:
@@ -186,11 +193,13 @@ def main(argv=None) -> int:
                     ok = res["pass"] if "pass" in res else all(v["pass"] for v in res.values())
                 except Exception:
                     res, ok = {"error": traceback.format_exc()}, False
-                entry = {"check": name, "n": n, "dtype": dtype, "pass": ok, "seconds": time.perf_counter() - t0,
+                entry = {"check": name, "n": n, "dtype": dtype, "pass": ok,
+                         "seconds": time.perf_counter() - t0,
                          "result": res}
                 report["checks"].append(entry)
                 report["failed"] += 0 if ok else 1
-                print(f"{name:<13} n={n:<10} {dtype:<5} {'ok' if ok else 'FAIL'}  {entry['seconds']:.2f}s", flush=True)
+                print(f"{name:<13} n={n:<10} {dtype:<5} {'ok' if ok else 'FAIL'}  "
+                      f"{entry['seconds']:.2f}s", flush=True)
                 save()
                 if cuda:
                     torch.cuda.empty_cache()
@@ -215,7 +224,8 @@ def main(argv=None) -> int:
                                         "auto" if cuda else "torch")
                         print(bench.format_table(res), flush=True)
                     except Exception:
-                        res = {"n": n, "density": density, "dtype": dtype, "error": traceback.format_exc()}
+                        res = {"n": n, "density": density, "dtype": dtype,
+                               "error": traceback.format_exc()}
                         print(res["error"], flush=True)
                     report["bench"].append(res)
                     save()

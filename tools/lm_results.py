@@ -144,7 +144,8 @@ def tables(path: str) -> str:
     n = next(iter(d["summary"].values()))[0]["numel"]
     lines = [f"`{os.path.basename(path)}`: GPT ({n:,} parameters: d {g['d_model']}, "
              f"{g['n_layer']} layers, {g['n_head']} heads, context {g['context']}), "
-             f"{c['world_size']} ranks ({d.get('device')}), {c['steps']} steps of {c['batch_size']} x "
+             f"{c['world_size']} ranks ({d.get('device')}), {c['steps']} steps of "
+             f"{c['batch_size']} x "
              f"{g['context']} bytes per rank, {c['optimizer']} lr {c['lr']:g}; corpus "
              f"{corpus.get('files')} stdlib files of Python {corpus.get('python')} "
              f"({corpus.get('train_bytes', 0) / 1e6:.1f} MB train, "
@@ -153,8 +154,9 @@ def tables(path: str) -> str:
              f"{d.get('date')}.", ""]
     for dens, rows in d["summary"].items():
         goal = d.get("goals_pct", {}).get(dens)
-        lines += [f"Density {float(dens) * 100:g}% (k = {rows[0].get('k') if rows[0]['algorithm'] != 'dense' else round(float(dens) * n):,}"
-                  f" per step){'' if goal is None else f'; goal: Ok-Topk within {goal:g}% of dense'}:", "",
+        k = rows[0].get('k') if rows[0]['algorithm'] != 'dense' else round(float(dens) * n)
+        goal_text = '' if goal is None else f'; goal: Ok-Topk within {goal:g}% of dense'
+        lines += [f"Density {float(dens) * 100:g}% (k = {k:,} per step){goal_text}:", "",
                   "| algorithm | seeds | val loss nats/byte (mean ± sd) | bits/byte | vs dense | "
                   "vs dense per seed | applied/step | bytes/rank/step | vs dense bytes | "
                   "time/step ms | steps ratio |", "|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -149,7 +149,8 @@ def compact(mask: torch.Tensor, values: torch.Tensor, cap: int):
     bv = torch.zeros(cap + 1, dtype=torch.float32, device=dev)
     bi.scatter_(0, dest, ar)
     bv.scatter_(0, dest, values.to(torch.float32))
-    count = mask.sum(dtype=torch.int64).to(torch.int32) if n else torch.zeros((), dtype=torch.int32, device=dev)
+    count = (mask.sum(dtype=torch.int64).to(torch.int32) if n
+             else torch.zeros((), dtype=torch.int32, device=dev))
     return bi[:cap].to(torch.int32), bv[:cap], count, kept
 
 
@@ -168,7 +169,8 @@ def scatter_add_sources(dense: torch.Tensor, indices: torch.Tensor, values: torc
         valid = slot.unsqueeze(0) < counts.to(torch.int64).unsqueeze(1)
         ext = torch.zeros(n + 1, dtype=dense.dtype, device=dense.device)
         ext[:n] = dense
-        idx = torch.where(valid, indices.to(torch.int64), torch.full_like(indices, n, dtype=torch.int64))
+        idx = torch.where(valid, indices.to(torch.int64),
+                          torch.full_like(indices, n, dtype=torch.int64))
         val = torch.where(valid, values, torch.zeros_like(values))
         for s in range(S):
             ext.index_add_(0, idx[s], val[s])
@@ -198,7 +200,7 @@ def unpack_bits(words: torch.Tensor, m: int) -> torch.Tensor:
     return bits.reshape(-1)[:m].to(torch.bool)
 
 
-# -- volume formulas (docs/algorithms.md §6), words per rank per step --------------------------------
+# -- volume formulas (docs/algorithms.md §6), words per rank per step ------------------------------
 def _log2ceil(P: int) -> int:
     return 0 if P <= 1 else (P - 1).bit_length()
 

@@ -143,13 +143,14 @@ class Algorithm(abc.ABC):
         sizes = everyone.tolist()  # construction time: a host read is fine here
         if len(set(sizes)) != 1:
             raise ValueError(f"{self.name}: gradient sizes differ across ranks: numel per rank = "
-                             f"{sizes} (this is rank {self.rank} with {self.numel}); every rank must "
-                             "reduce the same number of elements")
+                             f"{sizes} (this is rank {self.rank} with {self.numel}); every rank "
+                             "must reduce the same number of elements")
 
     # -- the step ------------------------------------------------------------------------------
     def check_input(self, grad: torch.Tensor) -> None:
         if not isinstance(grad, torch.Tensor):
-            raise TypeError(f"{self.name}: expected a torch.Tensor gradient, got {type(grad).__name__}")
+            raise TypeError(f"{self.name}: expected a torch.Tensor gradient, "
+                            f"got {type(grad).__name__}")
         if grad.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{self.name}: gradient dtype must be one of float32, bfloat16, "
                             f"float16; got {grad.dtype}")

@@ -84,7 +84,8 @@ class Gaussiank(Algorithm):
         if not (isinstance(o["iters"], int) and o["iters"] >= 0):
             raise ValueError(f"gaussiank: iters must be an int >= 0, got {o['iters']!r}")
         if not (0.0 < float(o["lo"]) <= 1.0 <= float(o["hi"])):
-            raise ValueError(f"gaussiank: need 0 < lo <= 1 <= hi, got lo={o['lo']!r}, hi={o['hi']!r}")
+            raise ValueError(f"gaussiank: need 0 < lo <= 1 <= hi, "
+                             f"got lo={o['lo']!r}, hi={o['hi']!r}")
         self.cap = self.capacity(self.k, self.numel, o["slack"])
         dens = min(self.density, 1.0 - 1e-12)
         self.z = NormalDist().inv_cdf(1.0 - dens / 2.0)

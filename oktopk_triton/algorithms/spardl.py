@@ -220,9 +220,12 @@ class SparDL(Algorithm):
         # Spar-All-Gather
         blocks = final
         if d > 1:
-            blocks = self._allgather(blocks, self._cross, t, self._ag_order_cross).reshape(d, -1)   # super-block q
+            # super-block q
+            blocks = self._allgather(blocks, self._cross, t, self._ag_order_cross).reshape(d, -1)
         if T > 1:
-            blocks = self._allgather(blocks, self._team, q, self._ag_order_team).reshape(T * d, -1)  # all blocks
+            # all blocks
+            blocks = self._allgather(blocks, self._team, q,
+                                     self._ag_order_team).reshape(T * d, -1)
         idx, vals = self._unpack(blocks.reshape(P, -1))
         opad = torch.zeros(P, L, dtype=torch.float32, device=self.device)
         opad.scatter_(1, idx, vals)

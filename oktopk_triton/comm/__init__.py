@@ -6,7 +6,8 @@ and ``NcclCommunicator`` (CuPy NCCL on the current torch stream; cupy imported o
 from .base import CommAborted, CommError, CommTimeout, Communicator, tensor_bytes
 
 __all__ = ["Communicator", "CommError", "CommAborted", "CommTimeout", "tensor_bytes",
-           "LocalCluster", "LocalCommunicator", "SingleCommunicator", "TorchCommunicator", "NcclCommunicator",
+           "LocalCluster", "LocalCommunicator", "SingleCommunicator", "TorchCommunicator",
+           "NcclCommunicator",
            "default_communicator"]
 
 

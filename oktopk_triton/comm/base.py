@@ -108,7 +108,8 @@ class Communicator(abc.ABC):
 
     @abc.abstractmethod
     def allgather(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        """``output`` (numel = P·input.numel(), contiguous) receives rank r's ``input`` as chunk r."""
+        """``output`` (numel = P·input.numel(), contiguous) receives rank r's ``input`` as
+        chunk r."""
 
     @abc.abstractmethod
     def allreduce(self, tensor: torch.Tensor) -> None:
@@ -193,4 +194,5 @@ class Communicator(abc.ABC):
         return b // P
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, device={self.device})"
+        return (f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, "
+                f"device={self.device})")

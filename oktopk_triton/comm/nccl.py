@@ -49,7 +49,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .base import CommAborted, CommError, CommTimeout, Communicator
-from .peers import PeerIdentity, describe_lost, lost_peers, my_identity, process_alive
+from .peers import PeerIdentity, describe_lost, my_identity, process_alive
 
 __all__ = ["NcclCommunicator", "nccl_dtype", "unique_id_bytes", "NCCL_UNIQUE_ID_BYTES"]
 

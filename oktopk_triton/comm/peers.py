@@ -47,7 +47,8 @@ def process_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{int(pid)}/stat") as f:
             stat = f.read()
-        # "pid (comm) state ...": comm may contain spaces and parentheses, state follows the last ')'
+        # "pid (comm) state ...": comm may contain spaces and parentheses; the state follows
+        # the last ')'
         state = stat[stat.rindex(")") + 2:].split()[0]
         return state not in ("Z", "X", "x")
     except FileNotFoundError:
