@@ -165,6 +165,8 @@ def worker_main(cfg_path: str, out_path: str) -> int:
                       f"{metric}, {_fmt_bytes(rec['bytes_per_step'])}"
                       f"/step, {rec['time_per_step_ms']:.1f} ms/step, replicas "
                       f"{'identical' if rec['replicas_identical'] else 'DIVERGED'}", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    # barrier, destroy the group, then leave before interpreter finalisation, where torch 2.13's
+    # gloo teardown can abort and make torchrun report a finished comparison as failed
+    from ..teardown import shutdown
+    shutdown(exit_code=0)
     return 0
