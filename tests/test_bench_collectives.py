@@ -78,18 +78,14 @@ def test_collectives_check_finite_off_dense_exact(tmp_path):
     assert all(b == 4 * 2 * N * 2 // 3 for row in r["bytes_per_rank_per_step"] for b in row)
 
 
-def test_collectives_cli_entry(tmp_path):
-    """Through the ``oktopk-bench`` parser when the whole CLI imports, else the module entry."""
+@pytest.mark.parametrize("entry", [["oktopk_triton.cli", "collectives"],
+                                   ["oktopk_triton.bench.collectives"]], ids=["cli", "module"])
+def test_collectives_cli_entry(tmp_path, entry):
+    """``oktopk-bench collectives`` and ``python -m oktopk_triton.bench.collectives`` (which goes
+    through the same checked parser) run and write the JSON."""
     out = tmp_path / "d.json"
-    cmd_mod = [sys.executable, "-m", "oktopk_triton.bench.collectives"]
-    try:
-        from oktopk_triton import cli
-        cli.build_parser()
-        cmd = [sys.executable, "-m", "oktopk_triton.cli", "collectives"]
-    except Exception:  # another subcommand's module is missing: use the module entry point
-        cmd = cmd_mod
-    r = subprocess.run(cmd + ["--algorithms", "dense", "spardl", "--world-sizes", "2", "--n",
-                              "4096", "--steps", "2", "--json", str(out)],
+    r = subprocess.run([sys.executable, "-m", *entry, "--algorithms", "dense", "spardl",
+                        "--world-sizes", "2", "--n", "4096", "--steps", "2", "--json", str(out)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     rep = json.loads(out.read_text())

@@ -694,14 +694,12 @@ def main(args) -> int:
     return 1 if report["errors"] else 0
 
 
-if __name__ == "__main__":  # python -m oktopk_triton.bench.collectives
-    import argparse
-    _p = argparse.ArgumentParser(prog="oktopk-bench collectives")
-    add_arguments(_p)
-    sys.exit(main(_p.parse_args()))
-
-
 def resolve_algorithms(names: List[str]):
     """(to run, skipped notes as dicts) for ``collectives``."""
     run, skipped = _resolve(names, "collectives")
     return run, [{"algorithm": a, "reason": why} for a, why in skipped]
+
+
+if __name__ == "__main__":  # python -m oktopk_triton.bench.collectives: the CLI's checked path
+    from ..cli import main as _cli_main
+    raise SystemExit(_cli_main(["collectives", *sys.argv[1:]]))

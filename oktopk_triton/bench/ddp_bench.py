@@ -825,8 +825,6 @@ def main(args) -> int:
     return 1 if report["errors"] else 0
 
 
-if __name__ == "__main__":  # python -m oktopk_triton.bench.ddp_bench
-    import argparse
-    _p = argparse.ArgumentParser(prog="oktopk-bench ddp")
-    add_arguments(_p)
-    sys.exit(main(_p.parse_args()))
+if __name__ == "__main__":  # python -m oktopk_triton.bench.ddp_bench: the CLI's checked path
+    from ..cli import main as _cli_main
+    raise SystemExit(_cli_main(["ddp", *sys.argv[1:]]))

@@ -30,6 +30,7 @@ claim.  The kernel goals are printed (and stored under ``goals``) against the ro
 from __future__ import annotations
 
 import argparse
+import sys
 import datetime
 import json
 import math
@@ -454,7 +455,6 @@ def main(args) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__)
-    add_arguments(ap)
-    raise SystemExit(main(ap.parse_args()))
+if __name__ == "__main__":  # python -m oktopk_triton.bench.kernels: the CLI's checked path
+    from ..cli import main as _cli_main
+    raise SystemExit(_cli_main(["kernels", *sys.argv[1:]]))

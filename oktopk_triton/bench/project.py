@@ -243,8 +243,6 @@ def main(args) -> int:
     return 0
 
 
-if __name__ == "__main__":  # python -m oktopk_triton.bench.project
-    import argparse
-    _p = argparse.ArgumentParser(prog="oktopk-bench project")
-    add_arguments(_p)
-    sys.exit(main(_p.parse_args()))
+if __name__ == "__main__":  # python -m oktopk_triton.bench.project: the CLI's checked path
+    from ..cli import main as _cli_main
+    raise SystemExit(_cli_main(["project", *sys.argv[1:]]))

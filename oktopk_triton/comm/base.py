@@ -148,6 +148,12 @@ class Communicator(abc.ABC):
         if self.rank == root and self.world_size > 1:
             self.bytes_sent += tensor_bytes(t)
 
+    def _end_broadcast(self, tensor: torch.Tensor, buf: torch.Tensor, root: int) -> None:
+        """Copy a broadcast's contiguous stand-in ``buf`` back into ``tensor``; count it."""
+        if buf is not tensor:
+            tensor.copy_(buf)
+        self._count_broadcast(tensor, root)
+
     # -- checks shared by the backends -------------------------------------------------------
     def _check_peer(self, peer: int) -> None:
         if not (0 <= peer < self.world_size):

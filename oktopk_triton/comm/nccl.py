@@ -437,9 +437,7 @@ class NcclCommunicator(Communicator):
             with self._enqueue("broadcast"):
                 self._comm.broadcast(buf.data_ptr(), buf.data_ptr(), count, dt, root,
                                      self._stream())
-        if buf is not tensor:
-            tensor.copy_(buf)
-        self._count_broadcast(tensor, root)
+        self._end_broadcast(tensor, buf, root)
 
     def barrier(self) -> None:
         """A one-element allreduce on the stream: orders the streams, never blocks the host."""

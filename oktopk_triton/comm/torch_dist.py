@@ -248,9 +248,7 @@ class TorchCommunicator(Communicator):
         work = self._issue("broadcast", dist.broadcast, buf, src=self._global[root],
                            group=self.group, async_op=True)
         self._wait(work, "broadcast")
-        if buf is not tensor:
-            tensor.copy_(buf)
-        self._count_broadcast(tensor, root)
+        self._end_broadcast(tensor, buf, root)
 
     def barrier(self) -> None:
         if self.world_size == 1:
