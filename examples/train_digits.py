@@ -1,6 +1,6 @@
 """The smallest complete example: data-parallel training with a sparse gradient allreduce.
 
-    torchrun --standalone --nproc_per_node 4 examples/train_digits.py [oktopk] [0.01]
+    torchrun --standalone --nproc_per_node 4 examples/train_digits.py [oktopk] [0.01] [10]
 
 Each rank trains the same small CNN (same seed => same initial weights) on its own shard of
 scikit-learn's digits; ``SparseAllreduce`` averages the gradients over the ranks, sending only
@@ -14,10 +14,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from sklearn.datasets import load_digits
 
+import oktopk_triton
 from oktopk_triton import SparseAllreduce
 
 algorithm = sys.argv[1] if len(sys.argv) > 1 else "oktopk"
 density = float(sys.argv[2]) if len(sys.argv) > 2 else 0.01
+epochs = int(sys.argv[3]) if len(sys.argv) > 3 else 10
 
 torch.set_num_threads(1)
 use_cuda = torch.cuda.is_available()
@@ -41,7 +43,7 @@ model = nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(),
 sar = SparseAllreduce(model.parameters(), density=density, algorithm=algorithm, momentum=0.9)
 opt = torch.optim.SGD(model.parameters(), lr=0.05)
 
-for epoch in range(10):
+for epoch in range(epochs):
     for i in range(0, len(shard) - 15, 16):
         idx = shard[i:i + 16]
         opt.zero_grad()
@@ -54,4 +56,6 @@ for epoch in range(10):
     if rank == 0:
         print(f"epoch {epoch + 1}: loss {loss.item():.3f}  test acc {100 * acc:.1f}%  "
               f"{sar.stats['bytes_sent']} bytes sent by this rank in the last step", flush=True)
-dist.destroy_process_group()
+# barrier, destroy the group, leave before interpreter shutdown (where torch 2.13's gloo teardown
+# can abort with SIGABRT and make torchrun report a finished job as failed)
+oktopk_triton.shutdown(exit_code=0)

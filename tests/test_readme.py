@@ -39,3 +39,18 @@ def test_first_example_runs_on_two_gloo_ranks(tmp_path):
     assert "sent" in proc.stdout and "Traceback" not in out, out[-3000:]
     # the example ends with oktopk_triton.shutdown(exit_code=0): no gloo teardown abort
     assert proc.returncode == 0, out[-3000:]
+
+
+@pytest.mark.slow
+def test_digits_example_runs_on_two_gloo_ranks():
+    """examples/train_digits.py (the README points to it) trains and exits with status 0."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)
+    script = os.path.join(ROOT, "examples", "train_digits.py")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node", "2", script, "oktopk", "0.05", "2"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    accs = [float(x) for x in re.findall(r"test acc ([0-9.]+)%", proc.stdout)]
+    assert len(accs) == 2 and accs[-1] > 50.0, out[-3000:]
+    assert proc.returncode == 0 and "Traceback" not in out, out[-3000:]

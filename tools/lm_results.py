@@ -4,6 +4,7 @@
     python tools/lm_results.py tables bench/results/lm-cpu-2026-11-23.json
     python tools/lm_results.py movement dense=A.json:dense oktopk=B.json:oktopk ...
     python tools/lm_results.py ablation OUT.json LABEL=PART.json[:algorithm[:seed]] ...
+    python tools/lm_results.py plot OUT.png MERGED.json [LABEL=PART.json:algorithm ...]
 
 A campaign is several launches (one per density and group of algorithms, so that a failure or
 the time budget only costs what it was running). Dense does not depend on the density, so its
@@ -36,7 +37,9 @@ SAME = ("model", "size", "gpt", "steps", "batch_size", "lr", "optimizer", "betas
 # stats curves worth keeping in the merged file (the rest are in the parts)
 KEEP_STATS = ("global_selected", "local_selected", "sent", "overflow", "reduce_overflow",
               "gather_overflow", "global_count", "collectives", "kernel_launches")
-GOALS = {0.01: 2.0, 0.001: 5.0}   # Ok-Topk's final validation loss within x% of dense
+# Ok-Topk's goals per density: final validation loss within pct % of dense's, steps ratio at most
+# ratio (1200 / the step at which dense's mean curve reaches its final loss); None: no goal
+GOALS = {0.01: {"pct": 3.0, "ratio": 1.3}, 0.001: {"pct": None, "ratio": 2.0}}
 
 
 def layer_kind(name: str) -> str:
@@ -94,7 +97,7 @@ def merge(out_path: str, parts: List[str]) -> Dict[str, Any]:
         "versions": base.get("versions"), "git": sorted({r.get("git") for r in reports} - {None}),
         "corpus": base.get("corpus"), "config": cfg, "parts": [os.path.basename(p) for p in parts],
         "wall_s": sum(r.get("wall_s", 0.0) for r in reports), "failures": failures,
-        "goals_pct": {f"{k:g}": v for k, v in GOALS.items()},
+        "goals": {f"{k:g}": v for k, v in GOALS.items()},
         "summary": summary, "layers": layers, "runs": runs_l,
     }
     with open(out_path, "w") as f:
@@ -153,9 +156,11 @@ def tables(path: str) -> str:
              f"entropy {corpus.get('unigram_nats_per_byte', float('nan')):.3f} nats/byte. "
              f"{d.get('date')}.", ""]
     for dens, rows in d["summary"].items():
-        goal = d.get("goals_pct", {}).get(dens)
+        goal = d.get("goals", {}).get(dens) or {}
         k = rows[0].get('k') if rows[0]['algorithm'] != 'dense' else round(float(dens) * n)
-        goal_text = '' if goal is None else f'; goal: Ok-Topk within {goal:g}% of dense'
+        goals = ([f"within {goal['pct']:g}% of dense"] if goal.get("pct") else []) + \
+            ([f"steps ratio at most {goal['ratio']:g}"] if goal.get("ratio") else [])
+        goal_text = f"; goal: Ok-Topk {' and '.join(goals)}" if goals else ""
         lines += [f"Density {float(dens) * 100:g}% (k = {k:,} per step){goal_text}:", "",
                   "| algorithm | seeds | val loss nats/byte (mean ± sd) | bits/byte | vs dense | "
                   "vs dense per seed | applied/step | bytes/rank/step | vs dense bytes | "
@@ -292,7 +297,55 @@ def ablation(out_path: str, labelled: List[str]) -> str:
     return "\n".join(lines)
 
 
+def plot(out_png: str, merged: str, extra: List[str] = ()) -> None:
+    """Validation loss against step, one panel per density: each algorithm's mean curve over
+    its seeds, dense's on every panel, plus ``LABEL=PART.json:algorithm`` curves (ablations)
+    on the panel of their density."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from oktopk_triton.bench.time_to_loss import mean_curve
+    with open(merged) as f:
+        d = json.load(f)
+    runs = d.get("runs", [])
+    dens = sorted({float(x) for x in d["summary"]}, reverse=True)
+    fig, axes = plt.subplots(1, len(dens), figsize=(6.5 * len(dens), 4.5), squeeze=False)
+    for ax, de in zip(axes[0], dens):
+        algs = dict.fromkeys(r["algorithm"] for r in runs)
+        for k, alg in enumerate(algs):
+            sel = [r for r in runs if r["algorithm"] == alg
+                   and (alg == "dense" or abs(r.get("density", 1.0) - de) < 1e-12)]
+            curve = mean_curve(sel)
+            if curve is None:
+                continue
+            ax.plot(curve[0], curve[1], marker="os^vD<>"[k % 7], markersize=3,
+                    label=f"{alg} ({len(sel)} seed{'s' if len(sel) > 1 else ''})")
+        for item in extra:
+            label, spec = item.split("=", 1)
+            path, alg = spec.rsplit(":", 1)
+            with open(path) as f:
+                part = json.load(f)
+            sel = [r for r in part.get("runs", []) if r["algorithm"] == alg
+                   and abs(part["config"]["density"] - de) < 1e-12]
+            curve = mean_curve(sel)
+            if curve is not None:
+                ax.plot(curve[0], curve[1], linestyle="--", label=label)
+        ax.set(title=f"density {de * 100:g}%", xlabel="step",
+               ylabel="validation loss (nats/byte)", ylim=(1.2, 3.2))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    c = d["config"]
+    fig.suptitle(f"byte-level GPT, {c['world_size']} ranks, {c['steps']} steps "
+                 f"({d.get('date')}, {d.get('device')})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+
+
 def main(argv: List[str]) -> int:
+    if len(argv) >= 3 and argv[0] == "plot":
+        plot(argv[1], argv[2], argv[3:])
+        return 0
     if len(argv) >= 3 and argv[0] == "ablation":
         print(ablation(argv[1], argv[2:]))
         return 0
