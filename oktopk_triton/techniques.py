@@ -25,30 +25,19 @@ __all__ = ["StepTechniques", "FrozenAdam", "DensitySchedule"]
 
 
 class StepTechniques:
-    """``ef_decay``, ``local_clip`` and ``flush_every`` for one :class:`Algorithm` (stateless:
-    the flush follows the algorithm's step count)."""
+    """``ef_decay`` and ``local_clip`` for one :class:`Algorithm` (stateless)."""
 
-    KEYS = ("ef_decay", "local_clip", "flush_every")
+    KEYS = ("ef_decay", "local_clip")
 
-    def __init__(self, ef_decay: float = 1.0, local_clip: float = 0.0,
-                 flush_every: int = 0) -> None:
+    def __init__(self, ef_decay: float = 1.0, local_clip: float = 0.0) -> None:
         if isinstance(ef_decay, bool) or not isinstance(ef_decay, (int, float)) or \
                 not 0.0 <= float(ef_decay) <= 1.0:
             raise ValueError(f"ef_decay must be a float in [0, 1], got {ef_decay!r}")
         if isinstance(local_clip, bool) or not isinstance(local_clip, (int, float)) or \
                 not (float(local_clip) >= 0.0 and math.isfinite(local_clip)):
             raise ValueError(f"local_clip must be a finite float >= 0, got {local_clip!r}")
-        if isinstance(flush_every, bool) or not isinstance(flush_every, int) or flush_every < 0:
-            raise ValueError(f"flush_every must be an int >= 0, got {flush_every!r}")
         self.ef_decay = float(ef_decay)
         self.local_clip = float(local_clip)
-        self.flush_every = flush_every
-
-    def flush(self, step_count: int) -> bool:
-        """Whether the step ``step_count`` (0-based) is a periodic dense step: every
-        ``flush_every``-th step delivers everything owed (CocktailSGD's periodic dense rounds);
-        a host decision from the step count, no device read."""
-        return self.flush_every > 0 and (step_count + 1) % self.flush_every == 0
 
     @classmethod
     def pop(cls, options: Dict[str, Any]) -> "StepTechniques":

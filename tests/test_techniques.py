@@ -1,5 +1,4 @@
-"""ef_decay, local_clip, flush_every, the density schedule and the frozen-variance Adam
-(oktopk_triton/techniques.py)."""
+"""ef_decay, local_clip and the frozen-variance Adam (oktopk_triton/techniques.py)."""
 import pytest
 import torch
 
@@ -40,40 +39,6 @@ def test_bad_technique_options():
         run_steps("oktopk", P=1, n=100, steps=1, density=0.1, grad_fn=mixed(0), ef_decay=1.5)
     with pytest.raises(ValueError, match="local_clip"):
         run_steps("oktopk", P=1, n=100, steps=1, density=0.1, grad_fn=mixed(0), local_clip=-1)
-    for bad in (-1, 2.5, True):
-        with pytest.raises(ValueError, match="flush_every"):
-            run_steps("oktopk", P=1, n=100, steps=1, density=0.1, grad_fn=mixed(0),
-                      flush_every=bad)
-
-
-@pytest.mark.parametrize("algorithm", ["oktopk", "gtopk", "spardl", "topkdsa"])
-@pytest.mark.parametrize("P", [3, 4])
-def test_flush_every_delivers_everything_owed(algorithm, P):
-    """Every 4th step is dense: out is the mean of every rank's whole acc and every residual
-    is 0 after it; the sparse steps around it keep conservation and agreement, momentum and a
-    non-finite step included."""
-    res = run_steps(algorithm, P=P, n=2400, steps=13, density=0.02, grad_fn=mixed(seed=3),
-                    nonfinite={7: 1}, momentum=0.9, flush_every=4)
-    assert_conservation(res)
-    assert_bitwise_agreement(res)
-    for t in (3, 11):                                     # finite flush steps
-        assert float(res.residual_sums[t].abs().sum()) == 0.0
-        assert torch.allclose(res.outs[t][0].double() * P, res.acc_sums[t], rtol=1e-5,
-                              atol=1e-5 * float(res.acc_abs_sums[t].max()))
-    # t=7, a flush step with a NaN on rank 1: every residual stays as it was after t=6
-    assert torch.equal(res.residual_sums[7], res.residual_sums[6])
-    assert float(res.residual_sums[7].abs().sum()) > 0
-    assert float(res.residual_sums[10].abs().sum()) > 0   # a sparse step owes again
-
-
-def test_flush_every_bytes():
-    """A flush step sends dense's bytes, the others the algorithm's own."""
-    n, P = 4000, 4
-    res = run_steps("topka", P=P, n=n, steps=4, density=0.01, grad_fn=mixed(seed=4),
-                    flush_every=2, check_finite="off")
-    sent = [res.stat("bytes_sent")[t][0] for t in range(4)]
-    assert sent[1] == sent[3] == 2 * (P - 1) * 4 * n // P
-    assert sent[0] == sent[2] < sent[1] // 10
 
 
 def _model():

@@ -96,7 +96,7 @@ class Algorithm(abc.ABC):
             raise ValueError(f"momentum must be a float in [0, 1), got {momentum!r}")
         if check_finite not in _CHECK_FINITE:
             raise ValueError(f"check_finite must be one of {_CHECK_FINITE}, got {check_finite!r}")
-        # ef_decay / local_clip / flush_every (techniques.py): every algorithm takes them
+        # ef_decay / local_clip (techniques.py): every algorithm takes them
         self.techniques = StepTechniques.pop(options)
         unknown = sorted(set(options) - set(self.OPTIONS))
         if unknown:
@@ -197,8 +197,8 @@ class Algorithm(abc.ABC):
         flat = self.techniques.before(self, flat, nonfinite)  # ef_decay, local_clip (default off)
         warmup = self.step_count < self.warmup_steps
         # density 1 (k = n): every entry is sent, and the dense allreduce is the cheapest way to
-        # send them all (it is also exactly DDP's average); flush_every: a periodic dense step
-        dense_now = warmup or self.k >= self.numel or self.techniques.flush(self.step_count)
+        # send them all (it is also exactly DDP's average)
+        dense_now = warmup or self.k >= self.numel
         # an algorithm that fuses the velocity into its selection pass (fuses_velocity) gets the
         # raw gradient; dense steps always take the velocity here
         velocity_here = self.velocity is not None and (dense_now or not self.fuses_velocity)
