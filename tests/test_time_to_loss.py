@@ -43,9 +43,11 @@ def test_bad_input():
         lm.steps_ratio([0, 1], [1.0], 10, 1.0)
 
 
-def _run(alg, seed, curve, steps=400, bytes_per_step=100.0):
+def _run(alg, seed, curve, steps=400, bytes_per_step=100.0, density=None):
+    density = (1.0 if alg == "dense" else 0.01) if density is None else density
     return {"algorithm": alg, "seed": seed, "steps": steps, "val_curve": curve,
-            "final_val_loss": curve[-1][1], "bytes_per_step": bytes_per_step}
+            "final_val_loss": curve[-1][1], "bytes_per_step": bytes_per_step,
+            "density": density}
 
 
 def test_ratios_from_a_train_report_average_seeds():
@@ -58,6 +60,20 @@ def test_ratios_from_a_train_report_average_seeds():
     assert r["oktopk"]["ratio"] == pytest.approx(1.6) and r["oktopk"]["seeds"] == [0, 1]
     with pytest.raises(ValueError, match="no dense run"):
         lm.ratios_from_train({"runs": ok})
+
+
+def test_a_report_at_two_densities_is_read_at_the_projections_density(tmp_path):
+    # one merged report: oktopk at 1% (final 2.75: ratio 1.6) and at 0.1% (final 3.0: ratio 2)
+    runs = [_run("dense", 0, list(zip(STEPS, LOSS))),
+            _run("oktopk", 0, [(0, 5.0), (400, 2.75)], density=0.01),
+            _run("oktopk", 0, [(0, 5.0), (400, 3.0)], density=0.001)]
+    assert lm.ratios_from_train({"runs": runs}, 0.01)["oktopk"]["ratio"] == pytest.approx(1.6)
+    assert lm.ratios_from_train({"runs": runs}, 0.001)["oktopk"]["ratio"] == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="densities"):
+        lm.ratios_from_train({"runs": runs})      # never an average over two densities
+    p = tmp_path / "merged.json"
+    p.write_text(json.dumps({"runs": runs}))
+    assert lm.load_ratios([str(p)], [], 0.001)["oktopk"] == pytest.approx(2.0)
 
 
 def test_load_ratios_refuses_bad_pairs_and_files(tmp_path):

@@ -193,7 +193,7 @@ def main(args) -> int:
         models = [(m, MODEL_PRESETS[m]) for m in (args.model or ["bert-large"])]
     kernels, note = resolve_kernels(args.kernels)
     Ps = sorted(set(args.world_sizes))
-    ratios = (TL.load_ratios(args.from_train, args.steps_ratio)
+    ratios = (TL.load_ratios(args.from_train, args.steps_ratio, args.density)
               if args.from_train or args.steps_ratio else None)
     print("PROJECTED (a cost model, not a measurement): one steady step = communication + "
           "selection kernels; dense compute (forward/backward) excluded")

@@ -10,6 +10,7 @@ step times.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, Dict, Iterable, List, Optional
 
 
@@ -50,11 +51,22 @@ def mean_curve(runs: Iterable[dict]) -> Optional[tuple]:
     return steps, [sum(c[i][1] for c in curves) / len(curves) for i in range(len(steps))]
 
 
-def ratios_from_train(report: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+def ratios_from_train(report: Dict[str, Any],
+                      density: Optional[float] = None) -> Dict[str, Dict[str, Any]]:
     """Per algorithm of a ``oktopk-bench train --model gpt`` report (its ``runs``): the steps
     ratio of its mean final validation loss against dense's mean curve, and its mean bytes per
-    step. Needs dense among the runs."""
+    step. Needs dense among the runs. ``density``: only the runs at that density (and dense);
+    without it, a report that holds an algorithm at two densities is refused."""
     runs = [r for r in report.get("runs", []) if "val_curve" in r]
+    if density is not None:
+        runs = [r for r in runs if r["algorithm"] == "dense"
+                or math.isclose(float(r.get("density", -1)), density)]
+    else:
+        for alg in {r["algorithm"] for r in runs} - {"dense"}:
+            ds = sorted({r.get("density") for r in runs if r["algorithm"] == alg})
+            if len(ds) > 1:
+                raise ValueError(f"{alg} ran at densities {ds}: expected one density, or the "
+                                 f"projection's --density to choose")
     dense = mean_curve(r for r in runs if r["algorithm"] == "dense")
     if dense is None:
         raise ValueError("the train report has no dense run with a validation curve: its "
@@ -70,8 +82,10 @@ def ratios_from_train(report: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
     return out
 
 
-def load_ratios(paths: List[str], pairs: List[str]) -> Dict[str, float]:
-    """``--from-train`` reports, then ``--steps-ratio NAME=R`` pairs (later ones win)."""
+def load_ratios(paths: List[str], pairs: List[str],
+                density: Optional[float] = None) -> Dict[str, float]:
+    """``--from-train`` reports (their runs at ``density``), then ``--steps-ratio NAME=R``
+    pairs (later ones win)."""
     ratios: Dict[str, float] = {}
     for p in paths:
         try:
@@ -80,7 +94,8 @@ def load_ratios(paths: List[str], pairs: List[str]) -> Dict[str, float]:
         except (OSError, ValueError) as e:
             raise SystemExit(f"--from-train {p}: cannot read a train report ({e})")
         try:
-            ratios.update({a: r["ratio"] for a, r in ratios_from_train(report).items()})
+            ratios.update({a: r["ratio"]
+                           for a, r in ratios_from_train(report, density).items()})
         except ValueError as e:
             raise SystemExit(f"--from-train {p}: {e}")
     for pair in pairs:
