@@ -110,14 +110,39 @@ def test_project_prints_time_to_loss(capsys, tmp_path):
     project.add_arguments(p)
     out = tmp_path / "p.json"
     args = p.parse_args(["--n", "1000000", "--world-sizes", "4", "--net", "10Gbps",
-                         "--steps-ratio", "oktopk=2", "powersgd=1.1", "--json", str(out)])
+                         "--steps-ratio", "oktopk=2", "powersgd=1.1", "gtopk=1.5",
+                         "--algorithms", "dense", "oktopk", "--json", str(out)])
     assert project.main(args) == 0
     text = capsys.readouterr().out
-    assert "oktopk (x2.00)" in text and "no projected step for powersgd" in text
+    assert "oktopk (x2.00)" in text and "no projected step for gtopk" in text
+    assert "powersgd (x1.10)" in text           # priced: two allreduces of Ok-Topk's bytes
     case = json.loads(out.read_text())["cases"][0]
     dense = next(r for r in case["rows"] if r["algorithm"] == "dense")
     ok = next(r for r in case["time_to_loss"] if r["algorithm"] == "oktopk")
     assert ok["time_ms"] == pytest.approx(2 * next(
         r["step_ms"] for r in case["rows"] if r["algorithm"] == "oktopk"))
-    # on 10 Gb/s a 1% step is far cheaper than dense's: twice the steps still finish first
-    assert ok["first"] and ok["time_ms"] < dense["step_ms"]
+    # on 10 Gb/s a 1% step is far cheaper than dense's: twice the steps still finish sooner
+    assert ok["time_ms"] < dense["step_ms"]
+    # PowerSGD at Ok-Topk's bytes and a (hypothetical) ratio of 1.1 would be first
+    first = [r["algorithm"] for r in case["time_to_loss"] if r["first"]]
+    assert first == ["powersgd"]
+
+
+def test_baselines_are_priced_from_dense_and_oktopk():
+    from oktopk_triton.bench import project
+    from oktopk_triton.bench.cost_model import DEFAULT_KERNELS, parse_net
+    net = parse_net("10Gbps")
+    n, P = 1 << 24, 8
+    rows = project.project(n, 0.01, [P], net, DEFAULT_KERNELS, ["dense", "oktopk"])
+    dense, ok = rows
+    b16, psgd = project.baseline_rows(rows, {"bf16": 1.1, "powersgd": 4.0}, n, 0.01, net,
+                                      DEFAULT_KERNELS)
+    assert b16["algorithm"] == "bf16" and psgd["algorithm"] == "powersgd"
+    # bf16: half of dense's ring bytes, so nearly half its time on a slow network
+    assert b16["bytes_per_rank"] == pytest.approx(dense["bytes_per_rank"] / 2, rel=0.01)
+    assert 0.4 < b16["step_ms"] / dense["step_ms"] < 0.6
+    # PowerSGD at matched bytes: Ok-Topk's bytes, two allreduces' latency, no kernels
+    assert psgd["bytes_per_rank"] == ok["bytes_per_rank"]
+    assert psgd["step_ms"] == pytest.approx(
+        1e3 * (4 * (P - 1) * net.latency + ok["bytes_per_rank"] / net.bandwidth))
+    assert project.baseline_rows(rows, {"oktopk": 2.0}, n, 0.01, net, DEFAULT_KERNELS) == []

@@ -165,15 +165,40 @@ def _write_json(path: str, obj: Any) -> None:
     print(f"wrote {path}")
 
 
+def baseline_rows(rows: List[Dict[str, Any]], names: Iterable[str], n: int, density: float,
+                  net, kernels) -> List[Dict[str, Any]]:
+    """Steps for the baselines a train report can carry, so their time to a loss is priced too:
+    ``bf16`` is dense's ring allreduce of 2-byte words; ``powersgd`` (rank matched to Ok-Topk's
+    bytes, as the train CLI runs it) two ring allreduces (P and Q) sending what Ok-Topk's step
+    sends, its matmuls and orthogonalisation not priced (a lower bound)."""
+    out = []
+    for r in rows:
+        if "bf16" in names and r["algorithm"] == "dense":
+            b = step_time("dense", n, density, r["P"], net, kernels, dtype="bf16")
+            out.append({key: v for key, v in b.items() if key != "collectives"}
+                       | {"algorithm": "bf16"})
+        if "powersgd" in names and r["algorithm"] == "oktopk":
+            P, sent = r["P"], r["bytes_per_rank"]
+            comm = 4 * (P - 1) * net.latency + sent / net.bandwidth
+            out.append({"algorithm": "powersgd", "P": P, "n": n, "k": r["k"],
+                        "comm_ms": 1e3 * comm, "select_ms": 0.0, "step_ms": 1e3 * comm,
+                        "bytes_per_rank": sent, "messages": 4 * (P - 1), "calls": 2})
+    return out
+
+
 def _print_time_to_loss(rows, ratios: Dict[str, float], compute_ms: float,
                         algs: Sequence[str]) -> List[Dict[str, Any]]:
-    missing = sorted(a for a in ratios if a not in algs)
+    missing = sorted(a for a in ratios if a not in algs and a not in ("bf16", "powersgd"))
+    if "powersgd" in ratios and "oktopk" not in algs:
+        missing.append("powersgd (priced at Ok-Topk's bytes: needs oktopk among --algorithms)")
     ttl = TL.time_to_loss(rows, ratios, compute_ms)
     print(TL.format_time_to_loss(
         ttl, f"time to a loss: (step{f' + {compute_ms:g} ms compute' if compute_ms else ''}) x "
              f"steps ratio, ms per dense step of progress; * = first"))
     if missing:
         print(f"(no projected step for {', '.join(missing)}: ratio given, not priced)")
+    if "powersgd" in ratios and "oktopk" in algs:
+        print("(powersgd: two ring allreduces of Ok-Topk's bytes; its matmuls not priced)")
     return ttl
 
 
@@ -210,7 +235,9 @@ def main(args) -> int:
                      f"{net.describe()}; step ms (* = fastest)")
             print(format_table(rows, title))
             print("fastest: " + describe_ranges(ranges))
-            ttl = _print_time_to_loss(rows, ratios, args.compute_ms, algs) if ratios else None
+            ttl = (_print_time_to_loss(rows + baseline_rows(rows, ratios, n, args.density, net,
+                                                            kernels),
+                                       ratios, args.compute_ms, algs) if ratios else None)
             if args.breakdown:
                 for r in rows:
                     print(f"  P={r['P']:<5d} {r['algorithm']:10s} comm {r['comm_ms']:10.3f} ms  "
