@@ -54,3 +54,30 @@ def test_digits_example_runs_on_two_gloo_ranks():
     accs = [float(x) for x in re.findall(r"test acc ([0-9.]+)%", proc.stdout)]
     assert len(accs) == 2 and accs[-1] > 50.0, out[-3000:]
     assert proc.returncode == 0 and "Traceback" not in out, out[-3000:]
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_relative_link_in_the_docs_resolves():
+    """README.md and docs/*.md: each relative link names a file of the repository (relative to
+    the file holding it), and each #anchor a heading of its target."""
+    docs = ["README.md"] + [os.path.join("docs", f) for f in sorted(os.listdir(
+        os.path.join(ROOT, "docs"))) if f.endswith(".md")]
+    broken = []
+    for doc in docs:
+        text = open(os.path.join(ROOT, doc)).read()
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]+))?\)", text):
+            if target.startswith(("http://", "https://", "mailto:")):
+                continue
+            path = os.path.normpath(os.path.join(ROOT, os.path.dirname(doc), target or
+                                                 os.path.basename(doc)))
+            if not os.path.exists(path):
+                broken.append(f"{doc}: {target}")
+            elif anchor and path.endswith(".md"):
+                heads = {_anchor(h) for h in re.findall(r"^#+ (.+)$", open(path).read(), re.M)}
+                if anchor not in heads:
+                    broken.append(f"{doc}: {target}#{anchor}")
+    assert not broken, broken
