@@ -1,72 +1,16 @@
 """Training techniques on top of the sparse reducers (see ``docs/techniques.md``).
 
-Two per-step options every algorithm takes (popped by :class:`Algorithm` before its own options
-are checked):
-
-* ``ef_decay`` (DeMo-style error-feedback decay, default 1.0 = off): before a step the residual
-  is multiplied by ``ef_decay``. What is dropped is dropped on purpose, so the contract becomes
-  ``sum_p (ef_decay * residual_p + grad_p) == P * out + sum_p residual_p'``.
-* ``local_clip`` (Deep Gradient Compression's local gradient clipping, default 0 = off): each
-  rank's incoming vector is scaled by ``min(1, local_clip / (sqrt(P) * ||grad||))`` before it is
-  accumulated (decided on the device, no host read). The contract holds with the clipped vector.
-
-And the frozen-variance Adam of 1-bit Adam (:class:`FrozenAdam`, ``SparseAllreduce.reduce_adam``),
+The frozen-variance Adam of 1-bit Adam (:class:`FrozenAdam`, ``SparseAllreduce.reduce_adam``),
 and Deep Gradient Compression's sparsity warm-up (:class:`DensitySchedule`, the
 ``density_schedule`` option of ``SparseAllreduce``).
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["StepTechniques", "FrozenAdam", "DensitySchedule"]
-
-
-class StepTechniques:
-    """``ef_decay`` and ``local_clip`` for one :class:`Algorithm` (stateless)."""
-
-    KEYS = ("ef_decay", "local_clip")
-
-    def __init__(self, ef_decay: float = 1.0, local_clip: float = 0.0) -> None:
-        if isinstance(ef_decay, bool) or not isinstance(ef_decay, (int, float)) or \
-                not 0.0 <= float(ef_decay) <= 1.0:
-            raise ValueError(f"ef_decay must be a float in [0, 1], got {ef_decay!r}")
-        if isinstance(local_clip, bool) or not isinstance(local_clip, (int, float)) or \
-                not (float(local_clip) >= 0.0 and math.isfinite(local_clip)):
-            raise ValueError(f"local_clip must be a finite float >= 0, got {local_clip!r}")
-        self.ef_decay = float(ef_decay)
-        self.local_clip = float(local_clip)
-
-    @classmethod
-    def pop(cls, options: Dict[str, Any]) -> "StepTechniques":
-        return cls(**{k: options.pop(k) for k in cls.KEYS if k in options})
-
-    def before(self, alg: Any, flat: torch.Tensor,
-               nonfinite: Optional[torch.Tensor]) -> torch.Tensor:
-        """Decay ``alg.residual`` in place (not on a non-finite step) and return the (clipped)
-        input."""
-        if self.ef_decay != 1.0:
-            if nonfinite is None:
-                alg.residual.mul_(self.ef_decay)
-            else:
-                alg.residual.copy_(torch.where(nonfinite > 0, alg.residual,
-                                               alg.residual * self.ef_decay))
-        return self.clip(flat, alg.P)
-
-    def clip(self, flat: torch.Tensor, P: int) -> torch.Tensor:
-        """``flat`` scaled to norm <= local_clip/sqrt(P) (DGC: the sum of P clipped vectors then
-        has norm <= local_clip); unchanged when local_clip is 0."""
-        if self.local_clip <= 0.0:
-            return flat
-        norm = torch.linalg.vector_norm(flat.float())
-        factor = torch.clamp(self.local_clip / math.sqrt(P) / (norm + 1e-30), max=1.0)
-        return (flat.float() * factor).to(flat.dtype)
-
-    def decayed(self, residual: torch.Tensor) -> torch.Tensor:
-        """What a finite step accumulates the residual as (for checks)."""
-        return residual * self.ef_decay if self.ef_decay != 1.0 else residual
+__all__ = ["FrozenAdam", "DensitySchedule"]
 
 
 class FrozenAdam:

@@ -124,17 +124,13 @@ def _rank_body(comm, algorithm, n, steps, density, grad_fn, dtype, nonfinite, ch
             g = g.clone()
             g[n // 2] = float("nan")
         before = alg.residual.detach().clone()
-        tech = getattr(alg, "techniques", None)   # ef_decay / local_clip change acc's terms
-        if tech is not None:
-            g = tech.clip(g, alg.P)
         velocity = getattr(alg, "velocity", None)
         if velocity is not None:
             # with momentum correction the reducer accumulates its velocity u = m·u + g, not g
             # (formed here as the reducer forms it: the velocity after the step may be masked)
             u = velocity * alg.momentum + g.reshape(-1).float()   # two roundings, no FMA
         out = alg(g)
-        kept = before if tech is None else tech.decayed(before)
-        accs.append(kept.double() + (g.double() if velocity is None else u.double()))
+        accs.append(before.double() + (g.double() if velocity is None else u.double()))
         outs.append(out.detach().reshape(-1).clone())
         after = alg.residual.detach().clone()
         res.append(after.double())

@@ -49,7 +49,6 @@ import torch
 
 from .. import kernels as K
 from ..comm.base import Communicator
-from ..techniques import StepTechniques
 
 __all__ = ["Algorithm", "FLOAT_DTYPES"]
 
@@ -96,12 +95,12 @@ class Algorithm(abc.ABC):
             raise ValueError(f"momentum must be a float in [0, 1), got {momentum!r}")
         if check_finite not in _CHECK_FINITE:
             raise ValueError(f"check_finite must be one of {_CHECK_FINITE}, got {check_finite!r}")
-        # ef_decay / local_clip (techniques.py): every algorithm takes them
-        self.techniques = StepTechniques.pop(options)
         unknown = sorted(set(options) - set(self.OPTIONS))
         if unknown:
-            raise TypeError(f"{self.name}: unknown option(s) {unknown}; "
-                            f"known options: {sorted(self.OPTIONS) or 'none'}")
+            common = ["check_finite", "density", "device", "momentum", "momentum_masking",
+                      "warmup_steps"]
+            raise TypeError(f"{self.name}: unknown option(s) {unknown}; its own options: "
+                            f"{sorted(self.OPTIONS) or 'none'}; every algorithm's: {common}")
         self.opts = {**self.OPTIONS, **options}
         self.numel = numel
         self.comm = comm
@@ -194,7 +193,6 @@ class Algorithm(abc.ABC):
                     f"{self.name}: non-finite gradient (NaN or Inf) on {int(nonfinite.item())} of "
                     f"{self.P} rank(s) at step {self.step_count}; residuals are unchanged")
 
-        flat = self.techniques.before(self, flat, nonfinite)  # ef_decay, local_clip (default off)
         warmup = self.step_count < self.warmup_steps
         # density 1 (k = n): every entry is sent, and the dense allreduce is the cheapest way to
         # send them all (it is also exactly DDP's average)
