@@ -60,6 +60,52 @@ _INF_BITS = 0x7F800000
 # ----------------------------------------------------------------------------------------------
 if HAS_TRITON:
 
+    @triton.jit
+    def _region_of(region_offsets_ptr, block_start, P, SEARCH_STEPS: tl.constexpr):
+        """The region holding ``block_start``: the largest p < P with
+        region_offsets[p] <= block_start (a binary search of SEARCH_STEPS iterations)."""
+        lo = P * 0          # int32 tensors (loop-carried)
+        hi = P + 0
+        for _ in range(SEARCH_STEPS):
+            mid = (lo + hi) // 2
+            go_right = (hi - lo > 1) & (tl.load(region_offsets_ptr + mid) <= block_start)
+            shrink = (hi - lo > 1) & (tl.load(region_offsets_ptr + mid) > block_start)
+            lo = tl.where(go_right, mid, lo)
+            hi = tl.where(shrink, mid, hi)
+        return lo.to(tl.int64)
+
+    @triton.jit
+    def _add_histogram(row_ptr, bits, thr, mask, HIST_BINS: tl.constexpr,
+                       HIST_SHIFT: tl.constexpr):
+        """Add the |acc| bins of the masked lanes to one region's histogram row: bins relative
+        to the region's threshold ``thr``, HIST_SHIFT bits of the fp32 pattern wide."""
+        thr_bits = thr.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        hbin = ((bits - thr_bits) >> HIST_SHIFT) + HIST_BINS // 2
+        hbin = tl.minimum(tl.maximum(hbin, 0), HIST_BINS - 1)
+        h = tl.histogram(hbin, HIST_BINS, mask=mask)
+        hb = tl.arange(0, HIST_BINS)
+        tl.atomic_add(row_ptr + hb, h, mask=h != 0, sem="relaxed")
+
+    @triton.jit
+    def _accumulate(grad_ptr, residual_ptr, velocity_ptr, lane, in_range, live, momentum,
+                    HAS_VELOCITY: tl.constexpr, MASK_VELOCITY: tl.constexpr):
+        """Error feedback for one block (pointers at the block's start): acc = residual + grad,
+        or residual + (u := momentum*u + grad) with momentum correction; acc is written over the
+        residual and returned."""
+        g = tl.load(grad_ptr + lane, mask=in_range, other=0.0).to(tl.float32)
+        r = tl.load(residual_ptr + lane, mask=in_range, other=0.0)
+        if HAS_VELOCITY:
+            u = tl.load(velocity_ptr + lane, mask=in_range, other=0.0)
+            u = u * momentum + g           # two roundings (no FMA: enable_fp_fusion=False)
+            acc = r + u
+            if MASK_VELOCITY:
+                u = tl.where(acc == 0.0, 0.0, u)
+            tl.store(velocity_ptr + lane, u, mask=live)
+        else:
+            acc = r + g
+        tl.store(residual_ptr + lane, acc, mask=live)
+        return acc
+
     @triton.jit(do_not_specialize=["P", "capacity", "momentum"])   # n stays specialised (n % 16)
     def _fused_select_kernel(
         grad_ptr,            # *fp32|bf16|fp16 [n]  gradient of this step
@@ -101,18 +147,9 @@ if HAS_TRITON:
             skip_vec = tl.zeros((BLOCK,), dtype=tl.int32) + tl.load(skip_ptr)
             live = in_range & (skip_vec == 0)
 
-        g = tl.load(grad_ptr + block_start + lane, mask=in_range, other=0.0).to(tl.float32)
-        r = tl.load(residual_ptr + block_start + lane, mask=in_range, other=0.0)
-        if HAS_VELOCITY:
-            u = tl.load(velocity_ptr + block_start + lane, mask=in_range, other=0.0)
-            u = u * momentum + g           # two roundings (no FMA: enable_fp_fusion=False)
-            acc = r + u
-            if MASK_VELOCITY:
-                u = tl.where(acc == 0.0, 0.0, u)
-            tl.store(velocity_ptr + block_start + lane, u, mask=live)
-        else:
-            acc = r + g
-        tl.store(residual_ptr + block_start + lane, acc, mask=live)
+        acc = _accumulate(grad_ptr + block_start, residual_ptr + block_start,
+                          velocity_ptr + block_start, lane, in_range, live, momentum,
+                          HAS_VELOCITY, MASK_VELOCITY)
 
         candidate = (acc != 0.0) & live
         if not THR_PER_REGION:
@@ -122,16 +159,7 @@ if HAS_TRITON:
             bits = acc.to(tl.int32, bitcast=True) & 0x7FFFFFFF
             counted = live & (bits != 0) & (bits < 0x7F800000)
 
-        # region holding block_start: the largest p < P with region_offsets[p] <= block_start
-        lo = P * 0          # int32 tensors (loop-carried)
-        hi = P + 0
-        for _ in range(SEARCH_STEPS):
-            mid = (lo + hi) // 2
-            go_right = (hi - lo > 1) & (tl.load(region_offsets_ptr + mid) <= block_start)
-            shrink = (hi - lo > 1) & (tl.load(region_offsets_ptr + mid) > block_start)
-            lo = tl.where(go_right, mid, lo)
-            hi = tl.where(shrink, mid, hi)
-        region = lo.to(tl.int64)
+        region = _region_of(region_offsets_ptr, block_start, P, SEARCH_STEPS)
         region_start = tl.load(region_offsets_ptr + region)
         block_end = block_start + n_here
         # walk the regions that start before the block ends (usually exactly one)
@@ -158,12 +186,8 @@ if HAS_TRITON:
             tl.atomic_max(nonfinite_ptr + region * nonfinite_stride, 1, mask=n_bad > 0,
                           sem="relaxed")
             if HAS_HIST:
-                thr_bits = thr.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-                hbin = ((bits - thr_bits) >> HIST_SHIFT) + HIST_BINS // 2
-                hbin = tl.minimum(tl.maximum(hbin, 0), HIST_BINS - 1)
-                h = tl.histogram(hbin, HIST_BINS, mask=counted & in_region)
-                hb = tl.arange(0, HIST_BINS)
-                tl.atomic_add(hist_ptr + region * HIST_BINS + hb, h, mask=h != 0, sem="relaxed")
+                _add_histogram(hist_ptr + region * HIST_BINS, bits, thr, counted & in_region,
+                               HIST_BINS, HIST_SHIFT)
             region += 1
             region_start = region_end
 
