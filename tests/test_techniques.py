@@ -167,3 +167,44 @@ def test_density_schedule_resumes_bit_for_bit(cut):
         assert len(resumed[r][0]) == len(tail)
         for a, b in zip(tail, resumed[r][0]):
             assert a[0] == b[0] and torch.equal(a[1], b[1]) and torch.equal(a[5], b[5])
+
+
+def _masking_body(comm, masking, opt_name):
+    """reduce_updates for a few steps; per step: the first moments at the delivered entries
+    (out != 0) and elsewhere, and the weights."""
+    model = _model()
+    sar = SparseAllreduce(model.parameters(), comm=comm, density=0.05, algorithm="oktopk",
+                          moment_masking=masking, backend="torch")
+    if opt_name == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95))
+        key = "exp_avg"
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+        key = "momentum_buffer"
+    g = torch.Generator().manual_seed(comm.rank)
+    delivered_moments, kept_moments = [], []
+    for _ in range(6):
+        opt.zero_grad()
+        model(torch.randn(8, 16, generator=g)).pow(2).mean().backward()
+        out = sar.reduce_updates(opt)
+        m = torch.cat([opt.state[p][key].reshape(-1) for p in model.parameters()])
+        delivered_moments.append(m[out != 0].abs().max().item())
+        kept_moments.append(m[out == 0].abs().max().item())
+    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return weights, delivered_moments, kept_moments
+
+
+@pytest.mark.parametrize("opt_name", ["adamw", "sgd"])
+def test_moment_masking_zeroes_the_delivered_first_moments(opt_name):
+    on = LocalCluster(3).run(_masking_body, True, opt_name)
+    off = LocalCluster(3).run(_masking_body, False, opt_name)
+    for weights, delivered, kept in on:
+        assert torch.equal(weights, on[0][0])                 # replicas stay identical
+        assert max(delivered) == 0.0 and max(kept) > 0.0      # only the delivered are zeroed
+    assert all(max(d) > 0.0 for _, d, _ in off)               # the option is what zeroes them
+    assert not torch.equal(on[0][0], off[0][0])               # and it changes the training
+
+
+def test_moment_masking_takes_a_bool():
+    with pytest.raises(ValueError, match="moment_masking must be True or False, got 'yes'"):
+        SparseAllreduce(_model().parameters(), density=0.1, moment_masking="yes")
