@@ -34,8 +34,7 @@ import torch
 from .algorithms import get_algorithm
 from .algorithms.base import FLOAT_DTYPES, Algorithm
 from .comm.base import Communicator
-from .techniques import (DensitySchedule, FrozenAdam, dense_small_flag, mask_first_moments,
-                         moment_masking_flag)
+from .techniques import DensitySchedule, FrozenAdam, mask_first_moments, moment_masking_flag
 
 __all__ = ["SparseAllreduce"]
 
@@ -70,10 +69,7 @@ class SparseAllreduce(torch.nn.Module):
             ``density_schedule`` (see :class:`~oktopk_triton.techniques.DensitySchedule`),
             ``adam="frozen"`` (for :meth:`reduce_adam`) and ``moment_masking`` (bool, default
             False: after each :meth:`reduce_updates`, zero the optimizer's first moment of the
-            entries delivered; see :func:`~oktopk_triton.techniques.mask_first_moments`) and
-            ``dense_small`` (bool, default False: parameters of one dimension or none, biases
-            and norm gains, go last in the flat vector and are delivered whole every step, one
-            extra allreduce of their size; the algorithm's ``dense_tail`` option).
+            entries delivered; see :func:`~oktopk_triton.techniques.mask_first_moments`).
     """
 
     def __init__(self, numel_or_params: Union[int, Iterable[torch.Tensor], torch.nn.Module],
@@ -82,10 +78,6 @@ class SparseAllreduce(torch.nn.Module):
                  check_finite: str = "skip", **options: Any) -> None:
         super().__init__()
         cls = get_algorithm(algorithm)  # clear ValueError for unknown names
-        dense_small = dense_small_flag(options.pop("dense_small", False))
-        if dense_small and isinstance(numel_or_params, int):
-            raise ValueError("dense_small needs the parameters (it reorders them), not a numel; "
-                             "with a flat vector use the algorithm's dense_tail option")
         params: Optional[List[torch.Tensor]] = None
         if isinstance(numel_or_params, bool):
             raise TypeError("numel_or_params must be an int or parameters, got a bool")
@@ -110,11 +102,6 @@ class SparseAllreduce(torch.nn.Module):
                 if p.dtype not in FLOAT_DTYPES:
                     raise TypeError(f"SparseAllreduce: parameter dtype {p.dtype} is not one of "
                                     "float32, bfloat16, float16")
-            if dense_small:
-                # biases and norm gains last, as the algorithm's dense tail
-                small = [p for p in params if p.dim() <= 1]
-                params = [p for p in params if p.dim() > 1] + small
-                options["dense_tail"] = sum(p.numel() for p in small)
             pdev = params[0].device
             if any(p.device != pdev for p in params):
                 raise ValueError("SparseAllreduce: all parameters must be on one device, got "

@@ -12,8 +12,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["FrozenAdam", "DensitySchedule", "dense_small_flag", "mask_first_moments",
-           "moment_masking_flag"]
+__all__ = ["FrozenAdam", "DensitySchedule", "mask_first_moments", "moment_masking_flag"]
 
 
 class FrozenAdam:
@@ -172,20 +171,11 @@ class DensitySchedule:
         return d
 
 
-def _flag(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
-    return value
-
-
 def moment_masking_flag(value: Any) -> bool:
     """The ``moment_masking`` option of ``SparseAllreduce``: a bool, nothing else."""
-    return _flag("moment_masking", value)
-
-
-def dense_small_flag(value: Any) -> bool:
-    """The ``dense_small`` option of ``SparseAllreduce``: a bool, nothing else."""
-    return _flag("dense_small", value)
+    if not isinstance(value, bool):
+        raise ValueError(f"moment_masking must be True or False, got {value!r}")
+    return value
 
 
 def mask_first_moments(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],

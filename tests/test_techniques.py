@@ -2,14 +2,15 @@
 import pytest
 import torch
 
-from conservation import assert_bitwise_agreement, assert_conservation, mixed, run_steps
+from conservation import mixed, run_steps
 from oktopk_triton import SparseAllreduce
 from oktopk_triton.comm.local import LocalCluster
 
 
 def test_removed_techniques_are_unknown_options():
-    # ef_decay, local_clip and flush_every were measured and did not pay (docs/techniques.md)
-    for opt in ("ef_decay", "local_clip", "flush_every"):
+    # ef_decay, local_clip, flush_every and dense_tail were measured and did not pay
+    # (docs/techniques.md)
+    for opt in ("ef_decay", "local_clip", "flush_every", "dense_tail"):
         with pytest.raises(TypeError, match=rf"unknown option\(s\) \['{opt}'\].*warmup_steps"):
             run_steps("oktopk", P=1, n=100, steps=1, density=0.1, grad_fn=mixed(0),
                       **{opt: 0.9})
@@ -208,70 +209,3 @@ def test_moment_masking_zeroes_the_delivered_first_moments(opt_name):
 def test_moment_masking_takes_a_bool():
     with pytest.raises(ValueError, match="moment_masking must be True or False, got 'yes'"):
         SparseAllreduce(_model().parameters(), density=0.1, moment_masking="yes")
-
-
-@pytest.mark.parametrize("algorithm", ["oktopk", "gtopk", "spardl", "topka", "topkdsa",
-                                       "gaussiank"])
-@pytest.mark.parametrize("P", [3, 4])
-def test_dense_tail_conserves_and_delivers_the_tail_whole(algorithm, P):
-    n, tail = 3000, 37
-    res = run_steps(algorithm, P=P, n=n, steps=6, density=0.01, grad_fn=mixed(1),
-                    nonfinite={4: 1}, dense_tail=tail, momentum=0.9)
-    assert_conservation(res)
-    assert_bitwise_agreement(res)
-    for t in range(6):
-        if t == 4:
-            continue                                  # the NaN step: residuals unchanged
-        assert torch.count_nonzero(res.residual_sums[t][n - tail:]) == 0
-        # what was owed on the tail (acc summed over ranks) arrives in full, averaged
-        want = res.acc_sums[t][n - tail:] / P
-        got = res.outs[t][0][n - tail:].double()
-        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (t, (got - want).abs().max())
-    assert torch.count_nonzero(res.residual_sums[-1][: n - tail]) > 0   # the head stays sparse
-
-
-def _tail_stats_body(comm, tail):
-    alg = SparseAllreduce(3000, comm=comm, density=0.01, algorithm="oktopk", dense_tail=tail)
-    g = torch.Generator().manual_seed(comm.rank)
-    for _ in range(3):
-        alg(torch.randn(3000, generator=g))
-    return alg.stats["bytes_sent"]
-
-
-def test_dense_tail_costs_one_allreduce_of_its_size():
-    plain = LocalCluster(3).run(_tail_stats_body, 0)[0]
-    with_tail = LocalCluster(3).run(_tail_stats_body, 100)[0]
-    assert with_tail > plain            # the tail's allreduce is counted in bytes_sent
-
-
-def _dense_small_body(comm):
-    model = _model()                     # Linear(16, 32), Tanh, Linear(32, 4): 2 biases
-    sar = SparseAllreduce(model.parameters(), comm=comm, density=0.05, algorithm="oktopk",
-                          dense_small=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(comm.rank)
-    for _ in range(4):
-        opt.zero_grad()
-        model(torch.randn(8, 16, generator=g)).pow(2).mean().backward()
-        out = sar.reduce_updates(opt)
-    biases = [model[0].bias, model[2].bias]
-    moved = all(bool((b.grad != 0).all()) for b in biases)   # .grad views the reduced update
-    return (torch.cat([p.detach().reshape(-1) for p in model.parameters()]), moved,
-            sar.algorithm.dense_tail, int(torch.count_nonzero(out)), sar.numel)
-
-
-def test_dense_small_puts_biases_in_the_dense_tail():
-    res = LocalCluster(3).run(_dense_small_body)
-    for weights, moved, tail, nnz, n in res:
-        assert torch.equal(weights, res[0][0])             # replicas identical
-        assert moved and tail == 32 + 4                     # every bias entry moved each step
-        assert nnz < n                                      # the weights stay sparse
-
-
-def test_dense_small_bad_values():
-    with pytest.raises(ValueError, match="dense_small must be True or False, got 1"):
-        SparseAllreduce(_model().parameters(), density=0.1, dense_small=1)
-    with pytest.raises(ValueError, match="dense_small needs the parameters"):
-        SparseAllreduce(1000, density=0.1, dense_small=True)
-    with pytest.raises(ValueError, match=r"dense_tail must be an int in \[0, numel=1000\)"):
-        SparseAllreduce(1000, density=0.1, dense_tail=1000)

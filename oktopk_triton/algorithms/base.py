@@ -78,7 +78,7 @@ class Algorithm(abc.ABC):
     def __init__(self, numel: int, comm: Communicator, density: float = 0.01, *,
                  device: Optional[torch.device] = None, check_finite: str = "skip",
                  warmup_steps: int = 0, momentum: float = 0.0,
-                 momentum_masking: Optional[bool] = None, dense_tail: int = 0,
+                 momentum_masking: Optional[bool] = None,
                  **options: Any) -> None:
         if not isinstance(numel, int) or numel < 1:
             raise ValueError(f"numel must be a positive int, got {numel!r}")
@@ -95,14 +95,10 @@ class Algorithm(abc.ABC):
             raise ValueError(f"momentum must be a float in [0, 1), got {momentum!r}")
         if check_finite not in _CHECK_FINITE:
             raise ValueError(f"check_finite must be one of {_CHECK_FINITE}, got {check_finite!r}")
-        if isinstance(dense_tail, bool) or not isinstance(dense_tail, int) or \
-                not 0 <= dense_tail < numel:
-            raise ValueError(f"dense_tail must be an int in [0, numel={numel}), got "
-                             f"{dense_tail!r}")
         unknown = sorted(set(options) - set(self.OPTIONS))
         if unknown:
-            common = ["check_finite", "dense_tail", "density", "device", "momentum",
-                      "momentum_masking", "warmup_steps"]
+            common = ["check_finite", "density", "device", "momentum", "momentum_masking",
+                      "warmup_steps"]
             raise TypeError(f"{self.name}: unknown option(s) {unknown}; its own options: "
                             f"{sorted(self.OPTIONS) or 'none'}; every algorithm's: {common}")
         self.opts = {**self.OPTIONS, **options}
@@ -116,8 +112,6 @@ class Algorithm(abc.ABC):
         self.check_finite = check_finite
         self.warmup_steps = warmup_steps
         self.momentum = float(momentum)
-        # the last dense_tail entries are delivered whole after every sparse step
-        self.dense_tail = dense_tail
         # None: mask after sparse steps (the class default; dense sends everything, so masking
         # would leave plain SGD there)
         self.momentum_masking = (type(self).sparse if momentum_masking is None
@@ -221,8 +215,6 @@ class Algorithm(abc.ABC):
             self.step(flat, out, nonfinite)
             if velocity_here and self.momentum_masking:
                 self._mask_velocity(nonfinite)
-            if self.dense_tail:
-                self._deliver_tail(out, nonfinite)
         self.step_count += 1
 
         if dtype != torch.float32:
@@ -280,27 +272,6 @@ class Algorithm(abc.ABC):
         out.copy_(buf.div_(self.P))
         self.commit_residual(torch.zeros_like(acc), nonfinite)
         self.stats.update(local_selected=self.numel, global_selected=self.numel, overflow=0)
-
-    def _deliver_tail(self, out: torch.Tensor, nonfinite: Optional[torch.Tensor]) -> None:
-        """``dense_tail``: what every rank still owes on the last ``dense_tail`` entries after
-        the sparse step, averaged by one allreduce and added to ``out`` there; those residuals
-        drop to zero (kept on a non-finite step). Small tensors that a top-k of normalised
-        updates reaches about once in 1/density steps (biases, norm gains) then move every step,
-        as they would in dense training. After the velocity masking: like a dense step, the
-        tail keeps its momentum."""
-        t = slice(self.numel - self.dense_tail, self.numel)
-        owed = self.residual[t].clone()
-        if self.P > 1:
-            self.comm.allreduce(owed)
-        out[t] += owed.div_(self.P)
-        self._commit_tail(t, nonfinite)
-
-    def _commit_tail(self, t: slice, nonfinite: Optional[torch.Tensor]) -> None:
-        zero = torch.zeros((), dtype=self.residual.dtype, device=self.device)
-        if nonfinite is None:
-            self.residual[t] = zero
-        else:
-            self.residual[t] = torch.where(nonfinite > 0, self.residual[t], zero)
 
     def _mask_velocity(self, nonfinite: Optional[torch.Tensor]) -> None:
         """Momentum factor masking: stop the velocity of the entries this step delivered.
