@@ -58,6 +58,10 @@ def main(argv=None) -> int:
     if args.command == "collectives" and args.warmup >= args.steps:
         parser.exit(2, f"oktopk-bench collectives: error: --warmup ({args.warmup}) must be less "
                        f"than --steps ({args.steps}): no step would be timed\n")
+    check = getattr(args._module, "check_args", None)
+    bad = check(args) if check is not None and args.command in ("train", "demo") else ""
+    if bad:
+        parser.exit(2, f"oktopk-bench {args.command}: error: {bad}\n")
     fn = getattr(args._module, args._entry, None) or args._module.main
     return int(fn(args) or 0)
 

@@ -23,6 +23,9 @@ CASES = [
     ("project --steps-ratio oktopk=0", "--steps-ratio"),
     ("project --compute-ms -1", "--compute-ms"),
     ("train --powersgd-start 0", "--powersgd-start"),
+    ("train --algorithms oktopk --option foo=1", "--option"),
+    ("train --algorithms dense topka --option moment_masking=1", "--option"),
+    ("train --algorithms oktopk --option warmup_steps", "--option"),
 ]
 
 

@@ -186,7 +186,9 @@ def _add_gpt_arguments(g) -> None:
 def _add_output_arguments(p: argparse.ArgumentParser) -> None:
     """Algorithm options, device, and where the results go."""
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra option passed to the sparse algorithms (repeatable)")
+                   type=_parse_option,
+                   help="extra option passed to the sparse algorithms (repeatable; VALUE as "
+                        "JSON where it parses, e.g. moment_masking=true)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: NCCL on GPUs when there are >= world-size of them, else gloo/CPU")
     p.add_argument("--tag", default=None, help="results name: bench/results/train-<tag>.json")
@@ -273,6 +275,23 @@ def main(args) -> int:
     return 1 if failures else 0
 
 
+def check_options(options: Dict[str, Any], algos, density: float, baselines) -> str:
+    """The first problem with ``--option`` for the sparse algorithms, found before any rank is
+    launched (a reducer of 1,024 entries built on a world of one, as each rank would build
+    its own), or ``""``."""
+    from .. import SparseAllreduce
+    from ..comm import LocalCluster
+    for alg in algos:
+        if alg == "dense" or alg in baselines:
+            continue
+        try:
+            SparseAllreduce(1024, comm=LocalCluster(1).communicator(0), density=density,
+                            algorithm=alg, **options)
+        except (TypeError, ValueError) as e:
+            return str(e).splitlines()[0]
+    return ""
+
+
 def _corpus_summary(config) -> Dict[str, Any]:
     """Where the LM's bytes came from and the unigram entropy (nats/byte) to beat."""
     from .gpt import load_corpus
@@ -281,14 +300,25 @@ def _corpus_summary(config) -> Dict[str, Any]:
 
 
 def _parse_option(s: str):
-    if "=" not in s:
-        raise SystemExit(f"--option expects KEY=VALUE, got {s!r}")
+    """``--option KEY=VALUE`` (VALUE read as JSON where it is JSON, else a string)."""
+    if "=" not in s or not s.split("=", 1)[0]:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {s!r}")
     k, v = s.split("=", 1)
     try:
         v = json.loads(v)
     except ValueError:
         pass
     return k, v
+
+
+def check_args(args) -> str:
+    """Called by the CLI once the line is parsed: the first problem with ``--option`` for the
+    algorithms asked for, before any rank is launched, or ``""``."""
+    from .baselines import BASELINES
+    algos, _ = resolve_algorithms(args.algorithms)
+    bad = check_options(dict(getattr(args, "option", None) or []), algos, args.density,
+                        BASELINES)
+    return f"--option: {bad}" if bad else ""
 
 
 def _gpt_sizes():
@@ -312,7 +342,7 @@ def build_config(args, algos) -> Dict[str, Any]:
                schedule=args.schedule, warmup_epochs=args.warmup_epochs,
                weight_decay=args.weight_decay, test_fraction=args.test_fraction,
                train_subset=args.train_subset, eval_every=args.eval_every,
-               options=dict(_parse_option(o) for o in args.option), device=args.device,
+               options=dict(args.option), device=args.device,
                quiet=args.quiet)
     if model == "gpt":
         size = getattr(args, "size", None) or GPT_DEFAULTS["size"]
