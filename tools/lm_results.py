@@ -63,7 +63,8 @@ def merge(out_path: str, parts: List[str]) -> Dict[str, Any]:
     for r in reports:
         for run in r["runs"]:
             run = dict(run)
-            if run["algorithm"] in BASELINES and run["density"] == 1.0:
+            if run["algorithm"] in BASELINES and run["density"] == 1.0 and \
+                    "density" in r["config"]:
                 # early baseline runs recorded 1.0; they belong to the density they match
                 run["density"] = r["config"]["density"]
             run["stats_curve"] = {k: v for k, v in run.get("stats_curve", {}).items()
@@ -73,9 +74,9 @@ def merge(out_path: str, parts: List[str]) -> Dict[str, Any]:
     runs_l = sorted(runs.values(), key=lambda x: (x["density"] != 1.0, -x["density"],
                                                    x["algorithm"], x["seed"]))
     densities = sorted({d for (_, d, _) in runs if d != 1.0}, reverse=True)
-    algo_order = base["config"]["algorithms"]
-    for r in reports:
-        for a in r["config"]["algorithms"]:
+    algo_order: List[str] = []
+    for r in reports:      # a merged file given as a part has no algorithm list: its runs'
+        for a in r["config"].get("algorithms") or [x["algorithm"] for x in r["runs"]]:
             if a not in algo_order:
                 algo_order = algo_order + [a]
     summary, layers = {}, {}
@@ -88,14 +89,15 @@ def merge(out_path: str, parts: List[str]) -> Dict[str, Any]:
     cfg["densities"] = densities
     first = runs_l[0] if runs_l else {}
     dev = str(first.get("device", "?"))
-    device = (f"cpu ({base.get('host', {}).get('cpus')} cores, shared with other jobs)"
-              if dev.startswith("cpu") else dev) + f", {first.get('backend', '?')}"
+    device = base.get("device") if "host" not in base else (
+        (f"cpu ({base['host'].get('cpus')} cores, shared with other jobs)"
+         if dev.startswith("cpu") else dev) + f", {first.get('backend', '?')}")
     report = {
         "what": f"byte-level GPT on the Python stdlib's .py files, {cfg['world_size']} ranks: "
                 "final validation loss (nats/byte) of every algorithm against dense",
         "date": base.get("date"), "device": device,
-        "versions": base.get("versions"), "git": sorted({r.get("git") for r in reports} - {None}),
-        "corpus": base.get("corpus"), "config": cfg, "parts": [os.path.basename(p) for p in parts],
+        "versions": base.get("versions"), "git": _all_of(reports, "git"),
+        "corpus": base.get("corpus"), "config": cfg, "parts": _part_names(parts, reports),
         "wall_s": sum(r.get("wall_s", 0.0) for r in reports), "failures": failures,
         "goals": {f"{k:g}": v for k, v in GOALS.items()},
         "summary": summary, "layers": layers, "runs": runs_l,
@@ -103,6 +105,20 @@ def merge(out_path: str, parts: List[str]) -> Dict[str, Any]:
     with open(out_path, "w") as f:
         json.dump(report, f, separators=(",", ":"))
     return report
+
+
+def _all_of(reports: List[dict], key: str) -> List[str]:
+    """Every value of ``key`` (a string, or a merged file's list of them) over the reports."""
+    vals = set()
+    for r in reports:
+        v = r.get(key)
+        vals.update(v if isinstance(v, list) else [v])
+    return sorted(vals - {None})
+
+
+def _part_names(parts: List[str], reports: List[dict]) -> List[str]:
+    """The files merged: a merged file given as a part contributes its own parts' names."""
+    return [q for p, r in zip(parts, reports) for q in (r.get("parts") or [os.path.basename(p)])]
 
 
 def layer_table(runs: List[dict]) -> Dict[str, Dict[str, Dict[str, float]]]:
