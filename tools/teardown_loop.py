@@ -27,6 +27,11 @@ def first_example() -> str:
     return m.group(1)
 
 
+def git_commit() -> str:
+    from oktopk_triton.bench._common import git_commit as commit
+    return commit()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=50)
@@ -55,6 +60,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"what": "README first example under torchrun, 2 gloo ranks",
                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                       "git": git_commit(), "cpus": os.cpu_count(),
                        "runs": len(codes), "nonzero": failed, "codes": codes}, f, indent=1)
     sys.exit(1 if failed else 0)
 
