@@ -34,7 +34,7 @@ import torch
 from .algorithms import get_algorithm
 from .algorithms.base import FLOAT_DTYPES, Algorithm
 from .comm.base import Communicator
-from .techniques import DensitySchedule, FrozenAdam, mask_first_moments, moment_masking_flag
+from .techniques import DensitySchedule, FrozenAdam
 
 __all__ = ["SparseAllreduce"]
 
@@ -66,10 +66,8 @@ class SparseAllreduce(torch.nn.Module):
             without momentum then) and ``momentum_masking`` (default: on for sparse
             algorithms, off for ``dense``; zeroes the velocity of the entries a step
             delivered, as Deep Gradient Compression does). ``SparseAllreduce`` also takes
-            ``density_schedule`` (see :class:`~oktopk_triton.techniques.DensitySchedule`),
-            ``adam="frozen"`` (for :meth:`reduce_adam`) and ``moment_masking`` (bool, default
-            False: after each :meth:`reduce_updates`, zero the optimizer's first moment of the
-            entries delivered; see :func:`~oktopk_triton.techniques.mask_first_moments`).
+            ``density_schedule`` (see :class:`~oktopk_triton.techniques.DensitySchedule`) and
+            ``adam="frozen"`` (for :meth:`reduce_adam`).
     """
 
     def __init__(self, numel_or_params: Union[int, Iterable[torch.Tensor], torch.nn.Module],
@@ -118,8 +116,6 @@ class SparseAllreduce(torch.nn.Module):
             device = comm.device
         self.comm = comm
         adam = options.pop("adam", None)             # techniques.FrozenAdam (reduce_adam)
-        # techniques.mask_first_moments after each reduce_updates
-        self._moment_masking = moment_masking_flag(options.pop("moment_masking", False))
         # techniques.DensitySchedule: one reducer per stage, each taking over the last's state
         self._schedule = DensitySchedule.build(options.pop("density_schedule", None), density)
         self._cls = cls
@@ -267,8 +263,6 @@ class SparseAllreduce(torch.nn.Module):
         torch._foreach_copy_(params, before)
         torch._foreach_add_(params, [flat_upd[off:off + p.numel()].view(p.shape)
                                      for p, off in zip(params, self._offsets)])
-        if self._moment_masking:
-            mask_first_moments(optimizer, params, flat_upd, self._offsets)
         return flat
 
     def reduce_adam(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:

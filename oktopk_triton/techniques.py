@@ -1,10 +1,8 @@
 """Training techniques on top of the sparse reducers (see ``docs/techniques.md``).
 
 The frozen-variance Adam of 1-bit Adam (:class:`FrozenAdam`, ``SparseAllreduce.reduce_adam``),
-Deep Gradient Compression's sparsity warm-up (:class:`DensitySchedule`, the
-``density_schedule`` option of ``SparseAllreduce``), and its momentum factor masking carried
-into the optimizer for ``reduce_updates`` (:func:`mask_first_moments`, the ``moment_masking``
-option).
+and Deep Gradient Compression's sparsity warm-up (:class:`DensitySchedule`, the
+``density_schedule`` option of ``SparseAllreduce``).
 """
 from __future__ import annotations
 
@@ -12,7 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["FrozenAdam", "DensitySchedule", "mask_first_moments", "moment_masking_flag"]
+__all__ = ["FrozenAdam", "DensitySchedule"]
 
 
 class FrozenAdam:
@@ -170,24 +168,3 @@ class DensitySchedule:
                 d = x
         return d
 
-
-def moment_masking_flag(value: Any) -> bool:
-    """The ``moment_masking`` option of ``SparseAllreduce``: a bool, nothing else."""
-    if not isinstance(value, bool):
-        raise ValueError(f"moment_masking must be True or False, got {value!r}")
-    return value
-
-
-def mask_first_moments(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
-                       flat: torch.Tensor, offsets: Sequence[int]) -> None:
-    """Momentum factor masking in the optimizer (Deep Gradient Compression), for
-    ``reduce_updates``: zero the first moment (Adam's ``exp_avg``, SGD's ``momentum_buffer``) of
-    every entry the step delivered (``flat != 0``; the same entries on every rank, since
-    ``out`` is identical). Momentum that built up while an entry waited in the residual then
-    does not keep pushing it once it has moved. One compare and one masked fill over the
-    weights per step, no host read. Parameters without such a buffer are left alone."""
-    for p, off in zip(params, offsets):
-        st = optimizer.state.get(p)
-        buf = None if not st else st.get("exp_avg", st.get("momentum_buffer"))
-        if isinstance(buf, torch.Tensor) and buf.shape == p.shape:
-            buf.masked_fill_(flat[off:off + p.numel()].view(p.shape) != 0, 0)

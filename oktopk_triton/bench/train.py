@@ -188,7 +188,7 @@ def _add_output_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    type=_parse_option,
                    help="extra option passed to the sparse algorithms (repeatable; VALUE as "
-                        "JSON where it parses, e.g. moment_masking=true)")
+                        "JSON where it parses, e.g. threshold_sample=0)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: NCCL on GPUs when there are >= world-size of them, else gloo/CPU")
     p.add_argument("--tag", default=None, help="results name: bench/results/train-<tag>.json")
