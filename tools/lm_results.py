@@ -95,7 +95,7 @@ def merge(out_path: str, parts: List[str]) -> Dict[str, Any]:
     report = {
         "what": f"byte-level GPT on the Python stdlib's .py files, {cfg['world_size']} ranks: "
                 "final validation loss (nats/byte) of every algorithm against dense",
-        "date": base.get("date"), "device": device,
+        "date": max((r.get("date") or "") for r in reports) or None, "device": device,
         "versions": base.get("versions"), "git": _all_of(reports, "git"),
         "corpus": base.get("corpus"), "config": cfg, "parts": _part_names(parts, reports),
         "wall_s": sum(r.get("wall_s", 0.0) for r in reports), "failures": failures,
@@ -326,7 +326,7 @@ def plot(out_png: str, merged: str, extra: List[str] = ()) -> None:
         d = json.load(f)
     runs = d.get("runs", [])
     dens = sorted({float(x) for x in d["summary"]}, reverse=True)
-    fig, axes = plt.subplots(1, len(dens), figsize=(6.5 * len(dens), 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(dens), figsize=(6.5 * len(dens), 5.5), squeeze=False)
     for ax, de in zip(axes[0], dens):
         algs = dict.fromkeys(r["algorithm"] for r in runs)
         for k, alg in enumerate(algs):
@@ -350,7 +350,8 @@ def plot(out_png: str, merged: str, extra: List[str] = ()) -> None:
         ax.set(title=f"density {de * 100:g}%", xlabel="step",
                ylabel="validation loss (nats/byte)", ylim=(1.2, 3.2))
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3,
+                  frameon=False)     # below the panel: no curve hidden
     c = d["config"]
     fig.suptitle(f"byte-level GPT, {c['world_size']} ranks, {c['steps']} steps "
                  f"({d.get('date')}, {d.get('device')})", fontsize=10)
