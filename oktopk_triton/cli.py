@@ -59,7 +59,7 @@ def main(argv=None) -> int:
         parser.exit(2, f"oktopk-bench collectives: error: --warmup ({args.warmup}) must be less "
                        f"than --steps ({args.steps}): no step would be timed\n")
     check = getattr(args._module, "check_args", None)
-    bad = check(args) if check is not None and args.command in ("train", "demo") else ""
+    bad = check(args) if check is not None else ""     # a module's checks across options
     if bad:
         parser.exit(2, f"oktopk-bench {args.command}: error: {bad}\n")
     fn = getattr(args._module, args._entry, None) or args._module.main

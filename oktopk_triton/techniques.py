@@ -167,4 +167,3 @@ class DensitySchedule:
             if step >= first:
                 d = x
         return d
-

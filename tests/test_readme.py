@@ -7,13 +7,8 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def first_example() -> str:
-    text = open(os.path.join(ROOT, "README.md")).read()
-    m = re.search(r"<!-- first-example[^>]*-->\s*```python\n(.*?)```", text, re.S)
-    assert m, "README.md has no marked first example"
-    return m.group(1)
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+from teardown_loop import first_example  # noqa: E402  (one home: the loop runs it too)
 
 
 def test_first_example_is_complete_python():

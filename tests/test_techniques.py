@@ -168,4 +168,3 @@ def test_density_schedule_resumes_bit_for_bit(cut):
         assert len(resumed[r][0]) == len(tail)
         for a, b in zip(tail, resumed[r][0]):
             assert a[0] == b[0] and torch.equal(a[1], b[1]) and torch.equal(a[5], b[5])
-
