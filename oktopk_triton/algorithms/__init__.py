@@ -17,6 +17,7 @@ REGISTRY = {
     "spardl": "spardl:SparDL",
     "topkdsa": "topkdsa:TopkDSA",
     "gaussiank": "gaussiank:Gaussiank",
+    "onebit": "onebit:OneBit",
 }
 SPARSE_ALGORITHMS = ("oktopk", "topka", "gtopk", "spardl", "topkdsa", "gaussiank")
 
