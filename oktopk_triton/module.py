@@ -27,7 +27,6 @@ continues bit for bit. The communicator is not saved (a restored reducer uses it
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Dict, Iterable, List, Optional, Union
 
 import torch
@@ -38,16 +37,6 @@ from .comm.base import Communicator
 from .techniques import DensitySchedule, FrozenAdam
 
 __all__ = ["SparseAllreduce"]
-
-
-def _local_view(v: Any) -> float:
-    if v is True:
-        return 1.0
-    if v is False or v is None:
-        return 0.0
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= float(v) <= 1.0:
-        raise ValueError(f"SparseAllreduce: local_view must be a bool or a number in [0, 1], got {v!r}")
-    return float(v)
 
 
 def _default_communicator(device: torch.device) -> Communicator:
@@ -127,7 +116,6 @@ class SparseAllreduce(torch.nn.Module):
             device = comm.device
         self.comm = comm
         adam = options.pop("adam", None)             # techniques.FrozenAdam (reduce_adam)
-        self.local_view = _local_view(options.pop("local_view", 0.0))
         # techniques.DensitySchedule: one reducer per stage, each taking over the last's state
         self._schedule = DensitySchedule.build(options.pop("density_schedule", None), density)
         self._cls = cls
@@ -143,7 +131,6 @@ class SparseAllreduce(torch.nn.Module):
         self._params = params
         self._flat: Optional[torch.Tensor] = None
         self._before: Optional[List[torch.Tensor]] = None   # reduce_updates' weight snapshot
-        self._shared: Optional[List[torch.Tensor]] = None   # local_view: the shared weights
         self._adam = FrozenAdam.build(adam, self.algorithm, params)
         if params is not None:
             dtypes = {p.dtype for p in params}
@@ -273,44 +260,10 @@ class SparseAllreduce(torch.nn.Module):
         flat = self.reduce_gradients()
         finite = torch.isfinite(flat)
         flat_upd = torch.where(finite, flat, torch.zeros((), dtype=flat.dtype, device=flat.device))
-        upd = self._views(flat_upd)
-        if self.local_view:
-            if self._shared is None:             # the first step: the weights were the shared ones
-                self._shared = [b.clone() for b in before]
-            torch._foreach_add_(self._shared, upd)
-            self._apply_local_view()
-        else:
-            torch._foreach_copy_(params, before)
-            torch._foreach_add_(params, upd)
+        torch._foreach_copy_(params, before)
+        torch._foreach_add_(params, [flat_upd[off:off + p.numel()].view(p.shape)
+                                     for p, off in zip(params, self._offsets)])
         return flat
-
-    def _views(self, flat: torch.Tensor) -> List[torch.Tensor]:
-        return [flat[off:off + p.numel()].view(p.shape) for p, off in zip(self._params, self._offsets)]
-
-    def _apply_local_view(self) -> None:
-        """``local_view``: this rank's weights = the shared weights + ``local_view`` x what it still
-        owes (its own updates not yet delivered)."""
-        res = self.algorithm.residual
-        if self.local_view != 1.0:
-            res = res * self.local_view
-        torch._foreach_copy_(self._params, self._shared)
-        torch._foreach_add_(self._params, self._views(res))
-
-    @contextlib.contextmanager
-    def shared_weights(self):
-        """Within the block the parameters hold the shared weights, bitwise identical on every
-        rank (evaluate and checkpoint there); without ``local_view`` they always do."""
-        if not self.local_view or self._shared is None:
-            yield
-            return
-        with torch.no_grad():
-            local = [p.detach().clone() for p in self._params]
-            torch._foreach_copy_(self._params, self._shared)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                torch._foreach_copy_(self._params, local)
 
     def reduce_adam(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """AdamW with a dense warm-up, then frozen variance and the preconditioned gradient

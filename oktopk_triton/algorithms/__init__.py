@@ -17,7 +17,6 @@ REGISTRY = {
     "spardl": "spardl:SparDL",
     "topkdsa": "topkdsa:TopkDSA",
     "gaussiank": "gaussiank:Gaussiank",
-    "onebit": "onebit:OneBit",
 }
 SPARSE_ALGORITHMS = ("oktopk", "topka", "gtopk", "spardl", "topkdsa", "gaussiank")
 

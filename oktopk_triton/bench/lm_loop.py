@@ -172,11 +172,6 @@ class _LMReducer:
             return self.sar.reduce_updates(self.opt)
         return self.sar.reduce_gradients()   # averages .grad over ranks, error feedback inside
 
-    def shared_weights(self):
-        """Where the replicas hold the shared weights (``local_view``), else a no-op."""
-        import contextlib
-        return self.sar.shared_weights() if not self.hook else contextlib.nullcontext()
-
     def describe(self) -> Dict[str, Any]:
         return {"powersgd": self.powersgd} if self.hook and self.powersgd else {}
 
@@ -275,15 +270,13 @@ def train_one_lm(cfg, algorithm: str, seed: int, comm, device, data, log) -> Dic
             train_curve.append((done, float(lt) / P))
             loss_acc.zero_()
             since = 0
-            with red.shared_weights():
-                val_curve.append((done, _lm_eval(model, val_bytes, vstarts, L, device)))
+            val_curve.append((done, _lm_eval(model, val_bytes, vstarts, L, device)))
             if rank == 0 and log:
                 print(f"  [{algorithm:>9} seed {seed}] step {done:>5}/{steps}  train "
                       f"{train_curve[-1][1]:.4f}  val {val_curve[-1][1]:.4f} nats/byte "
                       f"({val_curve[-1][1] / math.log(2):.3f} bits/byte)  "
                       f"{run.recent(eval_every, 7)}", flush=True)
-    with red.shared_weights():
-        identical = replicas_identical(model) and init_identical
+    identical = replicas_identical(model) and init_identical
     return _lm_record(cfg, algorithm, seed, comm, device, red, run, counter.report(steps, params),
                       val_curve, train_curve, identical, P)
 
