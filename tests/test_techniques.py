@@ -90,6 +90,148 @@ def test_frozen_adam_needs_momentum_and_params():
                         momentum=0.9)
 
 
+# -- tracked-variance Adam (adam="tracked") -----------------------------------------------------
+def _tracked_body(comm, steps, density, save_at=None, state=None, nan_at=None, masking=None):
+    """AdamW through reduce_adam(adam="tracked") on a small MLP; returns the final weights, the
+    per-step outs, the raw gradients fed, the denominators, the saved state, the reducer."""
+    model = _model()
+    extra = {} if masking is None else {"momentum_masking": masking}
+    sar = SparseAllreduce(model.parameters(), comm=comm, density=density, adam="tracked",
+                          momentum=0.9, **extra)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    start = 0
+    if state is not None:
+        model.load_state_dict(state[comm.rank]["model"])
+        sar.load_state_dict(state[comm.rank]["sar"])
+        start = save_at
+    g = torch.Generator().manual_seed(comm.rank)
+    xs = [torch.randn(8, 16, generator=g) for _ in range(steps)]
+    saved, outs, grads, denoms, stats = None, [], [], [], []
+    for t in range(start, steps):
+        if t == save_at and state is None:
+            saved = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+                     "sar": {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                             for k, v in sar.state_dict().items()}}
+        opt.zero_grad()
+        model(xs[t]).pow(2).mean().backward()
+        if t == nan_at and comm.rank == 1:
+            next(model.parameters()).grad[0, 0] = float("nan")
+        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone())
+        outs.append(sar.reduce_adam(opt).clone())
+        denoms.append(sar._adam.denom.clone())
+        stats.append(sar._adam.stats.clone())
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return flat, outs, grads, denoms, saved, sar, stats
+
+
+def _factored_v(g2_mean_rows, g2_mean_cols):
+    return torch.outer(g2_mean_rows, g2_mean_cols) / g2_mean_rows.mean()
+
+
+def test_tracked_adam_dense_is_adam_with_a_factored_variance():
+    """Density 1: the weights follow AdamW whose v is the EMA of the ranks' mean row/column g²
+    statistics (Adafactor's factorisation) and whose m is the EMA of the mean gradient: the
+    velocity's rescaling keeps the raw momentum when v moves."""
+    P, steps, lr, b1, b2, eps, wd = 2, 6, 1e-2, 0.9, 0.95, 1e-8, 0.1
+    res = LocalCluster(P).run(_tracked_body, steps, 1.0)
+    model = _model()
+    params = list(model.parameters())
+    gens = [torch.Generator().manual_seed(r) for r in range(P)]
+    xs = [[torch.randn(8, 16, generator=g) for _ in range(steps)] for g in gens]
+    m = [torch.zeros_like(p) for p in params]
+    st = [None] * len(params)
+    for t in range(1, steps + 1):
+        per_rank = []
+        for r in range(P):
+            model.zero_grad()
+            model(xs[r][t - 1]).pow(2).mean().backward()
+            per_rank.append([p.grad.clone() for p in params])
+        with torch.no_grad():
+            for j, p in enumerate(params):
+                gs = [pr[j] for pr in per_rank]
+                gbar = sum(gs) / P
+                if p.dim() == 2:
+                    stat = (sum(x.square().mean(1) for x in gs) / P,
+                            sum(x.square().mean(0) for x in gs) / P)
+                else:
+                    stat = (sum(x.square() for x in gs) / P,)
+                st[j] = stat if st[j] is None else tuple(
+                    a * b2 + (1 - b2) * b for a, b in zip(st[j], stat))
+                if t == 1:   # EMA from zeros
+                    st[j] = tuple((1 - b2) * b for b in stat)
+                hat = [a / (1 - b2 ** t) for a in st[j]]
+                v = _factored_v(*hat) if p.dim() == 2 else hat[0]
+                m[j] = b1 * m[j] + gbar
+                p.mul_(1 - lr * wd)
+                p.add_(-lr * (1 - b1) / (1 - b1 ** t) * m[j] / (v.sqrt() + eps))
+    ref = torch.cat([p.detach().reshape(-1) for p in params])
+    torch.testing.assert_close(res[0][0], ref, rtol=1e-4, atol=1e-6)
+
+
+def test_tracked_adam_owes_nothing_in_raw_units():
+    """Sparse steps, P=3, no momentum masking: every raw gradient fed (with its momentum)
+    equals what out delivered, each step in the units of that step's preconditioner, plus what
+    the ranks still owe in the current units: the rescaling of the residual loses nothing."""
+    P, steps = 3, 8
+    res = LocalCluster(P).run(_tracked_body, steps, 0.05, None, None, None, False)
+    b1 = 0.9
+    fed = torch.zeros_like(res[0][2][0], dtype=torch.float64)
+    for r in range(P):
+        u = torch.zeros_like(fed)
+        for g in res[r][2]:
+            u = b1 * u + g.double()
+            fed += u
+    delivered = sum(P * o.double() * d.double() for o, d in zip(res[0][1], res[0][3]))
+    owed = sum(res[r][5].residual.double() for r in range(P)) * res[0][3][-1].double()
+    torch.testing.assert_close(delivered + owed, fed, rtol=1e-5, atol=1e-6)
+    assert int((res[0][1][-1] != 0).sum()) < res[0][1][-1].numel()   # the steps were sparse
+
+
+def test_tracked_adam_replicas_identical_resume_bit_exact_and_bytes_counted():
+    P, steps, cut = 3, 10, 6
+    full = LocalCluster(P).run(_tracked_body, steps, 0.05, cut)
+    for r in range(1, P):
+        assert torch.equal(full[r][0], full[0][0])
+        assert all(torch.equal(a, b) for a, b in zip(full[r][3], full[0][3]))
+    sar = full[0][5]
+    words = sar._adam.stats.numel()
+    assert words == 32 + 16 + 32 + 4 + 32 + 4        # (rows + cols) per matrix, bias whole
+    assert sar.stats["adam_stat_bytes"] == 2 * (P - 1) * 4 * words // P
+    assert sar.stats["bytes_sent"] > sar.stats["adam_stat_bytes"]
+    states = [f[4] for f in full]
+    resumed = LocalCluster(P).run(_tracked_body, steps, 0.05, cut, states)
+    assert torch.equal(resumed[0][0], full[0][0])
+    bad = dict(states[0]["sar"])
+    bad["_extra_state"] = dict(bad["_extra_state"], tracked_adam={"t": 3, "stats": torch.zeros(5)})
+    with pytest.raises(ValueError, match="tracked-variance state"):
+        full[0][5].load_state_dict(bad)
+
+
+def test_tracked_adam_nonfinite_step_keeps_the_variance():
+    P, steps, nan_at = 2, 5, 2
+    res = LocalCluster(P).run(_tracked_body, steps, 0.1, None, None, nan_at)
+    assert torch.equal(res[0][0], res[1][0])
+    assert torch.isfinite(res[0][0]).all() and torch.isfinite(res[0][5]._adam.stats).all()
+    assert torch.isnan(res[0][1][nan_at]).all()
+    hist = res[0][6]
+    assert torch.equal(hist[nan_at], hist[nan_at - 1])      # the NaN step left v as it was
+    assert not torch.equal(hist[nan_at + 1], hist[nan_at])  # and the next step moved it again
+
+
+def test_adam_mode_errors():
+    comm = LocalCluster(1).communicator(0)
+    p = [torch.nn.Parameter(torch.zeros(4))]
+    with pytest.raises(ValueError, match="'frozen' or 'tracked'"):
+        SparseAllreduce(p, comm=comm, adam="fast", momentum=0.9)
+    with pytest.raises(ValueError, match="momentum"):
+        SparseAllreduce(p, comm=comm, adam="tracked")
+    with pytest.raises(ValueError, match="parameters"):
+        SparseAllreduce(4, comm=comm, adam="tracked", momentum=0.9)
+    sar = SparseAllreduce(p, comm=comm, adam="tracked", momentum=0.9)
+    with pytest.raises(ValueError, match="beta1"):
+        sar.reduce_adam(torch.optim.AdamW(p, betas=(0.8, 0.95)))
+
+
 # -- density schedule (Deep Gradient Compression's sparsity warm-up) ---------------------------
 from oktopk_triton.techniques import DensitySchedule  # noqa: E402
 
