@@ -34,7 +34,7 @@ import torch
 from .algorithms import get_algorithm
 from .algorithms.base import FLOAT_DTYPES, Algorithm
 from .comm.base import Communicator
-from .techniques import DensitySchedule, FrozenAdam, build_adam
+from .techniques import DensitySchedule, FrozenAdam
 
 __all__ = ["SparseAllreduce"]
 
@@ -67,7 +67,7 @@ class SparseAllreduce(torch.nn.Module):
             algorithms, off for ``dense``; zeroes the velocity of the entries a step
             delivered, as Deep Gradient Compression does). ``SparseAllreduce`` also takes
             ``density_schedule`` (see :class:`~oktopk_triton.techniques.DensitySchedule`) and
-            ``adam="frozen"`` or ``adam="tracked"`` (for :meth:`reduce_adam`).
+            ``adam="frozen"`` (for :meth:`reduce_adam`).
     """
 
     def __init__(self, numel_or_params: Union[int, Iterable[torch.Tensor], torch.nn.Module],
@@ -115,7 +115,7 @@ class SparseAllreduce(torch.nn.Module):
         if device is None:
             device = comm.device
         self.comm = comm
-        adam = options.pop("adam", None)             # techniques.build_adam (reduce_adam)
+        adam = options.pop("adam", None)             # techniques.FrozenAdam (reduce_adam)
         # techniques.DensitySchedule: one reducer per stage, each taking over the last's state
         self._schedule = DensitySchedule.build(options.pop("density_schedule", None), density)
         self._cls = cls
@@ -131,6 +131,7 @@ class SparseAllreduce(torch.nn.Module):
         self._params = params
         self._flat: Optional[torch.Tensor] = None
         self._before: Optional[List[torch.Tensor]] = None   # reduce_updates' weight snapshot
+        self._adam = FrozenAdam.build(adam, self.algorithm, params)
         if params is not None:
             dtypes = {p.dtype for p in params}
             self._flat_dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
@@ -139,7 +140,6 @@ class SparseAllreduce(torch.nn.Module):
             for p in params:
                 self._offsets.append(off)
                 off += p.numel()
-        self._adam = build_adam(adam, self)
 
     # -- the reduction ---------------------------------------------------------------------------
     def forward(self, flat_grad: torch.Tensor, scale: Any = None) -> torch.Tensor:
@@ -266,15 +266,12 @@ class SparseAllreduce(torch.nn.Module):
         return flat
 
     def reduce_adam(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-        """AdamW on the preconditioned gradient reduced sparsely: with ``adam="frozen"`` a dense
-        warm-up, then the variance frozen (:class:`~oktopk_triton.techniques.FrozenAdam`); with
-        ``adam="tracked"`` the variance tracked every step from factored statistics averaged
-        over ranks (:class:`~oktopk_triton.techniques.TrackedAdam`). Replaces
-        ``optimizer.step()``, whose hyper-parameters (lr, betas, eps, weight_decay) it reads; the
-        optimizer's own state is unused."""
+        """AdamW with a dense warm-up, then frozen variance and the preconditioned gradient
+        reduced sparsely (build with ``adam="frozen"``; see :class:`~oktopk_triton.techniques.
+        FrozenAdam`). Replaces ``optimizer.step()``, whose hyper-parameters (lr, betas, eps,
+        weight_decay) it reads; the optimizer's own state is unused."""
         if self._adam is None:
-            raise RuntimeError("reduce_adam needs a SparseAllreduce built with adam='frozen' or "
-                               "adam='tracked'")
+            raise RuntimeError("reduce_adam needs a SparseAllreduce built with adam='frozen'")
         self._advance()
         return self._adam.step(self, optimizer)
 
@@ -296,7 +293,7 @@ class SparseAllreduce(torch.nn.Module):
     def get_extra_state(self) -> Dict[str, Any]:
         sd = self.algorithm.state_dict()
         if self._adam is not None:
-            sd[self._adam_key()] = self._adam.state_dict()
+            sd["frozen_adam"] = self._adam.state_dict()
         return sd
 
     def set_extra_state(self, state: Dict[str, Any]) -> None:
@@ -304,14 +301,10 @@ class SparseAllreduce(torch.nn.Module):
             self._switch(float(state["density"]))    # the stage the state was saved in
         self.algorithm.load_state_dict(state)
         if self._adam is not None:
-            key = self._adam_key()
-            if key not in state:
-                raise ValueError(f"SparseAllreduce: built with adam={key.split('_')[0]!r} but the "
-                                 f"state holds no {key} entry")
-            self._adam.load_state_dict(state[key])
-
-    def _adam_key(self) -> str:
-        return "frozen_adam" if isinstance(self._adam, FrozenAdam) else "tracked_adam"
+            if "frozen_adam" not in state:
+                raise ValueError("SparseAllreduce: built with adam='frozen' but the state holds "
+                                 "no frozen_adam entry")
+            self._adam.load_state_dict(state["frozen_adam"])
 
     def extra_repr(self) -> str:
         return (f"numel={self.numel}, density={self.density:g}, algorithm={self.algorithm_name!r}, "

@@ -116,10 +116,9 @@ def resolve_reduce(cfg: Dict[str, Any], algorithm: str) -> str:
 
 class _LMReducer:
     """How one language-model run averages over ranks: a :class:`SparseAllreduce` mode
-    (``gradients``, ``updates``, ``adam`` or ``adam-tracked``; dense is ``gradients`` at
-    density 1), or one of torch's DDP compression hooks (``powersgd``, ``bf16``;
-    bench/baselines.py), which average the gradients during backward. ``reduce()`` returns the
-    flat vector applied this step."""
+    (``gradients``, ``updates`` or ``adam``; dense is ``gradients`` at density 1), or one of
+    torch's DDP compression hooks (``powersgd``, ``bf16``; bench/baselines.py), which average
+    the gradients during backward. ``reduce()`` returns the flat vector applied this step."""
 
     def __init__(self, cfg, algorithm: str, model, params, comm, device) -> None:
         from .. import SparseAllreduce
@@ -139,13 +138,11 @@ class _LMReducer:
             return
         self.opt, options, self.density = sparse_setup(cfg, algorithm, model)
         mode = resolve_reduce(cfg, algorithm)
-        if mode.startswith("adam") and algorithm == "dense":
+        if mode == "adam" and algorithm == "dense":
             mode = "gradients"   # the baseline stays plain data-parallel AdamW
-        if mode.startswith("adam"):   # techniques: beta1 is the reducer's momentum correction
-            kind = "tracked" if mode == "adam-tracked" else "frozen"
-            options.update(adam=kind, momentum=float(cfg.get("betas", (0.9, 0.95))[0]))
-            if kind == "frozen":
-                options.setdefault("warmup_steps", max(1, int(round(0.2 * cfg["steps"]))))
+        if mode == "adam":   # techniques.FrozenAdam: beta1 is the reducer's momentum correction
+            options.update(adam="frozen", momentum=float(cfg.get("betas", (0.9, 0.95))[0]))
+            options.setdefault("warmup_steps", max(1, int(round(0.2 * cfg["steps"]))))
         self.mode = mode
         self.sar = SparseAllreduce(params, comm=comm, density=self.density, algorithm=algorithm,
                                    **options)
@@ -167,7 +164,7 @@ class _LMReducer:
         if self.hook:
             self.hook.finish_step()
             return self.hook.averaged_gradient(self.params)
-        if self.mode.startswith("adam"):
+        if self.mode == "adam":
             return self.sar.reduce_adam(self.opt)
         if self.mode == "updates":
             # this rank's AdamW steps on its own gradient; the reducer averages the updates

@@ -166,8 +166,7 @@ def _add_gpt_arguments(g) -> None:
                    help="default: sgd for cnn/mlp, adamw for gpt")
     g.add_argument("--warmup-fraction", type=A.fraction, default=GPT_DEFAULTS["warmup_fraction"],
                    help="gpt: linear warm-up over this fraction of the steps, then cosine decay")
-    g.add_argument("--reduce", choices=["auto", "gradients", "updates", "adam", "adam-tracked"],
-                   default="auto",
+    g.add_argument("--reduce", choices=["auto", "gradients", "updates", "adam"], default="auto",
                    help="what the sparse reducer averages. gradients: the optimizer steps on the "
                         "reduced gradient (SparseAllreduce.reduce_gradients). updates: each "
                         "rank's optimizer steps on its own gradient and the reducer averages the "
@@ -176,9 +175,7 @@ def _add_gpt_arguments(g) -> None:
                         "algorithm under adamw, gradients otherwise (dense stays plain "
                         "data-parallel AdamW, the baseline users run). adam: dense AdamW for "
                         "warmup_steps (default 20%% of steps), then frozen variance and the "
-                        "preconditioned gradient reduced sparsely (SparseAllreduce.reduce_adam). "
-                        "adam-tracked: no dense warm-up, the variance tracked every step from "
-                        "factored g² statistics averaged over ranks (adam='tracked')")
+                        "preconditioned gradient reduced sparsely (SparseAllreduce.reduce_adam)")
     g.add_argument("--powersgd-start", type=A.positive_int, default=None,
                    help="--algorithms powersgd: dense allreduce steps before compressing "
                         "(torch's start_powerSGD_iter; default 2%% of --steps, at least 2)")
