@@ -336,6 +336,7 @@ def plot(out_png: str, merged: str, extra: List[str] = ()) -> None:
             if curve is None:
                 continue
             ax.plot(curve[0], curve[1], marker="os^vD<>"[k % 7], markersize=3,
+                    color=f"C{k % 10}",     # one colour per algorithm on every panel
                     label=f"{alg} ({len(sel)} seed{'s' if len(sel) > 1 else ''})")
         for item in extra:
             label, spec = item.split("=", 1)
