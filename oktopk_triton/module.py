@@ -33,7 +33,7 @@ import torch
 
 from .algorithms import get_algorithm
 from .algorithms.base import FLOAT_DTYPES, Algorithm
-from .comm.base import Communicator
+from .comm.base import Communicator, resolve_device
 from .techniques import DensitySchedule, FrozenAdam
 
 __all__ = ["SparseAllreduce"]
@@ -104,13 +104,13 @@ class SparseAllreduce(torch.nn.Module):
             if any(p.device != pdev for p in params):
                 raise ValueError("SparseAllreduce: all parameters must be on one device, got "
                                  f"{sorted({str(p.device) for p in params})}")
-            if device is not None and torch.device(device) != pdev:
+            if device is not None and resolve_device(device) != pdev:
                 raise ValueError(f"SparseAllreduce: device={device} but the parameters are "
                                  f"on {pdev}")
             device = pdev
             numel = sum(p.numel() for p in params)
         if comm is None:
-            comm = _default_communicator(torch.device(device) if device is not None
+            comm = _default_communicator(resolve_device(device) if device is not None
                                          else torch.device("cpu"))
         if device is None:
             device = comm.device
@@ -119,7 +119,7 @@ class SparseAllreduce(torch.nn.Module):
         # techniques.DensitySchedule: one reducer per stage, each taking over the last's state
         self._schedule = DensitySchedule.build(options.pop("density_schedule", None), density)
         self._cls = cls
-        self._build = dict(device=torch.device(device), check_finite=check_finite, **options)
+        self._build = dict(device=resolve_device(device), check_finite=check_finite, **options)
         first = self._schedule.density_at(0) if self._schedule else density
         self.algorithm: Algorithm = cls(numel, comm, first, **self._build)
         self.algorithm_name = self.algorithm.name

@@ -88,3 +88,23 @@ def test_baselines_are_named_not_in_all():
     assert run == ["dense", "powersgd", "bf16"]
     with pytest.raises(ValueError, match="baseline must be one of"):
         B.HookBaseline(torch.nn.Linear(2, 2), "fp8")
+
+
+def test_powersgd_hook_skips_cuda_sync_of_cpu_buckets(monkeypatch):
+    """torch's hook synchronises ``bucket.device`` whenever CUDA is available, which raised for
+    the CPU buckets of a gloo run on a GPU machine; a CUDA device is still synchronised."""
+    from oktopk_triton.bench.baselines import powersgd_module
+    psgd = powersgd_module()
+    calls = []
+
+    def sync(device=None):
+        if torch.device(device).type != "cuda":
+            raise ValueError(f"Expected a cuda device, but got: {device}")
+        calls.append(device)
+    monkeypatch.setattr(torch.cuda, "synchronize", sync)
+    psgd.torch.cuda.synchronize(torch.device("cpu"))
+    psgd.torch.cuda.synchronize(torch.device("cuda", 0))
+    assert calls == [torch.device("cuda", 0)]
+    assert psgd.torch.randn is torch.randn
+    assert psgd.torch.cuda.is_available is torch.cuda.is_available
+    assert powersgd_module() is psgd

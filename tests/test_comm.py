@@ -512,3 +512,16 @@ def test_mismatched_buffers_raise_clear_errors_on_every_rank(P):
     # validated before any rank communicates, so no rank waits on a peer that gave up
     out = LocalCluster(P, timeout=10).run(_mismatched_buffers)
     assert out == [["TypeError", "TypeError", "ValueError", "ValueError"]] * P
+
+
+# -- a bare "cuda" names the current device ----------------------------------------------------
+def test_resolve_device_pins_bare_cuda(monkeypatch):
+    """``cuda`` and ``cuda:0`` are unequal torch devices: a reducer built with device="cuda" once
+    refused the gradients made on it ("gradient is on cuda:0, expected cuda", seen on an H100)."""
+    from oktopk_triton.comm.base import resolve_device
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    assert resolve_device("cuda") == torch.device("cuda", 2)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)

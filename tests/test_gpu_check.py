@@ -47,6 +47,7 @@ def test_dry_run_command_list(gc, tmp_path, capsys):
     assert cmds["mps-stop"].startswith("echo quit | nvidia-cuda-mps-control")
     assert "CUDA_MPS_PIPE_DIRECTORY=/tmp/" in text and "CUDA_MPS_LOG_DIRECTORY=/tmp/" in text
     assert "-m pytest" in cmds["tests"] and "'not slow'" in cmds["tests"]
+    assert " -n 8 " in cmds["tests"]                     # xdist workers: serial took > 100 s
     assert "tests/test_kernel_selection.py" in cmds["tests"]
     assert cmds["compile-check"].endswith("-m oktopk_triton.kernels._compile_check")
     # the same stages from build_stages: flags and sizes

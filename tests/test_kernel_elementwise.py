@@ -74,3 +74,18 @@ def test_fill_if(n, dtype):
     assert K.counters()["bytes"] == before["bytes"]
     with pytest.raises(ValueError):
         K.fill_if(torch.zeros(4, 4).t(), torch.zeros((), dtype=torch.int32), 0.0)
+
+
+
+def test_fill_if_torch_path_reads_no_flag_on_the_host(monkeypatch):
+    """The torch path once read the flag with int() on CPU tensors: a host read in every steady
+    step of the path shared with the GPU (caught by the step tests on an H100)."""
+    def forbid(self, *args, **kwargs):
+        raise AssertionError("host read of a tensor value")
+    for attr in ("item", "__bool__", "__int__", "__float__", "__index__", "tolist"):
+        monkeypatch.setattr(torch.Tensor, attr, forbid)
+    out = torch.ones(5)
+    K.fill_if(out, torch.zeros((), dtype=torch.int32), 7.0, backend="torch")
+    assert torch.equal(out, torch.ones(5))
+    K.fill_if(out, torch.ones(1, dtype=torch.int32), 7.0, backend="torch")
+    assert torch.equal(out, torch.full((5,), 7.0))

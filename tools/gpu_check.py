@@ -66,8 +66,11 @@ CUDA_TEST_FILES = ("test_kernel_selection.py", "test_kernel_histogram.py",
 # collectives runs: (P, n)
 COLLECTIVE_RUNS = ((4, 1 << 26), (8, 1 << 25))
 DENSITY = 0.01
-TIMEOUTS = {"install": 20, "mps-start": 5, "tests": 100, "compile-check": 30, "kernels": 70,
-            "collectives-p4": 110, "collectives-p8": 110, "ddp": 75, "mps-stop": 5}
+# measured on an H100 (2026-11-25): tests 115 s with 8 workers (more than 100 s with one), kernels
+# 21 s, collectives 100 s at P=4 and 66 s at P=8, ddp 68 s
+TIMEOUTS = {"install": 20, "mps-start": 5, "tests": 150, "compile-check": 30, "kernels": 50,
+            "collectives-p4": 110, "collectives-p8": 80, "ddp": 75, "mps-stop": 5}
+TEST_WORKERS = 8                   # pytest-xdist workers on the GPU machine (16 cores there)
 
 
 @dataclass
@@ -102,7 +105,8 @@ def build_stages(out_dir: str, date: str, python: str = sys.executable,
         Stage("mps-start", [MPS_CONTROL, "-d"], t("mps-start"),
               note="only when no MPS daemon is running on CUDA_MPS_PIPE_DIRECTORY"),
         Stage("tests", [python, "-m", "pytest", "-q", "-ra", "-m", "not slow", "-p",
-                        "no:cacheprovider", "--durations=15", *test_files()], t("tests")),
+                        "no:cacheprovider", "-n", str(TEST_WORKERS), "--durations=15",
+                        *test_files()], t("tests")),
         Stage("compile-check", [python, "-m", "oktopk_triton.kernels._compile_check"],
               t("compile-check")),
         Stage("kernels", [*bench, "kernels", "--json", out(f"gpu-kernels-{date}.json")],
@@ -211,7 +215,7 @@ def check_tools(stages: List[Stage], python: str, env: Dict[str, str]) -> List[s
     device, the MPS control binary, and the benchmark flags against this checkout's parsers
     (one interpreter checks all of them)."""
     missing: List[str] = []
-    mods = ["torch", "triton", "numpy", "pytest", "cupy", "cupy.cuda.nccl", "pip"]
+    mods = ["torch", "triton", "numpy", "pytest", "xdist", "cupy", "cupy.cuda.nccl", "pip"]
     benches = {st.name: st.argv[3:] for st in stages if st.bench is not None}
     try:
         p = subprocess.run([python, "-c", _CHECK_SCRIPT, json.dumps(mods), json.dumps(benches)],

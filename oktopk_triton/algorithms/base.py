@@ -48,7 +48,7 @@ from typing import Any, ClassVar, Dict, Optional
 import torch
 
 from .. import kernels as K
-from ..comm.base import Communicator
+from ..comm.base import Communicator, resolve_device
 
 __all__ = ["Algorithm", "FLOAT_DTYPES"]
 
@@ -106,7 +106,7 @@ class Algorithm(abc.ABC):
         self.comm = comm
         self.P = comm.world_size
         self.rank = comm.rank
-        self.device = torch.device(device) if device is not None else comm.device
+        self.device = resolve_device(device if device is not None else comm.device)
         self.density = float(density)
         self.k = max(1, min(numel, int(round(self.density * numel))))
         self.check_finite = check_finite

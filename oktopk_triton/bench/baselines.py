@@ -26,6 +26,37 @@ from torch import nn
 BASELINES = ("powersgd", "bf16")
 
 
+class _CudaForCpuBuckets:
+    """``torch.cuda`` as torch's PowerSGD hook sees it: ``synchronize(device)`` of a CPU device
+    does nothing. The hook calls ``torch.cuda.synchronize(bucket.device)`` whenever CUDA is
+    available, which raises for the CPU buckets of a gloo run on a machine with a GPU."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        if device is not None and torch.device(device).type == "cpu":
+            return
+        torch.cuda.synchronize(device)
+
+
+class _TorchForPowerSGD:
+    """``torch`` with ``cuda`` replaced by ``_CudaForCpuBuckets``, for the hook's module only."""
+    cuda = _CudaForCpuBuckets()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def powersgd_module():
+    """torch's ``powerSGD_hook`` module, made safe for CPU buckets where CUDA is available."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+    if not isinstance(psgd.torch, _TorchForPowerSGD):
+        psgd.torch = _TorchForPowerSGD()
+    return psgd
+
+
 class _CountingDist:
     """``torch.distributed`` with ``all_reduce`` counted into ``counter["bytes_sent"]``."""
 
@@ -110,8 +141,8 @@ class HookBaseline:
     def __init__(self, model: nn.Module, kind: str, *, rank: int = 1, start_iter: int = 2,
                  device: torch.device = torch.device("cpu")) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
         from torch.nn.parallel import DistributedDataParallel as DDP
+        psgd = powersgd_module()
         if kind not in BASELINES:
             raise ValueError(f"baseline must be one of {BASELINES}, got {kind!r}")
         self.kind, self.rank = kind, rank

@@ -279,8 +279,8 @@ def _powersgd_one_bucket_at_a_time(state, bucket):
     buckets in flight on gloo these interleave in a different order on different ranks and the
     group deadlocks (seen here: 4 x Linear(64, 64) in 10 kB buckets, 2 ranks). Waiting keeps one
     order; on gloo the sparse hook is synchronous too. NCCL runs the plain hook."""
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
-    fut = psgd.powerSGD_hook(state, bucket)
+    from .baselines import powersgd_module
+    fut = powersgd_module().powerSGD_hook(state, bucket)
     fut.wait()
     return fut
 
@@ -378,7 +378,8 @@ def _register_hook(ddp, spec: Dict[str, Any], cfg: Dict[str, Any], cuda: bool, g
         ddp.register_comm_hook(None, fp16_compress_hook)
         counter = _AllreduceCounter(P)
     elif hook == "powersgd":
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+        from .baselines import powersgd_module
+        psgd = powersgd_module()
         state = psgd.PowerSGDState(process_group=None,
                                    matrix_approximation_rank=cfg["powersgd_rank"],
                                    start_powerSGD_iter=cfg["powersgd_start_iter"],

@@ -41,6 +41,15 @@ class CommTimeout(CommError):
     """Raised when a peer did not arrive within the communicator's timeout."""
 
 
+def resolve_device(device) -> torch.device:
+    """``torch.device(device)`` with a bare ``"cuda"`` pinned to the current CUDA device, so that
+    it compares equal to the device of the tensors made on it (``cuda:0 != cuda``)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
 def tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 

@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .base import CommAborted, CommError, CommTimeout, Communicator
+from .base import CommAborted, CommError, CommTimeout, Communicator, resolve_device
 
 __all__ = ["LocalCluster", "LocalCommunicator", "SingleCommunicator"]
 
@@ -64,7 +64,7 @@ class LocalCluster:
             raise ValueError("world_size must be >= 1")
         self.world_size = int(world_size)
         self.timeout = float(timeout)
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.device = resolve_device(device if device is not None else "cpu")
         self._reset()
 
     def _reset(self) -> None:
@@ -331,7 +331,7 @@ class SingleCommunicator(Communicator):
         super().__init__()
         self.rank = 0
         self.world_size = 1
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
 
     def send_recv(self, sends, recvs) -> None:
         sends = list(sends)

@@ -12,7 +12,7 @@ from typing import Optional, Union
 
 import torch
 
-from .base import Communicator
+from .base import Communicator, resolve_device
 
 __all__ = ["default_communicator"]
 
@@ -29,9 +29,7 @@ def _cupy_available() -> bool:
 def default_communicator(device: Optional[Union[torch.device, str]] = None) -> Communicator:
     import torch.distributed as dist
 
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
-        dev = torch.device("cuda", torch.cuda.current_device())
+    dev = resolve_device(device if device is not None else "cpu")
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         from .local import SingleCommunicator
         return SingleCommunicator(dev)
