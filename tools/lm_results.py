@@ -117,8 +117,9 @@ def _all_of(reports: List[dict], key: str) -> List[str]:
 
 
 def _part_names(parts: List[str], reports: List[dict]) -> List[str]:
-    """The files merged: a merged file given as a part contributes its own parts' names."""
-    return [q for p, r in zip(parts, reports) for q in (r.get("parts") or [os.path.basename(p)])]
+    """The files merged, each once: a merged file given as a part contributes its own parts'."""
+    names = [q for p, r in zip(parts, reports) for q in (r.get("parts") or [os.path.basename(p)])]
+    return list(dict.fromkeys(names))
 
 
 def layer_table(runs: List[dict]) -> Dict[str, Dict[str, Dict[str, float]]]:
