@@ -1,8 +1,10 @@
 #!/usr/bin/env python
-"""Where a GPU kernel's time goes: torch.profiler over ``magnitude_threshold`` and
-``fused_select`` at n = 2^24..2^28 (density 1%), each kernel's device time per call.
+"""Where GPU time goes: torch.profiler over ``magnitude_threshold`` and over one steady step of
+a world of one (Ok-Topk, SparDL, dense) at n = 2^24..2^28 (density 1%): each kernel's device
+time per call, the launches, and the wall time per call (CUDA events).
 
-    python tools/gpu_profile.py [--log2 24 26 28] [--reps 20] [--json OUT]
+    python tools/gpu_profile.py [--log2 24 26 28] [--reps 20] [--steps oktopk spardl dense]
+                                [--json OUT]
 
 Prints, per size, the total device time per call and the kernels that make it, largest first.
 Needs CUDA.
@@ -17,6 +19,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from oktopk_triton import kernels as K
+from oktopk_triton.algorithms import get_algorithm
+from oktopk_triton.comm.local import SingleCommunicator
 
 
 def kernel_table(fn, reps: int):
@@ -48,6 +52,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--log2", type=int, nargs="+", default=[24, 26, 28])
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--steps", nargs="*", default=["oktopk", "spardl", "dense"],
+                    help="algorithms whose steady step (P = 1) is profiled")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -60,6 +66,9 @@ def main(argv=None) -> int:
         g = torch.Generator(device="cuda").manual_seed(0)
         x = torch.randn(n, device="cuda", generator=g)
         cases = {"magnitude_threshold": lambda x=x, k=k: K.magnitude_threshold(x, k)}
+        for name in a.steps:
+            alg = get_algorithm(name)(n, SingleCommunicator("cuda"), 0.01)
+            cases[f"{name} step, P=1"] = lambda alg=alg, x=x: alg(x)
         for name, fn in cases.items():
             rows, wall = kernel_table(fn, a.reps)
             busy = sum(r[1] for r in rows) / 1e3
