@@ -7,7 +7,7 @@
 __version__ = "0.1.0"
 
 __all__ = ["SparseAllreduce", "LocalCluster", "TorchCommunicator", "NcclCommunicator",
-           "Communicator", "get_algorithm", "shutdown", "__version__"]
+           "Communicator", "GraphedStep", "get_algorithm", "shutdown", "__version__"]
 
 
 def __getattr__(name):  # lazy: importing the package stays cheap and never needs cupy
@@ -17,6 +17,9 @@ def __getattr__(name):  # lazy: importing the package stays cheap and never need
     if name in ("LocalCluster", "TorchCommunicator", "NcclCommunicator", "Communicator"):
         from . import comm
         return getattr(comm, name)
+    if name == "GraphedStep":
+        from .graph import GraphedStep
+        return GraphedStep
     if name == "shutdown":
         from .teardown import shutdown
         return shutdown

@@ -4,7 +4,9 @@ a world of one (Ok-Topk, SparDL, dense) at n = 2^24..2^28 (density 1%): each ker
 time per call, the launches, and the wall time per call (CUDA events).
 
     python tools/gpu_profile.py [--log2 24 26 28] [--reps 20] [--steps oktopk spardl dense]
-                                [--json OUT]
+                                [--graph] [--json OUT]
+
+``--graph`` adds each step captured in a CUDA graph and replayed (``oktopk_triton.graph``).
 
 Prints, per size, the total device time per call and the kernels that make it, largest first.
 Needs CUDA.
@@ -21,6 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 from oktopk_triton import kernels as K
 from oktopk_triton.algorithms import get_algorithm
 from oktopk_triton.comm.local import SingleCommunicator
+from oktopk_triton.graph import GraphedStep
 
 
 def kernel_table(fn, reps: int):
@@ -54,6 +57,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--steps", nargs="*", default=["oktopk", "spardl", "dense"],
                     help="algorithms whose steady step (P = 1) is profiled")
+    ap.add_argument("--graph", action="store_true",
+                    help="also time each step replayed from a CUDA graph")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -69,6 +74,11 @@ def main(argv=None) -> int:
         for name in a.steps:
             alg = get_algorithm(name)(n, SingleCommunicator("cuda"), 0.01)
             cases[f"{name} step, P=1"] = lambda alg=alg, x=x: alg(x)
+            if a.graph:
+                graphed = GraphedStep(get_algorithm(name)(n, SingleCommunicator("cuda"), 0.01))
+                for _ in range(graphed.eager_steps + 2):      # eager, capture, one replay
+                    graphed(x)
+                cases[f"{name} step, P=1, CUDA graph"] = lambda st=graphed, x=x: st(x)
         for name, fn in cases.items():
             rows, wall = kernel_table(fn, a.reps)
             busy = sum(r[1] for r in rows) / 1e3

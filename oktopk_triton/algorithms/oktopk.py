@@ -270,7 +270,7 @@ class OkTopk(Algorithm):
                                                     end=n * (j + 1) // P, backend=be)
                               for j in range(P)])
         th = torch.where(th > 0, th, _smallest_positive(acc).expand(P))
-        self.th_rows = self._keep_if_nonfinite(th.contiguous(), self.th_rows, nonfinite)
+        self.th_rows.copy_(self._keep_if_nonfinite(th.contiguous(), self.th_rows, nonfinite))
 
     def _sample_threshold(self, grad: torch.Tensor, nonfinite: Optional[torch.Tensor]) -> None:
         """Rank mode: the rank threshold from THIS step's acc at ``threshold_sample`` fixed
@@ -288,7 +288,7 @@ class OkTopk(Algorithm):
         x = torch.topk(acc, self._sample_k, sorted=False).values.min()
         x = torch.where(x > 0, x, self.th_rows.min())      # an all-zero sample keeps the old
         th = torch.maximum(x.expand(self.P), self._cap_rows).contiguous()
-        self.th_rows = self._keep_if_nonfinite(th, self.th_rows, nonfinite)
+        self.th_rows.copy_(self._keep_if_nonfinite(th, self.th_rows, nonfinite))
 
     def _velocity_preview(self, grad: torch.Tensor) -> torch.Tensor:
         """What fused_select will accumulate: grad, or (u·m) + grad with momentum correction."""
@@ -422,7 +422,7 @@ class OkTopk(Algorithm):
             # would keep entries by position)
             cap = self._threshold_at(self._hist, self.th_rows,
                                      torch.full_like(self.row_target, self.cap_s * _STAGE_FILL))
-            self._cap_rows = cap
+            self._cap_rows.copy_(cap)
             if self._sample_idx is not None:   # the next step samples its own threshold
                 th, target = self.th_rows, self.row_target
             else:
@@ -450,10 +450,12 @@ class OkTopk(Algorithm):
         empty = irow_cnt.sum() == 0
         if nonfinite is not None:
             empty = empty | (nonfinite > 0)
-        self.region_offsets = torch.where(empty, self.region_offsets, new_offs)
-        self.th_rows = self._keep_if_nonfinite(th, self.th_rows, nonfinite)
-        self.row_target = self._keep_if_nonfinite(target, self.row_target, nonfinite)
-        self.th_global = self._keep_if_nonfinite(th_g, self.th_global, nonfinite)
+        # the state is updated in place: it keeps its storage from step to step, so a CUDA
+        # graph of a steady step (oktopk_triton.graph) reads and writes the same memory on replay
+        self.region_offsets.copy_(torch.where(empty, self.region_offsets, new_offs))
+        self.th_rows.copy_(self._keep_if_nonfinite(th, self.th_rows, nonfinite))
+        self.row_target.copy_(self._keep_if_nonfinite(target, self.row_target, nonfinite))
+        self.th_global.copy_(self._keep_if_nonfinite(th_g, self.th_global, nonfinite))
 
         s64 = self._stage.counts.to(torch.int64)
         local = s64.sum()

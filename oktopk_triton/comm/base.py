@@ -84,11 +84,15 @@ class Communicator(abc.ABC):
         bytes_sent: cumulative bytes this rank has put on the wire (see the module docstring).
         collectives_issued: cumulative number of primitives issued with P > 1 (a grouped
             ``send_recv`` batch counts as one; ``barrier`` is not counted).
+        graph_capturable: every primitive only enqueues work on the current CUDA stream, so a
+            step can be captured in a CUDA graph (``oktopk_triton.graph``); False where a
+            primitive synchronises in Python (threads, gloo).
     """
 
     rank: int
     world_size: int
     device: torch.device
+    graph_capturable: bool = False
 
     def __init__(self) -> None:
         self.bytes_sent = 0

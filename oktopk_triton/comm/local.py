@@ -327,6 +327,8 @@ class LocalCommunicator(Communicator):
 class SingleCommunicator(Communicator):
     """A world of one: every primitive is a local copy or a no-op; ``bytes_sent`` stays 0."""
 
+    graph_capturable = True     # copies and no-ops on the current stream
+
     def __init__(self, device: torch.device | str = "cpu") -> None:
         super().__init__()
         self.rank = 0

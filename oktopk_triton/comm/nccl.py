@@ -141,6 +141,8 @@ class NcclCommunicator(Communicator):
         poll_interval: seconds between two checks of the watchdog.
     """
 
+    graph_capturable = True     # NCCL calls on torch's current stream, nothing in Python
+
     def __init__(self, rank: int, world_size: int, unique_id, device=None, *,
                  timeout: Optional[float] = 600.0,
                  peers: Optional[Sequence[PeerIdentity]] = None,
@@ -300,8 +302,10 @@ class NcclCommunicator(Communicator):
         self._raise_if_failed()
 
     def _track(self, what: str) -> None:
-        """Record an event after the primitive just enqueued, for the watchdog's timeout."""
-        if self._watchdog is None:
+        """Record an event after the primitive just enqueued, for the watchdog's timeout. Not
+        while a CUDA graph is being captured (the watchdog's query of such an event, from its
+        thread, would break the capture): replays of a graph are not tracked."""
+        if self._watchdog is None or torch.cuda.is_current_stream_capturing():
             return
         ev = self._spare_events.popleft() if self._spare_events else torch.cuda.Event()
         ev.record(torch.cuda.current_stream(self.device))

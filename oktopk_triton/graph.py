@@ -1,0 +1,115 @@
+"""``GraphedStep``: replay a captured CUDA graph of an algorithm's steady step.
+
+Why: on an H100 one steady Ok-Topk step is 269 kernel launches, and launching them is most of
+its time (n = 2^26, one rank: 4.88 ms a step with the kernels busy 1.91 ms;
+``bench/results/gpu-profile-steps-2026-11-25.json``). A steady step has static sizes, reads
+nothing on the host and updates its state in place, so it can be captured once and replayed as
+one launch.
+
+    step = GraphedStep(algorithm)          # after building it; CUDA tensors, NCCL or one rank
+    for batch in loader:
+        ...backward...
+        out = step(flat_grad)              # the same tensor every step: use it before the next
+
+1. The first ``eager_steps`` calls run eagerly (calibration, Triton compilation and the
+   allocator settle there), and so do the algorithm's dense ``warmup_steps``; the next call is
+   captured, then every call replays it. ``reset()`` drops the graph (after loading a state:
+   ``SparseAllreduce`` does it), and the next calls run eagerly and capture again.
+2. ``out`` is the graph's static output: read or copy it before the next call.
+3. What a replay cannot do, it refuses: a loss scale (pass ``scale`` to the algorithm itself),
+   a gradient of another size, dtype or device, a communicator that synchronises in Python
+   (``LocalCluster`` threads, gloo). Counters that live in Python (``step_count``,
+   ``comm.bytes_sent``) advance by the captured step's amounts on every replay, and
+   ``algorithm.stats`` holds the captured step's tensors, which each replay rewrites.
+4. An algorithm that runs dense steps later (``warmup_steps`` beyond ``eager_steps``) or a
+   density schedule changes what a step does: capture after those, or do not graph.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from .algorithms.base import Algorithm
+
+EAGER_STEPS = 3
+
+
+class GraphedStep:
+    """One captured steady step of ``algorithm``, replayed on every call after ``eager_steps``.
+
+    ``graph_factory`` and ``capture`` default to ``torch.cuda.CUDAGraph`` and
+    ``torch.cuda.graph``; tests pass stand-ins to check the bookkeeping without a GPU."""
+
+    def __init__(self, algorithm: Algorithm, *, eager_steps: int = EAGER_STEPS,
+                 graph_factory: Optional[Callable[[], Any]] = None,
+                 capture: Optional[Callable[[Any], Any]] = None) -> None:
+        if not isinstance(algorithm, Algorithm):
+            raise TypeError(f"GraphedStep: expected an Algorithm, got {type(algorithm).__name__}")
+        if isinstance(eager_steps, bool) or not isinstance(eager_steps, int) or eager_steps < 1:
+            raise ValueError(f"GraphedStep: eager_steps must be an int >= 1, got {eager_steps!r}")
+        fake = graph_factory is not None
+        if not fake and algorithm.device.type != "cuda":
+            raise ValueError(f"GraphedStep: needs CUDA tensors, the algorithm runs on "
+                             f"{algorithm.device}")
+        if not getattr(algorithm.comm, "graph_capturable", False):
+            raise ValueError(f"GraphedStep: {type(algorithm.comm).__name__} synchronises in "
+                             "Python and cannot be captured; use NCCL (NcclCommunicator) or one "
+                             "rank")
+        self.algorithm = algorithm
+        self.eager_steps = eager_steps
+        self._graph_factory = graph_factory or torch.cuda.CUDAGraph
+        self._capture = capture or torch.cuda.graph
+        self._graph: Any = None
+        self._grad: Optional[torch.Tensor] = None      # the static input
+        self._out: Optional[torch.Tensor] = None       # the static output
+        self._calls = 0
+        self._step_delta = 0
+        self._bytes_delta = 0
+
+    @property
+    def captured(self) -> bool:
+        return self._graph is not None
+
+    def reset(self) -> None:
+        """Drop the captured graph: the next ``eager_steps`` calls run eagerly, then capture."""
+        self._graph = self._grad = self._out = None
+        self._calls = 0
+
+    def __call__(self, grad: torch.Tensor, scale: Any = None) -> torch.Tensor:
+        alg = self.algorithm
+        if scale is not None:
+            raise ValueError("GraphedStep: a loss scale cannot be replayed; pass scale to the "
+                             "algorithm itself and do not graph its steps")
+        self._calls += 1
+        if self._calls <= self.eager_steps or alg.step_count < alg.warmup_steps:
+            return alg(grad)
+        if self._graph is None:
+            return self._capture_step(grad)
+        if grad.shape != self._grad.shape or grad.dtype != self._grad.dtype or \
+                grad.device != self._grad.device:
+            raise ValueError(f"GraphedStep: gradient {tuple(grad.shape)} {grad.dtype} on "
+                             f"{grad.device}; the captured step takes "
+                             f"{tuple(self._grad.shape)} {self._grad.dtype} on {self._grad.device}")
+        self._grad.copy_(grad)
+        self._graph.replay()
+        alg.step_count += self._step_delta
+        alg.comm.bytes_sent += self._bytes_delta
+        return self._out
+
+    def _capture_step(self, grad: torch.Tensor) -> torch.Tensor:
+        alg = self.algorithm
+        alg.check_input(grad)
+        self._grad = grad.detach().clone()
+        steps, sent = alg.step_count, alg.comm.bytes_sent
+        self._graph = self._graph_factory()
+        with self._capture(self._graph):
+            self._out = alg(self._grad)
+        self._step_delta = alg.step_count - steps
+        self._bytes_delta = alg.comm.bytes_sent - sent
+        # capture records the step without running it: run it once for this call
+        alg.step_count, alg.comm.bytes_sent = steps, sent
+        self._graph.replay()
+        alg.step_count += self._step_delta
+        alg.comm.bytes_sent += self._bytes_delta
+        return self._out

@@ -1,0 +1,201 @@
+"""oktopk_triton.graph: a steady step captured once and replayed (CUDA graphs).
+
+On CPU: every algorithm's steady step keeps its state tensors' storage (what a replay needs),
+the replay bookkeeping against a stand-in graph that re-runs the step, and the refusals. On
+CUDA: the real capture gives the eager step's output bit for bit."""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from conservation import student_t
+from oktopk_triton.algorithms import SPARSE_ALGORITHMS, get_algorithm
+from oktopk_triton.comm.local import LocalCluster, SingleCommunicator
+from oktopk_triton.graph import GraphedStep
+
+N = 3000
+
+
+def _state(alg):
+    return {k: v for k, v in vars(alg).items() if isinstance(v, torch.Tensor)}
+
+
+def _storage_body(comm, name):
+    alg = get_algorithm(name)(N, comm, 0.02, momentum=0.9)
+    grad = student_t(seed=5)
+    for t in range(3):
+        alg(grad(comm.rank, t, N))
+    before = {k: v.data_ptr() for k, v in _state(alg).items()}
+    alg(grad(comm.rank, 3, N))
+    after = {k: v.data_ptr() for k, v in _state(alg).items()}
+    return sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+
+
+@pytest.mark.parametrize("name", ["dense", *SPARSE_ALGORITHMS])
+def test_steady_step_updates_state_in_place(name):
+    """A captured graph reads and writes fixed addresses: an attribute rebound to a new tensor
+    in a steady step (Ok-Topk's thresholds and regions once were) would freeze on replay."""
+    for P in (1, 3):
+        assert LocalCluster(P).run(_storage_body, name) == [[]] * P
+
+
+class _RerunGraph:
+    """Stands in for torch.cuda.CUDAGraph: replay() re-runs the captured step in Python."""
+
+    def __init__(self):
+        self.run = None
+
+    def replay(self):
+        self.run()
+
+
+def _rerun_capture(get_step):
+    """Stands in for torch.cuda.graph: the step inside runs, but the algorithm's state is put
+    back afterwards (a capture records kernels without running them); replay re-runs it into the
+    static output, leaving the Python counters to GraphedStep as a real replay does."""
+    @contextlib.contextmanager
+    def capture(graph):
+        step = get_step()
+        alg = step.algorithm
+        saved = {k: v.clone() for k, v in _state(alg).items()}
+        yield
+        for k, v in saved.items():
+            getattr(alg, k).copy_(v)
+
+        def run():
+            steps, sent = alg.step_count, alg.comm.bytes_sent
+            step._out.copy_(alg(step._grad))
+            alg.step_count, alg.comm.bytes_sent = steps, sent
+        graph.run = run
+    return capture
+
+
+@pytest.mark.parametrize("name", ["oktopk", "spardl", "dense"])
+def test_replays_give_the_eager_steps(name):
+    grad = student_t(seed=7)
+    ref = get_algorithm(name)(N, SingleCommunicator(), 0.02, momentum=0.9)
+    alg = get_algorithm(name)(N, SingleCommunicator(), 0.02, momentum=0.9)
+    box = {}
+    step = GraphedStep(alg, eager_steps=2, graph_factory=_RerunGraph,
+                       capture=_rerun_capture(lambda: box["step"]))
+    box["step"] = step
+    outs = []
+    for t in range(7):
+        want = ref(grad(0, t, N)).clone()
+        got = step(grad(0, t, N))
+        assert torch.equal(got, want), t
+        assert step.captured == (t >= 2)
+        outs.append(got)
+    assert outs[3] is outs[6]                       # the static output, every replay
+    assert alg.step_count == ref.step_count == 7
+    assert torch.equal(alg.residual, ref.residual)
+
+
+def test_refusals():
+    alg = get_algorithm("oktopk")(N, SingleCommunicator(), 0.02)
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        GraphedStep(alg)
+    with pytest.raises(ValueError, match="eager_steps must be an int >= 1"):
+        GraphedStep(alg, eager_steps=0, graph_factory=_RerunGraph)
+    with pytest.raises(TypeError, match="expected an Algorithm"):
+        GraphedStep(object())
+
+    def threads(comm):
+        a = get_algorithm("dense")(N, comm, 1.0)
+        with pytest.raises(ValueError, match="cannot be captured"):
+            GraphedStep(a, graph_factory=_RerunGraph)
+        return True
+    assert LocalCluster(2).run(threads) == [True, True]
+
+    box = {}
+    step = GraphedStep(alg, eager_steps=1, graph_factory=_RerunGraph,
+                       capture=_rerun_capture(lambda: box["step"]))
+    box["step"] = step
+    g = torch.randn(N)
+    with pytest.raises(ValueError, match="loss scale cannot be replayed"):
+        step(g, scale=1024.0)
+    step(g)
+    step(g)                                         # captured
+    with pytest.raises(ValueError, match=r"the captured step takes \(3000,\)"):
+        step(torch.randn(N).double())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["oktopk", "spardl", "dense"])
+def test_cuda_graph_replays_the_eager_step(name):
+    n = 1 << 20
+    grad = student_t(seed=9)
+    ref = get_algorithm(name)(n, SingleCommunicator("cuda"), 0.01, momentum=0.9)
+    alg = get_algorithm(name)(n, SingleCommunicator("cuda"), 0.01, momentum=0.9)
+    step = GraphedStep(alg)
+    for t in range(8):
+        g = grad(0, t, n).cuda()
+        want = ref(g).clone()
+        got = step(g)
+        assert torch.equal(got, want), t
+    assert step.captured and alg.step_count == 8
+    assert torch.equal(alg.residual, ref.residual)
+
+
+# -- SparseAllreduce(cuda_graph=True) -------------------------------------------------------------
+class _RerunGraphed(GraphedStep):
+    """GraphedStep with the stand-ins above, as SparseAllreduce builds it."""
+
+    def __init__(self, algorithm, **kwargs):
+        super().__init__(algorithm, eager_steps=2, graph_factory=_RerunGraph,
+                         capture=_rerun_capture(lambda: self))
+
+
+def _model(seed, device="cpu"):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(20, 30), torch.nn.ReLU(),
+                               torch.nn.Linear(30, 5)).to(device)
+
+
+def _train(sar, model, steps, device="cpu"):
+    outs = []
+    g = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        x = torch.randn(16, 20, generator=g).to(device)
+        model.zero_grad()
+        model(x).square().mean().backward()
+        sar.reduce_gradients()
+        outs.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone())
+    return outs
+
+
+def test_sparse_allreduce_cuda_graph_option(monkeypatch):
+    from oktopk_triton import module
+    from oktopk_triton.module import SparseAllreduce
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        SparseAllreduce(_model(0).parameters(), cuda_graph=True)
+    with pytest.raises(ValueError, match="cannot follow a density_schedule"):
+        SparseAllreduce(_model(0).parameters(), cuda_graph=True,
+                        density_schedule={"ramp_steps": 10})
+    with pytest.raises(TypeError, match="cuda_graph must be True or False"):
+        SparseAllreduce(_model(0).parameters(), cuda_graph="yes")
+
+    monkeypatch.setattr(module, "GraphedStep", _RerunGraphed)
+    ma, mb = _model(1), _model(1)
+    eager = SparseAllreduce(ma.parameters(), density=0.05, momentum=0.9)
+    graphed = SparseAllreduce(mb.parameters(), density=0.05, momentum=0.9, cuda_graph=True)
+    for a, b in zip(_train(eager, ma, 6), _train(graphed, mb, 6)):
+        assert torch.equal(a, b)
+    assert graphed._graphed.captured
+    graphed.set_extra_state(eager.get_extra_state())      # a resume drops the graph
+    assert not graphed._graphed.captured
+    for a, b in zip(_train(eager, ma, 4), _train(graphed, mb, 4)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_sparse_allreduce_graph_matches_eager():
+    from oktopk_triton.module import SparseAllreduce
+    ma, mb = _model(2, "cuda"), _model(2, "cuda")
+    eager = SparseAllreduce(ma.parameters(), density=0.05, momentum=0.9)
+    graphed = SparseAllreduce(mb.parameters(), density=0.05, momentum=0.9, cuda_graph=True)
+    for a, b in zip(_train(eager, ma, 8, "cuda"), _train(graphed, mb, 8, "cuda")):
+        assert torch.equal(a, b)
+    assert graphed._graphed.captured
