@@ -37,7 +37,7 @@ def test_dry_run_command_list(gc, tmp_path, capsys):
     lines = re.findall(r"^\[([a-z0-9-]+)\] timeout ([0-9.]+)s: (.*)$", text, re.M)
     names = [n for n, _, _ in lines]
     assert names == ["install", "mps-start", "tests", "compile-check", "kernels",
-                     "collectives-p4", "collectives-p8", "ddp", "mps-stop"]
+                     "collectives-p4", "collectives-p8", "ddp", "graph", "mps-stop"]
     limits = {n: float(t) for n, t, _ in lines}
     assert sum(limits.values()) < 9 * 60 and all(t > 0 for t in limits.values())
     assert f"limits sum: {sum(limits.values()):g}s" in text

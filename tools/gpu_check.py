@@ -20,6 +20,8 @@ whole fits one 10-minute call on one H100):
   collectives-p8 the same at P=8, n=2^25
                  -> gpu-collectives-nccl-cupy-P8-n33554432-DATE.json
   ddp            oktopk-bench ddp, P=4                       -> ddp-nccl-DATE.json (+ .md table)
+  graph          tools/gpu_profile.py --graph, n=2^26: each step eager and from a CUDA graph
+                 -> gpu-profile-graph-DATE.json
   mps-stop       echo quit | nvidia-cuda-mps-control        (always, also after a failure or a
                  signal, when this script started the daemon)
 
@@ -61,15 +63,15 @@ CUDA_TEST_FILES = ("test_kernel_selection.py", "test_kernel_histogram.py",
                    "test_kernel_threshold.py", "test_kernel_scatter.py", "test_kernel_region.py",
                    "test_kernel_elementwise.py", "test_kernel_dispatch.py", "test_comm.py",
                    "test_step_costs.py", "test_oktopk.py", "test_algorithms.py", "test_ddp.py",
-                   "test_module.py")
+                   "test_module.py", "test_graph.py")
 
 # collectives runs: (P, n)
 COLLECTIVE_RUNS = ((4, 1 << 26), (8, 1 << 25))
 DENSITY = 0.01
 # measured on an H100 (2026-11-25): tests 115 s with 8 workers (more than 100 s with one), kernels
 # 21 s, collectives 100 s at P=4 and 66 s at P=8, ddp 68 s
-TIMEOUTS = {"install": 20, "mps-start": 5, "tests": 150, "compile-check": 30, "kernels": 50,
-            "collectives-p4": 110, "collectives-p8": 80, "ddp": 75, "mps-stop": 5}
+TIMEOUTS = {"install": 20, "mps-start": 5, "tests": 150, "compile-check": 30, "kernels": 30,
+            "collectives-p4": 110, "collectives-p8": 80, "ddp": 75, "graph": 30, "mps-stop": 5}
 TEST_WORKERS = 8                   # pytest-xdist workers on the GPU machine (16 cores there)
 
 
@@ -126,6 +128,11 @@ def build_stages(out_dir: str, date: str, python: str = sys.executable,
                 "--algorithms", "all", "--density", str(DENSITY), "--steps", "8", "--warmup", "3",
                 "--timeout", str(max(10, int(t("ddp")) - 10)), "--json", ddp_json,
                 "--markdown", ddp_md], t("ddp"), outputs=[ddp_json, ddp_md], bench="ddp"))
+    graph_json = out(f"gpu-profile-graph-{date}.json")
+    stages.append(Stage(
+        "graph", [python, "tools/gpu_profile.py", "--log2", "26", "--reps", "10", "--steps",
+                  "oktopk", "spardl", "dense", "--graph", "--json", graph_json], t("graph"),
+        outputs=[graph_json], note="each step eager and replayed from a CUDA graph, one rank"))
     stages.append(Stage("mps-stop", [MPS_CONTROL], t("mps-stop"), stdin="quit\n",
                         note="always at the end (also on failure) when this script started MPS"))
     return stages
