@@ -48,7 +48,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .base import CommAborted, CommError, CommTimeout, Communicator
+from .base import CommAborted, CommError, CommTimeout, Communicator, resolve_device
 from .peers import PeerIdentity, describe_lost, my_identity, process_alive
 
 __all__ = ["NcclCommunicator", "nccl_dtype", "unique_id_bytes", "NCCL_UNIQUE_ID_BYTES"]
@@ -151,13 +151,9 @@ class NcclCommunicator(Communicator):
         self._nccl = _import_nccl()
         import cupy
 
-        if device is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        device = torch.device(device)
+        device = resolve_device(device if device is not None else "cuda")
         if device.type != "cuda":
             raise ValueError(f"NcclCommunicator needs a CUDA device, got {device}")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.rank = int(rank)
         self.world_size = int(world_size)
