@@ -1,8 +1,8 @@
 """``GraphedStep``: replay a captured CUDA graph of an algorithm's steady step.
 
-Why: on an H100 one steady Ok-Topk step is 269 kernel launches, and launching them is most of
-its time (n = 2^26, one rank: 4.88 ms a step with the kernels busy 1.91 ms;
-``bench/results/gpu-profile-steps-2026-11-25.json``). A steady step has static sizes, reads
+Why: on an H100 one steady Ok-Topk step is 275 kernel launches, and launching them is most of
+its time (n = 2^26, one rank: 5.59 ms a step with the kernels busy 1.91 ms; replayed from a graph,
+2.14 ms; ``bench/results/gpu-profile-graph-2026-11-25.json``). A steady step has static sizes, reads
 nothing on the host and updates its state in place, so it can be captured once and replayed as
 one launch.
 
@@ -93,7 +93,7 @@ class GraphedStep:
                              f"{tuple(self._grad.shape)} {self._grad.dtype} on {self._grad.device}")
         self._grad.copy_(grad)
         self._graph.replay()
-        alg.step_count += self._step_delta
+        alg.step_count += self._step_delta             # the Python side of the replayed step
         alg.comm.bytes_sent += self._bytes_delta
         return self._out
 
@@ -107,9 +107,7 @@ class GraphedStep:
             self._out = alg(self._grad)
         self._step_delta = alg.step_count - steps
         self._bytes_delta = alg.comm.bytes_sent - sent
-        # capture records the step without running it: run it once for this call
-        alg.step_count, alg.comm.bytes_sent = steps, sent
+        # capture records the step's kernels without running them (its Python side did run,
+        # counters included): run them once for this call
         self._graph.replay()
-        alg.step_count += self._step_delta
-        alg.comm.bytes_sent += self._bytes_delta
         return self._out
