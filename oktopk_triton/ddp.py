@@ -39,11 +39,37 @@ How it works (cf. ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook``)
   on NCCL, so no extra work has to be chained.
 
 Every rank must process the buckets in the same order, which DDP guarantees (buckets are
-launched in index order). Unused parameters (``find_unused_parameters=True``) are fine: their
-slots in the bucket hold zeros.
+launched in index order).
+
+How DDP is driven, and what the hook does about it (each case is tested, in
+``tests/test_ddp_modes.py``):
+
+* **Parameters unused in a step** (``find_unused_parameters=True``, ``static_graph=True``, a
+  branch taken on some steps only): DDP leaves the ``.grad`` of a parameter that no rank used
+  untouched, so whatever a reducer delivered to it would reach no optimizer. The hook therefore
+  **holds out** the parameters this rank did not use since the last synchronised backward: their
+  residual (and velocity) is set aside for the step, so nothing owed to them is offered, and put
+  back afterwards together with their (zero) gradient slot. What they are owed stays owed and is
+  delivered in a later step that uses them. A parameter some other rank used is still reduced
+  (DDP writes its ``.grad`` on every rank). Usage is seen through one
+  ``register_post_accumulate_grad_hook`` per parameter (host-side, no device work), registered
+  the first time a parameter shows up in a bucket; in the first iteration an instance sees (no
+  hooks yet) a parameter whose gradient slot is exactly zero counts as unused (one host read,
+  that iteration only). The invariant, checked at ``p.grad``: over any run, what the ranks fed
+  in equals P times what reached the optimizer plus the change in the residuals.
+* **Bucket rebuilds**: DDP rebuilds its buckets after the first iteration, after the second with
+  ``static_graph=True``, never with ``find_unused_parameters=True``. Bucket mode's groups follow
+  it: groups built provisionally in an instance's first two iterations are replaced, with every
+  residual moved to its parameter's new group, when a later iteration shows another layout.
+* ``no_sync()`` accumulation, ``gradient_as_bucket_view=True`` and ``join()`` with uneven inputs
+  (a joined rank contributes zeros and holds out what it owes) work.
+* **Compiled autograd's Python reducer** (``torch._dynamo.config.optimize_ddp =
+  "python_reducer"``) calls a comm hook once per parameter with a ``(grad, param)`` tuple; a
+  sparse allreduce over the whole gradient cannot run there, and the hook raises a one-line
+  error at its first call naming the alternatives.
 """
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -64,13 +90,14 @@ class _Layout:
     reducers, fixed by the first sparse iteration's buckets and saved with the state.
     """
 
-    __slots__ = ("index", "shapes", "groups", "group_of", "expected")
+    __slots__ = ("index", "shapes", "groups", "group_of", "group_index", "expected")
 
     def __init__(self) -> None:
         self.index: Dict[int, int] = {}            # id(parameter) -> canonical index
         self.shapes: List[Tuple[int, ...]] = []     # canonical index -> shape
         self.groups: Optional[List[Tuple[int, ...]]] = None
         self.group_of: Dict[int, int] = {}
+        self.group_index: Dict[Tuple[int, ...], int] = {}
         self.expected: Optional[List[Tuple[int, ...]]] = None   # shapes of a loaded state
 
     def indices(self, params: List[torch.Tensor]) -> List[int]:
@@ -100,6 +127,7 @@ class _Layout:
     def set_groups(self, groups: List[Tuple[int, ...]]) -> None:
         self.groups = [tuple(g) for g in groups]
         self.group_of = {c: gi for gi, g in enumerate(self.groups) for c in g}
+        self.group_index = {g: gi for gi, g in enumerate(self.groups)}
 
     def state_dict(self) -> Dict[str, Any]:
         return {"shapes": [list(s) for s in self.shapes],
@@ -152,7 +180,8 @@ class SparseAllreduceState:
     __slots__ = ("process_group", "density", "algorithm", "start_iter", "options", "comm",
                  "iter", "reducers", "bytes_sent", "total_bytes_sent", "_iter_bytes",
                  "_pending_state", "mode", "_pending", "layout", "scaler", "_arrived",
-                 "_reduced", "_new_groups", "_seen")
+                 "_reduced", "_new_groups", "_seen", "_used", "_watched", "_now",
+                 "_relayout", "held_out", "_iter_held")
 
     MODES = ("flat", "bucket")
     FLAT = -1   # the reducers key of the flat reducer
@@ -191,6 +220,14 @@ class SparseAllreduceState:
         self._reduced: set = set()                      # bucket mode: groups reduced this iter
         self._new_groups = False
         self._seen = 0                                  # iterations this instance has seen
+        # parameters used (gradient accumulated) since the last synchronised backward, by
+        # canonical index; fed by one post-accumulate-grad hook per parameter (see _watch)
+        self._used: Set[int] = set()
+        self._watched: Dict[int, Any] = {}              # canonical index -> hook handle
+        self._now: List[Tuple[int, ...]] = []           # bucket mode: this iteration's buckets
+        self._relayout = False                          # bucket mode: DDP rebuilt its buckets
+        self.held_out = 0                               # parameters held out, last iteration
+        self._iter_held = 0
 
     # -- helpers -----------------------------------------------------------------------------
     def _world_size(self) -> int:
@@ -210,6 +247,12 @@ class SparseAllreduceState:
         """The loss scale of this iteration's gradients (a device tensor), or ``None``."""
         return None if self.scaler is None else getattr(self.scaler, "_scale", None)
 
+    def _build(self, numel: int, device: torch.device):
+        from .algorithms import get_algorithm
+        comm = self._get_comm(device)
+        return get_algorithm(self.algorithm)(numel, comm, self.density, device=device,
+                                             **self.options)
+
     def reducer(self, index: int, buffer: torch.Tensor):
         """The reducer of group ``index`` (created on first use for ``buffer``'s size)."""
         red = self.reducers.get(index)
@@ -218,14 +261,44 @@ class SparseAllreduceState:
                           f"to {buffer.numel()} elements; its reducer (and residual) is rebuilt")
             red = None
         if red is None:
-            from .algorithms import get_algorithm
-            comm = self._get_comm(buffer.device)
-            red = get_algorithm(self.algorithm)(buffer.numel(), comm, self.density,
-                                                device=buffer.device, **self.options)
+            red = self._build(buffer.numel(), buffer.device)
             if index in self._pending_state:
                 red.load_state_dict(self._pending_state.pop(index))
             self.reducers[index] = red
         return red
+
+    # -- which parameters a step used ----------------------------------------------------------
+    def _watch(self, params: Sequence[torch.Tensor], canon: Sequence[int]) -> None:
+        """Register one post-accumulate-grad hook per parameter not yet watched: it records
+        that the parameter's gradient was accumulated (used) since the last synchronised
+        backward. Host-side only; DDP's own hook on the same accumulator runs after it."""
+        for p, c in zip(params, canon):
+            if c in self._watched or not p.requires_grad:
+                continue
+            used = self._used
+            self._watched[c] = p.register_post_accumulate_grad_hook(
+                lambda _p, c=c: used.add(c))
+
+    def residual(self, param: torch.Tensor) -> torch.Tensor:
+        """What this rank still owes ``param`` (fp32, ``param``'s shape; zeros before its first
+        sparse step): its slice of the residual of the reducer that holds it."""
+        c = self.layout.index.get(id(param))
+        if c is None:
+            raise ValueError("SparseAllreduceState.residual: this parameter has not been seen "
+                             "by the hook (not a parameter of the DDP model, or no backward yet)")
+        key = SparseAllreduceState.FLAT if self.mode == "flat" else self.layout.group_of.get(c)
+        members = (range(len(self.layout.shapes)) if self.mode == "flat"
+                   else (self.layout.groups[key] if key is not None else ()))
+        red = self.reducers.get(key) if key is not None else None
+        if red is None:
+            return torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+        off = 0
+        for m in members:
+            n = _numel(self.layout.shapes[m])
+            if m == c:
+                return red.residual[off:off + n].view(param.shape)
+            off += n
+        raise AssertionError("parameter not in its group")   # unreachable
 
     # -- checkpointing -----------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -285,10 +358,18 @@ def sparse_allreduce_hook(state: SparseAllreduceState,
                           bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: the bucket's gradients averaged over ranks with the sparse
     allreduce ``state.algorithm`` (dense for the first ``state.start_iter`` iterations)."""
+    if isinstance(bucket, tuple):
+        raise RuntimeError(
+            "sparse_allreduce_hook: DDP called it once per parameter with (grad, param), as "
+            "compiled autograd's Python reducer does (torch._dynamo.config.optimize_ddp = "
+            "'python_reducer'); a sparse allreduce needs the whole gradient: use optimize_ddp="
+            "'ddp_optimizer' (the default), or SparseAllreduce.reduce_gradients() after backward")
     buf = bucket.buffer()
     P = state._world_size()
     last = bucket.is_last()
-    canon = state.layout.indices(list(bucket.parameters()))
+    params = list(bucket.parameters())
+    canon = state.layout.indices(params)
+    state._watch(params, canon)
     if last:
         state.layout.check_complete()
     # bucket mode needs its groups from a rebuilt layout: a state that has none yet (saved before
@@ -310,16 +391,80 @@ def sparse_allreduce_hook(state: SparseAllreduceState,
         state._iter_bytes = 0
         state.iter += 1
         state._seen += 1
+        state._used.clear()          # the next synchronised backward starts counting afresh
+        state.held_out, state._iter_held = state._iter_held, 0
     return result
+
+
+def _unused(state: SparseAllreduceState, members: List[int],
+            grads: Dict[int, torch.Tensor]) -> List[int]:
+    """Positions in ``members`` of the parameters this rank did not use since the last
+    synchronised backward. Seen by the post-accumulate-grad hooks; in the first iteration an
+    instance sees (hooks registered during it), a gradient slot that is exactly zero counts as
+    unused (one host read, that iteration only: holding out a used parameter is always safe)."""
+    if state._seen > 0:
+        return [i for i, c in enumerate(members) if c not in state._used]
+    nonzero = torch.stack([grads[c].ne(0).any() for c in members]).tolist()
+    return [i for i, nz in enumerate(nonzero) if not nz]
+
+
+def _hold_out(red, flat: torch.Tensor, spans: List[Tuple[int, int]]):
+    """Set aside what ``red`` owes the entries ``spans`` ((offset, length) in ``flat``), and
+    their gradient slots, so the step offers nothing of them (acc = 0 there: never selected)."""
+    take = [(o, n, red.residual[o:o + n].clone(),
+             None if red.velocity is None else red.velocity[o:o + n].clone(),
+             flat[o:o + n].float()) for o, n in spans]
+    for o, n, *_ in take:
+        red.residual[o:o + n] = 0
+        if red.velocity is not None:
+            red.velocity[o:o + n] = 0
+    flat_held = flat.clone()
+    for o, n, *_ in take:
+        flat_held[o:o + n] = 0
+    scale = None if red.loss_scale is None else red.loss_scale.clone()
+    return take, scale, flat_held
+
+
+def _put_back(red, held) -> None:
+    """Return what :func:`_hold_out` set aside: the residual and velocity (in the loss scale the
+    step moved them to) plus the gradient slot (unless the step was non-finite, when every
+    residual stays as it was)."""
+    take, scale, _ = held
+    ratio = None
+    if scale is not None and red.loss_scale is not None:
+        ratio = red.loss_scale / scale
+    nonfinite = red.stats.get("nonfinite")
+    for o, n, res, vel, g in take:
+        if ratio is not None:
+            res = res * ratio
+            vel = None if vel is None else vel * ratio
+        if isinstance(nonfinite, torch.Tensor):
+            g = torch.where(nonfinite > 0, torch.zeros_like(g), g)
+        red.residual[o:o + n] += res + g
+        if vel is not None:
+            red.velocity[o:o + n] += vel
 
 
 def _reduce(state: SparseAllreduceState, key: int, members: List[int],
             grads: Dict[int, torch.Tensor]) -> None:
     """Reduce the parameters ``members`` (canonical indices) as one vector in canonical order
-    with reducer ``key``; the result is written back into each parameter's gradient view."""
+    with reducer ``key``; the result is written back into each parameter's gradient view.
+    Parameters this rank did not use are held out (see the module docstring)."""
     flat = torch.cat([grads[c] for c in members])
     red = state.reducer(key, flat)
+    unused = _unused(state, members, grads)
+    held = None
+    if unused:
+        offs, off = [], 0
+        for c in members:
+            offs.append(off)
+            off += grads[c].numel()
+        held = _hold_out(red, flat, [(offs[i], grads[members[i]].numel()) for i in unused])
+        flat = held[2]
+        state._iter_held += len(unused)
     out = red(flat, scale=state._scale())
+    if held is not None:
+        _put_back(red, held)
     state._iter_bytes += int(red.stats.get("bytes_sent", 0))
     off = 0
     for c in members:
@@ -363,34 +508,128 @@ def _group_step(state: SparseAllreduceState, buf: torch.Tensor, canon: List[int]
     """Bucket mode: one reducer per parameter group. The groups are the buckets of the first
     sparse iteration (saved with the state); a group is reduced as soon as all its parameters
     have arrived, and a bucket completes once all its parameters are reduced. In steady state
-    the groups are DDP's buckets, so each bucket is reduced as it arrives."""
+    the groups are DDP's buckets, so each bucket is reduced as it arrives.
+
+    DDP's rebuild: groups seen in an instance's first two iterations are provisional (a fresh
+    DDP's layout before its rebuild, which comes after the first iteration, or the second with
+    ``static_graph``). From the third iteration on, a bucket that is not a group means DDP
+    rebuilt its buckets: the buckets that are groups are reduced as they come, the others wait
+    for the last bucket, where the groups become this iteration's buckets (:func:`_regroup`,
+    every residual moved by parameter) and the rest is reduced."""
     lay = state.layout
+    key = tuple(canon)
     if lay.groups is None:                    # the first sparse iteration: groups = its buckets
         state._new_groups = True
         lay.set_groups([])
     if state._new_groups:
-        lay.set_groups(lay.groups + [tuple(canon)])
+        lay.set_groups(lay.groups + [key])
+    elif state._seen >= 2 and key not in lay.group_index:
+        state._relayout = True
+    state._now.append(key)
     fut: torch.futures.Future = torch.futures.Future()
     state._pending.append((buf, fut, dict(zip(canon, views))))
     state._arrived.update(zip(canon, views))
     try:
-        for gi in sorted({lay.group_of[c] for c in canon}):
+        if state._relayout:                   # only buckets that are whole groups, as they come
+            gi = lay.group_index.get(key)
+            ready = [] if gi is None else [gi]
+        else:
+            ready = sorted({lay.group_of[c] for c in canon})
+        for gi in ready:
             members = lay.groups[gi]
             if gi not in state._reduced and all(c in state._arrived for c in members):
                 _reduce(state, gi, list(members), state._arrived)
                 state._reduced.add(gi)
+        if last and state._relayout:
+            _regroup(state, state._now)
+            for gi, members in enumerate(lay.groups):
+                if gi not in state._reduced:
+                    _reduce(state, gi, list(members), state._arrived)
+                    state._reduced.add(gi)
         done = [p for p in state._pending if all(lay.group_of[c] in state._reduced for c in p[2])]
-        state._pending = [p for p in state._pending if p not in done]
+        done_ids = {id(f) for _, f, _ in done}
+        state._pending = [p for p in state._pending if id(p[1]) not in done_ids]
         for b, f, _ in done:
             f.set_result(b)
         if last:
             if state._pending:
                 raise RuntimeError("sparse_allreduce_hook: parameter groups left unreduced at "
                                    "the last bucket")
-            state._arrived, state._reduced, state._new_groups = {}, set(), False
+            _end_group_iteration(state)
     except BaseException as e:
         pending, state._pending = state._pending, []
-        state._arrived, state._reduced = {}, set()
+        _end_group_iteration(state)
         _settle(pending, e)
         raise
     return fut
+
+
+def _end_group_iteration(state: SparseAllreduceState) -> None:
+    state._arrived, state._reduced, state._new_groups = {}, set(), False
+    state._now, state._relayout = [], False
+
+
+def _regroup(state: SparseAllreduceState, buckets: List[Tuple[int, ...]]) -> None:
+    """Make ``buckets`` the groups. A group that was already one keeps its reducer (reduced
+    this iteration under its new index); every other parameter's residual and velocity move
+    from its old reducer into the reducer of its new group, which takes the step count and
+    loss scale over (its thresholds start afresh: its first step calibrates). Nothing owed is
+    lost; every rank regroups in the same iteration (DDP gives every rank the same buckets)."""
+    lay = state.layout
+    old_groups, old_reducers = lay.groups, state.reducers
+    sizes = [_numel(s) for s in lay.shapes]
+    res: Dict[int, torch.Tensor] = {}
+    vel: Dict[int, torch.Tensor] = {}
+    template = None
+    for gi, members in enumerate(old_groups):
+        red = old_reducers.get(gi)
+        if red is None and gi in state._pending_state:    # loaded, never built: build it now
+            first = state._arrived[members[0]]
+            red = state.reducer(gi, torch.empty(sum(sizes[c] for c in members),
+                                                device=first.device))
+        if red is None:
+            continue
+        template = template or red
+        off = 0
+        for c in members:
+            res[c] = red.residual[off:off + sizes[c]]
+            if red.velocity is not None:
+                vel[c] = red.velocity[off:off + sizes[c]]
+            off += sizes[c]
+    old_index = {g: gi for gi, g in enumerate(old_groups)}
+    reduced = state._reduced
+    new_reducers: Dict[int, Any] = {}
+    new_reduced = set()
+    for j, g in enumerate(buckets):
+        gi = old_index.get(g)
+        if gi is not None and gi in old_reducers:
+            new_reducers[j] = old_reducers[gi]
+            if gi in reduced:
+                new_reduced.add(j)
+            continue
+        if template is None:
+            continue                          # nothing built yet: reducers come on first use
+        red = state._build(sum(sizes[c] for c in g), template.device)
+        red.residual.copy_(torch.cat([res[c] if c in res else
+                                      torch.zeros(sizes[c], device=template.device)
+                                      for c in g]))
+        if red.velocity is not None and vel:
+            red.velocity.copy_(torch.cat([vel[c] if c in vel else
+                                          torch.zeros(sizes[c], device=template.device)
+                                          for c in g]))
+        red.step_count = template.step_count
+        if template.loss_scale is not None:
+            red.loss_scale = template.loss_scale.clone()
+            red._scale_host = template._scale_host
+        new_reducers[j] = red
+    state.reducers = new_reducers
+    state._pending_state = {}
+    lay.set_groups(list(buckets))
+    state._reduced = new_reduced
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
