@@ -45,7 +45,9 @@ class LocalSteps:
     the anchor (the interval's local progress is dropped on every rank, which also recovers a
     rank whose weights went NaN), and the residual (decay included), the outer velocity and the
     anchor stay as they were. The interval starts again. The optimizer's own state is the
-    user's: a rank whose optimizer took a NaN keeps it (rebuild that optimizer).
+    user's: a rank whose optimizer took a NaN keeps it (rebuild that optimizer). With
+    ``check_finite="raise"`` the sync raises on every rank with the residual as it was, and the
+    next call syncs again.
 
     Advice on the options (the prototype behind them: a 366k-parameter byte-level transformer,
     4 ranks, 300 AdamW steps, bytes per step matched to 1% per-step Ok-Topk):
@@ -119,10 +121,16 @@ class LocalSteps:
             self.stats = {"synced": False, "bytes_sent": 0, "bytes_per_step": 0,
                           "local_step": self.position}
             return torch.zeros(sar.numel, dtype=sar._flat_dtype, device=sar.device)
-        self.position = 0
         sar._change_into_grads(self.anchor)
         saved = self._decay(sar.algorithm.residual)
-        out = sar._reduce_grads()
+        try:
+            out = sar._reduce_grads()
+        except BaseException:         # check_finite="raise": what is owed stays as it was
+            if saved is not None:
+                sar.algorithm.residual.copy_(saved)
+            self.position = self.sync_every - 1      # the next call syncs again
+            raise
+        self.position = 0
         alg = sar.algorithm                    # a density schedule may have switched it
         nonfinite = alg.stats.get("nonfinite")
         if saved is not None and nonfinite is not None:

@@ -261,6 +261,31 @@ def test_nan_at_a_sync_returns_every_replica_to_the_anchor():
     assert not torch.equal(res[0][8], res[0][5])      # training went on after the NaN sync
 
 
+def _raise_body(comm):
+    m = _model(5)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    sar = SparseAllreduce(m.parameters(), comm=comm, density=0.1, algorithm="oktopk",
+                          sync_every=2, residual_decay=0.5, check_finite="raise",
+                          backend="torch")
+    gen = torch.Generator().manual_seed(comm.rank)
+    for t in range(4):
+        opt.zero_grad()
+        _backward(m, gen)
+        if t == 3 and comm.rank == 0:
+            next(m.parameters()).grad[0, 0] = float("inf")
+        resid = sar.residual.clone()
+        try:
+            sar.reduce_updates(opt)
+        except FloatingPointError:
+            return t, torch.equal(sar.residual, resid), sar.local_steps.position
+    return None
+
+
+def test_check_finite_raise_at_a_sync_keeps_the_residual():
+    for r in LocalCluster(2).run(_raise_body):
+        assert r == (3, True, 1)          # raised on every rank; the next call syncs again
+
+
 # -- refused ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kw, match", [
     (dict(sync_every=0), "sync_every must be a positive int"),
