@@ -286,6 +286,46 @@ def test_check_finite_raise_at_a_sync_keeps_the_residual():
         assert r == (3, True, 1)          # raised on every rank; the next call syncs again
 
 
+def _cuda_sync_body(comm):
+    dev = comm.device
+    g = torch.Generator().manual_seed(1)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    with torch.no_grad():                           # identical weights on every rank
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    m = m.to(dev)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, capturable=True)
+    sar = SparseAllreduce(m.parameters(), comm=comm, density=0.05, algorithm="oktopk",
+                          sync_every=2, outer_momentum=0.5, residual_decay=0.9)
+    xs = [torch.randn(8, 64, generator=torch.Generator().manual_seed(comm.rank * 10 + t))
+          .to(dev) for t in range(8)]
+    for i, x in enumerate(xs):
+        if i == 4:                  # two syncs done (calibration, velocity built): steady
+            torch.cuda.synchronize()
+            comm.barrier()
+            if comm.rank == 0:
+                torch.cuda.set_sync_debug_mode("error")
+            comm.barrier()
+        try:
+            opt.zero_grad(set_to_none=False)
+            m(x).pow(2).mean().backward()
+            sar.reduce_updates(opt)
+        except RuntimeError:
+            torch.cuda.set_sync_debug_mode("default")
+            raise
+    comm.barrier()
+    torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return True
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_local_steps_never_sync():
+    """Steady local and sync calls on CUDA under torch.cuda.set_sync_debug_mode('error')."""
+    assert LocalCluster(2, device="cuda").run(_cuda_sync_body) == [True, True]
+
+
 # -- refused ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kw, match", [
     (dict(sync_every=0), "sync_every must be a positive int"),
