@@ -203,6 +203,11 @@ class SparseAllreduceState:
         self.density = float(density)
         self.algorithm = algorithm
         self.start_iter = int(start_iter)
+        from .local_steps import OPTIONS as LOCAL_STEPS
+        if set(options) & set(LOCAL_STEPS):
+            raise ValueError(f"SparseAllreduceState: the DDP hook cannot take local steps "
+                             f"({sorted(set(options) & set(LOCAL_STEPS))}): it runs before the "
+                             "optimizer step; use SparseAllreduce.reduce_updates")
         self.options: Dict[str, Any] = dict(options)
         self.comm = comm
         self.iter = 0

@@ -35,6 +35,7 @@ from .algorithms import get_algorithm
 from .algorithms.base import FLOAT_DTYPES, Algorithm
 from .comm.base import Communicator, resolve_device
 from .graph import GraphedStep
+from .local_steps import LocalSteps
 from .techniques import DensitySchedule, FrozenAdam
 
 __all__ = ["SparseAllreduce"]
@@ -72,13 +73,24 @@ class SparseAllreduce(torch.nn.Module):
             one rank: steady steps are replayed from a captured CUDA graph,
             :class:`~oktopk_triton.graph.GraphedStep`; not with a density schedule, Adam mode or
             loss scale; an Ok-Topk step at n = 2^26 on an H100 went from 5.6 to 2.1 ms).
+        sync_every, outer_lr, outer_momentum, residual_decay: local steps for
+            :meth:`reduce_updates` (DiLoCo / SparseLoCo): each call steps the optimizer locally,
+            every ``sync_every``-th call reduces the change since the last sync and moves every
+            replica by the outer step. Defaults (1, 1.0, 0.0, 1.0): every call syncs, as plain
+            :meth:`reduce_updates`. Needs parameters; not with :meth:`reduce_gradients`,
+            :meth:`reduce_adam`, ``forward`` or ``cuda_graph``. See
+            :class:`~oktopk_triton.local_steps.LocalSteps` (update rule, invariant, advice).
     """
 
     def __init__(self, numel_or_params: Union[int, Iterable[torch.Tensor], torch.nn.Module],
                  comm: Optional[Communicator] = None, density: float = 0.01,
                  algorithm: str = "oktopk", *, device: Optional[Union[str, torch.device]] = None,
-                 check_finite: str = "skip", **options: Any) -> None:
+                 check_finite: str = "skip", sync_every: int = 1, outer_lr: float = 1.0,
+                 outer_momentum: float = 0.0, residual_decay: float = 1.0,
+                 **options: Any) -> None:
         super().__init__()
+        # local_steps.LocalSteps: None with the defaults (every call syncs)
+        self.local_steps = LocalSteps.build(sync_every, outer_lr, outer_momentum, residual_decay)
         cls = get_algorithm(algorithm)  # clear ValueError for unknown names
         params: Optional[List[torch.Tensor]] = None
         if isinstance(numel_or_params, bool):
@@ -127,6 +139,11 @@ class SparseAllreduce(torch.nn.Module):
         if cuda_graph and (adam is not None or options.get("density_schedule") is not None):
             raise ValueError("SparseAllreduce: cuda_graph=True replays one fixed step; it cannot "
                              "follow a density_schedule or adam='frozen'")
+        if self.local_steps is not None and (cuda_graph or adam is not None or params is None):
+            raise ValueError("SparseAllreduce: local steps (sync_every, outer_lr, "
+                             "outer_momentum, residual_decay) need a reducer built from "
+                             "parameters, used with reduce_updates; not with cuda_graph=True or "
+                             "adam='frozen'")
         # techniques.DensitySchedule: one reducer per stage, each taking over the last's state
         self._schedule = DensitySchedule.build(options.pop("density_schedule", None), density)
         self._cls = cls
@@ -159,8 +176,14 @@ class SparseAllreduce(torch.nn.Module):
         dtype and device, bitwise identical on every rank. ``scale``: the loss scale the
         gradient carries (a ``torch.amp.GradScaler``, a tensor or a number; see
         :meth:`Algorithm.__call__`)."""
+        self._refuse_local_steps("forward")
         self._advance()
         return self._reduce(flat_grad, scale)
+
+    def _refuse_local_steps(self, what: str) -> None:
+        if self.local_steps is not None:
+            raise RuntimeError(f"SparseAllreduce: {what} cannot take local steps (built with "
+                               f"{self.local_steps.describe()}); use reduce_updates(optimizer)")
 
     def _reduce(self, flat: torch.Tensor, scale: Any) -> torch.Tensor:
         """One step of the algorithm, replayed from its CUDA graph with ``cuda_graph=True``."""
@@ -192,6 +215,11 @@ class SparseAllreduce(torch.nn.Module):
         With mixed precision pass the scaler: ``scaler.scale(loss).backward();
         sar.reduce_gradients(scale=scaler); scaler.step(opt); scaler.update()``. What each rank
         still owes then follows the scaler's backoffs and growths (read on the device)."""
+        self._refuse_local_steps("reduce_gradients()")
+        return self._reduce_grads(scale)
+
+    def _reduce_grads(self, scale: Any = None) -> torch.Tensor:
+        """reduce_gradients without the local-steps refusal (reduce_updates reduces through it)."""
         if self._params is None:
             raise RuntimeError("reduce_gradients needs a SparseAllreduce built from parameters")
         if self._flat is None:
@@ -246,7 +274,31 @@ class SparseAllreduce(torch.nn.Module):
         rank); the weights stay bitwise identical. An update that is not finite (with
         ``check_finite="skip"``, one rank's NaN makes ``out`` NaN everywhere) leaves the weights
         unchanged on every rank. Not available through the DDP hook (it runs before the step).
+
+        With local steps (``sync_every=H > 1``, see :class:`~oktopk_triton.local_steps.
+        LocalSteps`): a call steps the optimizer and the weights stay local (returns zeros,
+        ``stats["synced"]`` False, no bytes); every H-th call reduces the change since the last
+        sync and sets every replica to the anchor plus the outer step (returns the reduced
+        change).
         """
+        self._check_optimizer(optimizer)
+        if self.local_steps is not None:
+            return self.local_steps.step(self, optimizer, scaler)
+        params = self._params
+        if self._before is None:
+            self._before = [torch.empty_like(p) for p in params]
+        before = self._before
+        torch._foreach_copy_(before, params)
+        self._optimizer_step(optimizer, scaler)
+        self._change_into_grads(before)
+        flat = self._reduce_grads()
+        finite = torch.isfinite(flat)
+        flat_upd = torch.where(finite, flat, torch.zeros((), dtype=flat.dtype, device=flat.device))
+        self._set_weights(before, flat_upd)
+        return flat
+
+    # reduce_updates' parts, shared with local_steps.LocalSteps
+    def _check_optimizer(self, optimizer: Any) -> None:
         if self._params is None:
             raise RuntimeError("reduce_updates needs a SparseAllreduce built from parameters")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -259,35 +311,36 @@ class SparseAllreduce(torch.nn.Module):
                     raise ValueError("reduce_updates: the optimizer steps a parameter this "
                                      "SparseAllreduce does not reduce (its update would stay "
                                      "local and the replicas would drift apart)")
-        params = self._params
-        if self._before is None:
-            self._before = [torch.empty_like(p) for p in params]
-        before = self._before
-        torch._foreach_copy_(before, params)
+
+    @staticmethod
+    def _optimizer_step(optimizer: torch.optim.Optimizer, scaler: Any) -> None:
         if scaler is not None:
             scaler.step(optimizer)
         else:
             optimizer.step()
-        # the update, written where reduce_gradients reads the gradient
-        for p in params:
+
+    def _change_into_grads(self, base: List[torch.Tensor]) -> None:
+        """``.grad = weights - base``: the change, where reduce_gradients reads the gradient."""
+        for p in self._params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in params]
-        torch._foreach_copy_(grads, params)
-        torch._foreach_sub_(grads, before)
-        flat = self.reduce_gradients()
-        finite = torch.isfinite(flat)
-        flat_upd = torch.where(finite, flat, torch.zeros((), dtype=flat.dtype, device=flat.device))
-        torch._foreach_copy_(params, before)
+        grads = [p.grad for p in self._params]
+        torch._foreach_copy_(grads, self._params)
+        torch._foreach_sub_(grads, base)
+
+    def _set_weights(self, base: List[torch.Tensor], flat_upd: torch.Tensor) -> None:
+        """weights = base + flat_upd (each parameter its slice, in its own dtype)."""
+        params = self._params
+        torch._foreach_copy_(params, base)
         torch._foreach_add_(params, [flat_upd[off:off + p.numel()].view(p.shape)
                                      for p, off in zip(params, self._offsets)])
-        return flat
 
     def reduce_adam(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """AdamW with a dense warm-up, then frozen variance and the preconditioned gradient
         reduced sparsely (build with ``adam="frozen"``; see :class:`~oktopk_triton.techniques.
         FrozenAdam`). Replaces ``optimizer.step()``, whose hyper-parameters (lr, betas, eps,
         weight_decay) it reads; the optimizer's own state is unused."""
+        self._refuse_local_steps("reduce_adam")
         if self._adam is None:
             raise RuntimeError("reduce_adam needs a SparseAllreduce built with adam='frozen'")
         self._advance()
@@ -301,6 +354,11 @@ class SparseAllreduce(torch.nn.Module):
 
     @property
     def stats(self) -> Dict[str, Any]:
+        """The last step's: the algorithm's stats; with local steps also ``synced`` (whether the
+        call synced) and ``bytes_per_step`` (a sync's ``bytes_sent / sync_every``; a local call
+        reports 0 for both, its bytes are paid by the sync)."""
+        if self.local_steps is not None:
+            return self.local_steps.stats
         return self.algorithm.stats
 
     @property
@@ -312,6 +370,8 @@ class SparseAllreduce(torch.nn.Module):
         sd = self.algorithm.state_dict()
         if self._adam is not None:
             sd["frozen_adam"] = self._adam.state_dict()
+        if self.local_steps is not None:
+            sd["local_steps"] = self.local_steps.state_dict()
         return sd
 
     def set_extra_state(self, state: Dict[str, Any]) -> None:
@@ -325,6 +385,14 @@ class SparseAllreduce(torch.nn.Module):
                 raise ValueError("SparseAllreduce: built with adam='frozen' but the state holds "
                                  "no frozen_adam entry")
             self._adam.load_state_dict(state["frozen_adam"])
+        saved = state.get("local_steps")
+        if self.local_steps is not None and saved is not None:
+            self.local_steps.load_state_dict(saved, self._params)
+        elif saved is not None and (saved["position"] or saved.get("velocity") is not None):
+            raise ValueError("SparseAllreduce: the state was saved with local steps "
+                             f"(sync_every={saved['sync_every']}) in the middle of an interval "
+                             "or with an outer velocity; build this reducer with the same "
+                             "local-step options")
 
     def extra_repr(self) -> str:
         return (f"numel={self.numel}, density={self.density:g}, algorithm={self.algorithm_name!r}, "

@@ -26,6 +26,12 @@ CASES = [
     ("train --algorithms oktopk --option foo=1", "--option"),
     ("train --algorithms dense topka --option moment_masking=1", "--option"),
     ("train --algorithms oktopk --option warmup_steps", "--option"),
+    ("train --model gpt --algorithms oktopk --option sync_every=0", "sync_every"),
+    ("train --model gpt --algorithms dense --option outer_lr=0", "outer_lr"),
+    ("train --algorithms oktopk --option sync_every=4", "--model gpt"),
+    ("train --model gpt --reduce gradients --algorithms oktopk --option sync_every=4",
+     "--reduce updates"),
+    ("train --model gpt --algorithms oktopk powersgd --option sync_every=4", "powersgd"),
 ]
 
 

@@ -76,6 +76,38 @@ def test_tiny_lm_learns_on_two_ranks_with_identical_replicas(monkeypatch):
     assert ok["reduce"] == "updates" and dense["reduce"] == "gradients"
 
 
+def _local_steps_body(comm, cfg):
+    from oktopk_triton.bench import gpt as g
+    from oktopk_triton.bench import train as t
+    corpus = g.load_corpus(cfg["val_fraction"], max_train_bytes=1 << 20)
+    return {alg: t.train_one_lm(cfg, alg, 0, comm, torch.device("cpu"),
+                                (corpus.train, corpus.val), log=False)
+            for alg in ("dense", "oktopk")}
+
+
+def test_tiny_lm_with_local_steps(monkeypatch):
+    """--option sync_every=4: dense and Ok-Topk reduce their pseudo-gradients every 4th step
+    (--reduce auto picks updates), bytes only on those steps, the per-layer counts only there,
+    identical replicas at the end (12 steps end on a sync)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cfg = _config("--size", "tiny", "--steps", "12", "--eval-times", "1", "--density", "0.2",
+                  "--lr", "1e-2", "--option", "backend=\"torch\"", "--option", "sync_every=4",
+                  "--option", "outer_lr=0.8")
+    res = run_gloo(2, _local_steps_body, cfg, timeout=120)
+    for alg in ("dense", "oktopk"):
+        r = res[0][alg]
+        assert r["replicas_identical"] and r["reduce"] == "updates", alg
+        assert r["local_steps"] == dict(sync_every=4, outer_lr=0.8, outer_momentum=0.0,
+                                        residual_decay=1.0)
+        syncs = [(i + 1) % 4 == 0 for i in range(12)]
+        assert [b > 0 for b in r["bytes_curve"]] == syncs, r["bytes_curve"]
+        assert [a > 0 for a in r["applied_curve"]] == syncs
+        assert r["bytes_per_step"] == sum(r["bytes_curve"]) / 12
+        assert r["stats_curve"]["synced"] == [int(x) for x in syncs]
+        assert all(L["starved_steps"] <= 3 for L in r["layers"].values())
+        assert r["final_val_loss"] < r["val_curve"][0][1]
+
+
 def test_reduce_mode_resolution():
     cfg = _config()
     assert cfg["reduce"] == "auto"
@@ -86,6 +118,9 @@ def test_reduce_mode_resolution():
     assert train.resolve_reduce(g, "oktopk") == "gradients"
     u = _config("--reduce", "updates")
     assert train.resolve_reduce(u, "dense") == "updates"
+    ls = _config("--option", "sync_every=2")                    # local steps: updates only
+    assert train.resolve_reduce(ls, "dense") == "updates"
+    assert train.resolve_reduce(_config("--option", "sync_every=1"), "dense") == "gradients"
 
 
 def test_corpus_is_the_stdlib_split_by_file():

@@ -8,7 +8,7 @@ import math
 import time
 from typing import Any, Dict, List
 
-from .loops import RunLog, _make_optimizer, replicas_identical, sparse_setup
+from .loops import RunLog, _make_optimizer, replicas_identical, sparse_setup, takes_local_steps
 
 
 def _lm_eval(model, val, starts, length: int, device, batch: int = 64) -> float:
@@ -106,10 +106,14 @@ class _LayerCounter:
 def resolve_reduce(cfg: Dict[str, Any], algorithm: str) -> str:
     """What a run reduces: ``gradients`` or ``updates`` (``--reduce auto``: updates for a sparse
     algorithm under AdamW, whose per-coordinate normalisation undoes error feedback's summed
-    gradients; gradients for dense, the plain data-parallel baseline, and for SGD)."""
+    gradients; gradients for dense, the plain data-parallel baseline, and for SGD; updates
+    whenever local steps are asked for, ``--option sync_every=H``: only reduce_updates takes
+    them)."""
     mode = cfg.get("reduce", "auto") or "auto"
     if mode != "auto":
         return mode
+    if takes_local_steps(cfg.get("options")):
+        return "updates"
     return ("updates" if algorithm != "dense" and cfg.get("optimizer") == "adamw"
             else "gradients")
 
@@ -172,8 +176,16 @@ class _LMReducer:
             return self.sar.reduce_updates(self.opt)
         return self.sar.reduce_gradients()   # averages .grad over ranks, error feedback inside
 
+    @property
+    def synced(self) -> bool:
+        """Whether this step's reduction applied anything (False on a local step)."""
+        return self.hook is not None or bool(self.sar.stats.get("synced", True))
+
     def describe(self) -> Dict[str, Any]:
-        return {"powersgd": self.powersgd} if self.hook and self.powersgd else {}
+        if self.hook:
+            return {"powersgd": self.powersgd} if self.powersgd else {}
+        ls = self.sar.local_steps
+        return {"local_steps": ls.describe()} if ls is not None else {}
 
 
 def _oktopk_bytes(n: int, density: float, P: int) -> int:
@@ -220,7 +232,8 @@ def _lm_step(red: _LMReducer, counter: _LayerCounter, params, x, lr: float, step
         opt.step()
     run.sync()
     t3 = time.perf_counter()
-    counter.reduced(step, flat)
+    if red.synced:        # a local step applied nothing: count the syncs only
+        counter.reduced(step, flat)
     run.record(t0, t1, t2, t3, red.stats)
     return loss
 

@@ -77,11 +77,26 @@ def sparse_setup(cfg, algorithm: str, model):
     entry's momentum)."""
     corrected = bool(cfg.get("momentum_correction")) and algorithm != "dense"
     opt = _make_optimizer(cfg, model.parameters(), corrected)
-    options = dict(cfg.get("options") or {}) if algorithm != "dense" else {}
+    # dense takes only the local-step options (dense pseudo-gradients: the family's floor)
+    options = (dict(cfg.get("options") or {}) if algorithm != "dense"
+               else local_step_options(cfg.get("options")))
     if corrected:
         options["momentum"] = cfg["momentum"]
     density = cfg["density"] if algorithm != "dense" else 1.0
     return opt, options, density
+
+
+def local_step_options(options) -> Dict[str, Any]:
+    """The ``--option`` entries that configure local steps (``SparseAllreduce(sync_every=...)``,
+    oktopk_triton/local_steps.py), ``{}`` when none is given."""
+    from ..local_steps import OPTIONS
+    return {k: v for k, v in (options or {}).items() if k in OPTIONS}
+
+
+def takes_local_steps(options) -> bool:
+    """Whether ``options`` turn local steps on (any value other than the defaults)."""
+    from ..local_steps import LocalSteps
+    return LocalSteps.build(**local_step_options(options)) is not None
 
 
 def _digits_lr(cfg, steps_per_epoch: int):

@@ -188,7 +188,9 @@ def _add_output_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    type=_parse_option,
                    help="extra option passed to the sparse algorithms (repeatable; VALUE as "
-                        "JSON where it parses, e.g. threshold_sample=0)")
+                        "JSON where it parses, e.g. threshold_sample=0). Local steps (--model "
+                        "gpt, reduce updates): sync_every=H, outer_lr, outer_momentum, "
+                        "residual_decay, given to dense too (dense pseudo-gradients)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: NCCL on GPUs when there are >= world-size of them, else gloo/CPU")
     p.add_argument("--tag", default=None, help="results name: bench/results/train-<tag>.json")
@@ -279,16 +281,42 @@ def check_options(options: Dict[str, Any], algos, density: float, baselines) -> 
     """The first problem with ``--option`` for the sparse algorithms, found before any rank is
     launched (a reducer of 1,024 entries built on a world of one, as each rank would build
     its own), or ``""``."""
+    import torch
     from .. import SparseAllreduce
     from ..comm import LocalCluster
+    from .loops import local_step_options
+    params = [torch.zeros(1024, requires_grad=True)]      # local steps need parameters
     for alg in algos:
-        if alg == "dense" or alg in baselines:
+        if alg in baselines:
             continue
+        opts = local_step_options(options) if alg == "dense" else options
         try:
-            SparseAllreduce(1024, comm=LocalCluster(1).communicator(0), density=density,
-                            algorithm=alg, **options)
+            SparseAllreduce(params, comm=LocalCluster(1).communicator(0),
+                            density=1.0 if alg == "dense" else density, algorithm=alg, **opts)
         except (TypeError, ValueError) as e:
             return str(e).splitlines()[0]
+    return ""
+
+
+def check_local_steps(args, algos, baselines) -> str:
+    """The first problem with local steps (``--option sync_every=H`` and friends) for this
+    command line, or ``""``: they need ``--model gpt`` and ``--reduce updates`` (or auto), and
+    torch's hooks (the baselines) cannot take them."""
+    from .loops import local_step_options, takes_local_steps
+    options = dict(getattr(args, "option", None) or [])
+    try:
+        if not takes_local_steps(options):
+            return ""
+    except ValueError as e:
+        return str(e).splitlines()[0]
+    names = sorted(local_step_options(options))
+    if args.model != "gpt":
+        return f"{names}: local steps run with --model gpt (the digits loop reduces gradients)"
+    if getattr(args, "reduce", "auto") not in ("auto", "updates"):
+        return f"{names}: local steps need --reduce updates (or auto), got --reduce {args.reduce}"
+    hooks = [a for a in algos if a in baselines]
+    if hooks:
+        return f"{names}: the baselines {hooks} are DDP hooks and cannot take local steps"
     return ""
 
 
@@ -316,8 +344,9 @@ def check_args(args) -> str:
     algorithms asked for, before any rank is launched, or ``""``."""
     from .baselines import BASELINES
     algos, _ = resolve_algorithms(args.algorithms)
-    bad = check_options(dict(getattr(args, "option", None) or []), algos, args.density,
-                        BASELINES)
+    bad = (check_local_steps(args, algos, BASELINES)
+           or check_options(dict(getattr(args, "option", None) or []), algos, args.density,
+                            BASELINES))
     return f"--option: {bad}" if bad else ""
 
 
