@@ -140,6 +140,7 @@ def test_topkdsa_schedule_within_data_dependent_part_and_exact_with_state(P):
     ("oktopk", {"volume_budget": None, "backend": "torch"}),
     ("oktopk", {"volume_budget": 6.0, "capacity_split": 0.3, "backend": "torch"}),
     ("oktopk", {"wire_dtype": "bf16", "backend": "torch"}),
+    ("oktopk", {"wire_format": "compact", "backend": "torch"}),
     ("spardl", {"teams": 2}),
     ("gaussiank", {"slack": 2.0, "check_finite": "off"}),
     ("dense", {"dtype": torch.bfloat16}),

@@ -37,6 +37,9 @@ of the contributions), and ``residual`` afterwards holds exactly what of ``acc``
   and gained 1.1 test points over 10 seeds (95.95 → 97.04; dense 98.75). The mask would remove
   the momentum of every entry of a dense step, so ``dense`` and the dense warm-up steps do not
   mask: there the velocity is exactly momentum SGD's;
+* ``wire_format``: ``"fp32"`` (default) or ``"compact"`` (:mod:`._wire`: an entry in one word,
+  bf16 value and 16-bit chunk-relative index; the rounding stays in the sender's residual). A
+  subclass that cannot carry it names why in ``compact_refusal``, and the constructor refuses;
 * ``stats`` and ``state_dict``.
 """
 from __future__ import annotations
@@ -49,6 +52,7 @@ import torch
 
 from .. import kernels as K
 from ..comm.base import Communicator, resolve_device
+from ._wire import check_wire_format
 
 __all__ = ["Algorithm", "FLOAT_DTYPES"]
 
@@ -74,11 +78,14 @@ class Algorithm(abc.ABC):
     # True: step() receives the raw gradient and updates self.velocity itself (fused into its
     # selection pass), masking included; the dense warm-up steps still use the base's update
     fuses_velocity: ClassVar[bool] = False
+    # why ``wire_format="compact"`` cannot carry this algorithm's messages (None: it can; the
+    # subclass then encodes its sparse messages with :mod:`._wire`)
+    compact_refusal: ClassVar[Optional[str]] = "this algorithm does not implement it"
 
     def __init__(self, numel: int, comm: Communicator, density: float = 0.01, *,
                  device: Optional[torch.device] = None, check_finite: str = "skip",
                  warmup_steps: int = 0, momentum: float = 0.0,
-                 momentum_masking: Optional[bool] = None,
+                 momentum_masking: Optional[bool] = None, wire_format: str = "fp32",
                  **options: Any) -> None:
         if not isinstance(numel, int) or numel < 1:
             raise ValueError(f"numel must be a positive int, got {numel!r}")
@@ -98,9 +105,12 @@ class Algorithm(abc.ABC):
         unknown = sorted(set(options) - set(self.OPTIONS))
         if unknown:
             common = ["check_finite", "density", "device", "momentum", "momentum_masking",
-                      "warmup_steps"]
+                      "warmup_steps", "wire_format"]
             raise TypeError(f"{self.name}: unknown option(s) {unknown}; its own options: "
                             f"{sorted(self.OPTIONS) or 'none'}; every algorithm's: {common}")
+        # compact: sparse entries as one word (bf16 value, 16-bit chunk-relative index)
+        self.wire_format = wire_format
+        self.compact = check_wire_format(self.name, wire_format, type(self).compact_refusal)
         self.opts = {**self.OPTIONS, **options}
         self.numel = numel
         self.comm = comm
