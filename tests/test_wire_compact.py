@@ -146,3 +146,82 @@ def test_bad_values_are_refused_with_one_line():
                             wire_format="compact" if msg == "not supported" else 3)
         except ValueError as e:
             assert "\n" not in str(e) and msg in str(e)
+
+
+# -- every algorithm that takes it -------------------------------------------------------------
+SPARSE = ["oktopk", "topka", "gaussiank", "gtopk", "spardl", "topkdsa"]
+# spans beyond one chunk: SparDL's and TopkDSA's blocks are n/P long, the others' indices global
+PER_RANK = 68_000
+
+
+def _far_entries(name, out, P):
+    """Nonzeros of out at an index >= 65536 within their span (a block of n/P, or all of n)."""
+    nz = torch.nonzero(out).flatten()
+    if name in ("spardl", "topkdsa"):
+        n = out.numel()
+        rel = nz - torch.tensor([n * j // P for j in range(P)])[(nz * P) // n]
+        return int((rel >= W.CHUNK).sum())
+    return int((nz >= W.CHUNK).sum())
+
+
+@pytest.mark.parametrize("P", [3, 4])
+@pytest.mark.parametrize("name", [a for a in SPARSE if a != "oktopk"])   # Ok-Topk: above
+def test_every_algorithm_compact_conserves_agrees_and_halves_the_bytes(name, P):
+    """Spans of two chunks: the contract holds (the rounding in some residual), out is bitwise
+    identical, entries beyond the first chunk arrive, and a step counts under 0.6 of what the
+    same messages cost in fp32 (the fp32 schedule, which test_schedule checks against the
+    wire)."""
+    n, steps = PER_RANK * P, 3
+    res = run_steps(name, P, n, steps, 0.01, mixed(P), wire_format="compact",
+                    check_finite="off")
+    assert_conservation(res)
+    assert_bitwise_agreement(res)
+    assert sum(_far_entries(name, res.outs[t][0], P) for t in range(steps)) > 0
+    state = {}
+    if name == "topkdsa":       # the gather's size follows the decision after step 0
+        state = dict(mode=res.algs[0].mode, cap2=res.algs[0].cap2)
+    fp32 = max(sum(s.bytes_per_rank for s in schedule_of(name, n, res.k, P, rank=r,
+                                                            check_finite="off", **state))
+               for r in range(P))
+    measured = res.stat_array("bytes_sent")[1:].max()
+    assert measured == max(sum(s.bytes_per_rank for s in schedule_of(
+        name, n, res.k, P, rank=r, check_finite="off", wire_format="compact", **state))
+        for r in range(P))
+    assert float(measured) / fp32 < 0.6
+
+
+@pytest.mark.parametrize("name", SPARSE)
+def test_compact_keeps_momentum_masking_and_the_nonfinite_policy(name):
+    """Momentum correction with factor masking: the compact step stops the velocity of about
+    as many entries as the fp32 step (their residual holds the rounding, not 0); a NaN on one
+    rank leaves every residual bit for bit."""
+    P, n = 3, 3000
+    opts = {"backend": BE} if name == "oktopk" else {}
+    zeros = {}
+    for wf in ("fp32", "compact"):
+        res = run_steps(name, P, n, 8, 0.02, mixed(5), momentum=0.9, wire_format=wf,
+                        nonfinite={5: 2}, **opts)
+        assert_conservation(res)
+        assert_bitwise_agreement(res)
+        assert res.unchanged[5]
+        zeros[wf] = sum(int((a.velocity == 0).sum()) for a in res.algs)
+    assert zeros["fp32"] > 0
+    assert 0.8 < zeros["compact"] / zeros["fp32"] < 1.25, zeros
+
+
+def test_topkdsa_compact_dense_mode_sends_bf16_regions():
+    """Once the sums fill in, TopkDSA gathers whole regions: as bf16 in the compact format (half
+    of fp32's L words), with the owner keeping the rounding."""
+    P, n = 4, 4001       # P a power of two: out·P is the gathered value exactly
+    res = run_steps("topkdsa", P, n, 4, 0.25, mixed(6), wire_format="compact", tau=1)
+    assert_conservation(res)
+    assert_bitwise_agreement(res)
+    modes = res.stat("mode")
+    assert all(m == "dense" for row in modes[1:] for m in row)
+    L = -(-n // P)
+    specs = schedule_of("topkdsa", n, res.k, P, wire_format="compact", mode="dense")
+    assert specs[-1].bytes_per_rank == (P - 1) * 4 * ((L + 1) // 2)
+    assert res.stat_array("bytes_sent")[1:].eq(sum(s.bytes_per_rank for s in specs)).all()
+    for t in range(1, 4):
+        out = res.outs[t][0] * P
+        assert torch.equal(out, out.to(torch.bfloat16).float())     # the regions went as bf16

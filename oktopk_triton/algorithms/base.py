@@ -130,6 +130,9 @@ class Algorithm(abc.ABC):
         self.velocity = (torch.zeros(numel, dtype=torch.float32, device=self.device)
                          if self.momentum > 0 else None)
         self.step_count = 0
+        # compact wire: the positions a step delivered whole but for the bf16 rounding kept in
+        # the residual (bool [n], set by the step; the velocity mask reads it)
+        self._wire_delivered: Optional[torch.Tensor] = None
         self.stats: Dict[str, Any] = {}
         self.residual = torch.zeros(numel, dtype=torch.float32, device=self.device)
         # the loss scale the residual (and velocity, thresholds) are in: None until a scale is
@@ -225,6 +228,7 @@ class Algorithm(abc.ABC):
             self.step(flat, out, nonfinite)
             if velocity_here and self.momentum_masking:
                 self._mask_velocity(nonfinite)
+        self._wire_delivered = None
         self.step_count += 1
 
         if dtype != torch.float32:
@@ -287,9 +291,12 @@ class Algorithm(abc.ABC):
         """Momentum factor masking: stop the velocity of the entries this step delivered.
 
         An entry whose residual is 0 after the step reached ``out`` whole (or never held
-        anything), so its velocity restarts from 0. Decided on the device; a non-finite step
-        keeps the velocity as it was."""
+        anything), so its velocity restarts from 0; with the compact wire also the entries the
+        step marked in ``_wire_delivered`` (their residual holds the bf16 rounding only).
+        Decided on the device; a non-finite step keeps the velocity as it was."""
         delivered = self.residual == 0
+        if self._wire_delivered is not None:   # residual = only the wire's rounding there
+            delivered = delivered | self._wire_delivered
         if nonfinite is not None:
             delivered = delivered & (nonfinite == 0)
         self.velocity.masked_fill_(delivered, 0.0)
@@ -348,6 +355,26 @@ class Algorithm(abc.ABC):
         return walk([v for key, v in vars(self).items() if key not in ("comm", "stats")])
 
     # -- helpers for subclasses ----------------------------------------------------------------
+    def mark_delivered(self, where: torch.Tensor, valid: Optional[torch.Tensor] = None) -> None:
+        """Compact wire: the step delivered these entries whole but for the bf16 rounding it
+        kept in the residual, so momentum factor masking stops their velocity too. ``where``:
+        a bool mask [n], or positions (any int shape; ``valid`` marks the real ones). Costs
+        nothing unless the wire is compact and the velocity is masked."""
+        if not (self.compact and self.velocity is not None and self.momentum_masking):
+            return
+        n = self.numel
+        if where.dtype == torch.bool:
+            mask = where.reshape(-1)
+        else:
+            pos = where.reshape(-1).to(torch.int64)
+            if valid is not None:
+                pos = torch.where(valid.reshape(-1), pos, torch.full_like(pos, n))
+            mask = torch.zeros(n + 1, dtype=torch.bool, device=self.device)
+            mask[pos] = True             # duplicates write the same value
+            mask = mask[:n]
+        self._wire_delivered = mask if self._wire_delivered is None else \
+            self._wire_delivered | mask
+
     def accumulate(self, grad: torch.Tensor) -> torch.Tensor:
         """``acc = residual + grad`` in fp32, as a new tensor (residual untouched)."""
         return self.residual + grad.float()
