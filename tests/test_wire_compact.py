@@ -225,3 +225,19 @@ def test_topkdsa_compact_dense_mode_sends_bf16_regions():
     for t in range(1, 4):
         out = res.outs[t][0] * P
         assert torch.equal(out, out.to(torch.bfloat16).float())     # the regions went as bf16
+
+
+def test_benchmarks_price_the_compact_wire():
+    """The projection's schedules and the byte target PowerSGD is matched to in the LM
+    benchmark follow the run's wire format."""
+    from oktopk_triton.algorithms.schedule import total_bytes
+    from oktopk_triton.bench.cost_model import algorithm_schedule
+    from oktopk_triton.bench.lm_loop import _oktopk_bytes
+    n, P = 1 << 20, 8
+    assert _oktopk_bytes(n, 0.01, P, "compact") < 0.52 * _oktopk_bytes(n, 0.01, P)
+    for name in SPARSE:
+        fp32 = total_bytes(algorithm_schedule(name, n, 10486, P))
+        comp = total_bytes(algorithm_schedule(name, n, 10486, P, wire_format="compact"))
+        assert comp < 0.52 * fp32, name
+    assert algorithm_schedule("dense", n, 10486, P, wire_format="compact") == \
+        algorithm_schedule("dense", n, 10486, P)
