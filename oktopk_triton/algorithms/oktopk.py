@@ -386,8 +386,7 @@ class OkTopk(Algorithm):
         slot = torch.cumsum(first.to(torch.int64), 0) - 1
         slot_of = torch.empty_like(slot).scatter_(0, perm, slot).to(torch.int32).view(P, cr)
         self._sums.zero_()
-        K.scatter_add(self._sums, slot_of, vals.contiguous(), counts, base=0,
-                      backend=self.backend)
+        K.scatter_add(self._sums, slot_of, vals, counts, base=0, backend=self.backend)
         self._sorted = (sidx, first, slot)
 
     def _owner_select(self) -> None:
