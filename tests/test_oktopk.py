@@ -380,7 +380,8 @@ def test_bf16_wire_keeps_the_rounding_in_the_residual(P):
 
 # -- CUDA: a steady step never synchronises with the host -------------------------------------
 def _sync_body(comm, n, momentum, wire):
-    alg = OkTopk(n, comm, 0.01, momentum=momentum, wire_dtype=wire, device=comm.device)
+    fmt = {"wire_format": "compact"} if wire == "compact" else {"wire_dtype": wire}
+    alg = OkTopk(n, comm, 0.01, momentum=momentum, device=comm.device, **fmt)
     fn = mixed(2)
     for t in range(2):                         # calibration + one steady step, syncs allowed
         alg(fn(comm.rank, t, n).to(comm.device))
@@ -404,7 +405,7 @@ def _sync_body(comm, n, momentum, wire):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("P", [1, 2, 4])
-@pytest.mark.parametrize("momentum,wire", [(0.0, "fp32"), (0.9, "bf16")])
+@pytest.mark.parametrize("momentum,wire", [(0.0, "fp32"), (0.9, "bf16"), (0.9, "compact")])
 def test_cuda_steady_step_never_syncs(P, momentum, wire):
     """Compiled kernels on CUDA tensors, steps 2-4 under
     torch.cuda.set_sync_debug_mode('error') (any synchronising CUDA call raises)."""
@@ -412,8 +413,8 @@ def test_cuda_steady_step_never_syncs(P, momentum, wire):
 
 
 # -- the interpreted Triton kernels give the torch path's step bit for bit --------------------
-def _backend_body(comm, n, backend):
-    alg = OkTopk(n, comm, 0.02, backend=backend, momentum=0.9)
+def _backend_body(comm, n, backend, wire="fp32"):
+    alg = OkTopk(n, comm, 0.02, backend=backend, momentum=0.9, wire_format=wire)
     fn = mixed(12)
     outs = [alg(fn(comm.rank, t, n)).clone() for t in range(5)]
     return torch.stack(outs), alg.residual.clone(), alg.velocity.clone()
@@ -421,13 +422,14 @@ def _backend_body(comm, n, backend):
 
 @pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1",
                     reason="needs TRITON_INTERPRET=1 (the interpreter runs Triton on CPU tensors)")
-def test_triton_kernels_match_torch_path():
+@pytest.mark.parametrize("wire", ["fp32", "compact"])
+def test_triton_kernels_match_torch_path(wire):
     """P = 3, momentum: the Triton kernels (interpreted on CPU) and the torch references give the
     same out, residual and velocity bit for bit (rows fill in another order, but each row keeps
-    its cap_r largest and every index is added once per source)."""
+    its cap_r largest and every index is added once per source; the compact wire sorts them)."""
     n = 3000
-    tri = LocalCluster(3).run(_backend_body, n, "triton")
-    ref = LocalCluster(3).run(_backend_body, n, "torch")
+    tri = LocalCluster(3).run(_backend_body, n, "triton", wire)
+    ref = LocalCluster(3).run(_backend_body, n, "torch", wire)
     for p in range(3):
         for a, b in zip(tri[p], ref[p]):
             assert torch.equal(a, b)

@@ -121,17 +121,18 @@ def test_static_schedules_match_recorded_traffic(name, P):
 
 
 @pytest.mark.parametrize("P", WORLD_SIZES)
-def test_topkdsa_schedule_within_data_dependent_part_and_exact_with_state(P):
+@pytest.mark.parametrize("wire", ["fp32", "compact"])
+def test_topkdsa_schedule_within_data_dependent_part_and_exact_with_state(P, wire):
     n, density = 1200 + 5 * P, 0.05
-    res = record("topkdsa", P, n, density, steps=3, tau=1)
+    res = record("topkdsa", P, n, density, steps=3, tau=1, wire_format=wire)
     modes = {st["mode"] for _, _, states in res for st in states[1:]}
     assert "sparse" in modes             # the data-dependent gather really was exercised
     for k, logs, states in res:
-        bound = schedule_of("topkdsa", n, k, P)
+        bound = schedule_of("topkdsa", n, k, P, wire_format=wire)
         assert bound[-1].data_dependent > 0
         for log, st in zip(logs, states):
             assert_matches(bound, log, exact=False)
-            assert_matches(schedule_of("topkdsa", n, k, P, **st), log)
+            assert_matches(schedule_of("topkdsa", n, k, P, wire_format=wire, **st), log)
 
 
 @pytest.mark.parametrize("P", (4, 6, 8))
@@ -140,6 +141,11 @@ def test_topkdsa_schedule_within_data_dependent_part_and_exact_with_state(P):
     ("oktopk", {"volume_budget": None, "backend": "torch"}),
     ("oktopk", {"volume_budget": 6.0, "capacity_split": 0.3, "backend": "torch"}),
     ("oktopk", {"wire_dtype": "bf16", "backend": "torch"}),
+    ("oktopk", {"wire_format": "compact", "backend": "torch"}),
+    ("topka", {"wire_format": "compact"}),
+    ("gtopk", {"wire_format": "compact"}),
+    ("spardl", {"teams": 2, "wire_format": "compact"}),
+    ("gaussiank", {"wire_format": "compact", "check_finite": "off"}),
     ("spardl", {"teams": 2}),
     ("gaussiank", {"slack": 2.0, "check_finite": "off"}),
     ("dense", {"dtype": torch.bfloat16}),

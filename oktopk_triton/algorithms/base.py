@@ -37,6 +37,9 @@ of the contributions), and ``residual`` afterwards holds exactly what of ``acc``
   and gained 1.1 test points over 10 seeds (95.95 → 97.04; dense 98.75). The mask would remove
   the momentum of every entry of a dense step, so ``dense`` and the dense warm-up steps do not
   mask: there the velocity is exactly momentum SGD's;
+* ``wire_format``: ``"fp32"`` (default) or ``"compact"`` (:mod:`._wire`: an entry in one word,
+  bf16 value and 16-bit chunk-relative index; the rounding stays in the sender's residual). A
+  subclass that cannot carry it names why in ``compact_refusal``, and the constructor refuses;
 * ``stats`` and ``state_dict``.
 """
 from __future__ import annotations
@@ -49,6 +52,7 @@ import torch
 
 from .. import kernels as K
 from ..comm.base import Communicator, resolve_device
+from ._wire import check_wire_format
 
 __all__ = ["Algorithm", "FLOAT_DTYPES"]
 
@@ -74,11 +78,14 @@ class Algorithm(abc.ABC):
     # True: step() receives the raw gradient and updates self.velocity itself (fused into its
     # selection pass), masking included; the dense warm-up steps still use the base's update
     fuses_velocity: ClassVar[bool] = False
+    # why ``wire_format="compact"`` cannot carry this algorithm's messages (None: it can; the
+    # subclass then encodes its sparse messages with :mod:`._wire`)
+    compact_refusal: ClassVar[Optional[str]] = "this algorithm does not implement it"
 
     def __init__(self, numel: int, comm: Communicator, density: float = 0.01, *,
                  device: Optional[torch.device] = None, check_finite: str = "skip",
                  warmup_steps: int = 0, momentum: float = 0.0,
-                 momentum_masking: Optional[bool] = None,
+                 momentum_masking: Optional[bool] = None, wire_format: str = "fp32",
                  **options: Any) -> None:
         if not isinstance(numel, int) or numel < 1:
             raise ValueError(f"numel must be a positive int, got {numel!r}")
@@ -98,9 +105,12 @@ class Algorithm(abc.ABC):
         unknown = sorted(set(options) - set(self.OPTIONS))
         if unknown:
             common = ["check_finite", "density", "device", "momentum", "momentum_masking",
-                      "warmup_steps"]
+                      "warmup_steps", "wire_format"]
             raise TypeError(f"{self.name}: unknown option(s) {unknown}; its own options: "
                             f"{sorted(self.OPTIONS) or 'none'}; every algorithm's: {common}")
+        # compact: sparse entries as one word (bf16 value, 16-bit chunk-relative index)
+        self.wire_format = wire_format
+        self.compact = check_wire_format(self.name, wire_format, type(self).compact_refusal)
         self.opts = {**self.OPTIONS, **options}
         self.numel = numel
         self.comm = comm
@@ -120,6 +130,9 @@ class Algorithm(abc.ABC):
         self.velocity = (torch.zeros(numel, dtype=torch.float32, device=self.device)
                          if self.momentum > 0 else None)
         self.step_count = 0
+        # compact wire: the positions a step delivered whole but for the bf16 rounding kept in
+        # the residual (bool [n], set by the step; the velocity mask reads it)
+        self._wire_delivered: Optional[torch.Tensor] = None
         self.stats: Dict[str, Any] = {}
         self.residual = torch.zeros(numel, dtype=torch.float32, device=self.device)
         # the loss scale the residual (and velocity, thresholds) are in: None until a scale is
@@ -215,6 +228,7 @@ class Algorithm(abc.ABC):
             self.step(flat, out, nonfinite)
             if velocity_here and self.momentum_masking:
                 self._mask_velocity(nonfinite)
+        self._wire_delivered = None
         self.step_count += 1
 
         if dtype != torch.float32:
@@ -277,9 +291,12 @@ class Algorithm(abc.ABC):
         """Momentum factor masking: stop the velocity of the entries this step delivered.
 
         An entry whose residual is 0 after the step reached ``out`` whole (or never held
-        anything), so its velocity restarts from 0. Decided on the device; a non-finite step
-        keeps the velocity as it was."""
+        anything), so its velocity restarts from 0; with the compact wire also the entries the
+        step marked in ``_wire_delivered`` (their residual holds the bf16 rounding only).
+        Decided on the device; a non-finite step keeps the velocity as it was."""
         delivered = self.residual == 0
+        if self._wire_delivered is not None:   # residual = only the wire's rounding there
+            delivered = delivered | self._wire_delivered
         if nonfinite is not None:
             delivered = delivered & (nonfinite == 0)
         self.velocity.masked_fill_(delivered, 0.0)
@@ -338,6 +355,26 @@ class Algorithm(abc.ABC):
         return walk([v for key, v in vars(self).items() if key not in ("comm", "stats")])
 
     # -- helpers for subclasses ----------------------------------------------------------------
+    def mark_delivered(self, where: torch.Tensor, valid: Optional[torch.Tensor] = None) -> None:
+        """Compact wire: the step delivered these entries whole but for the bf16 rounding it
+        kept in the residual, so momentum factor masking stops their velocity too. ``where``:
+        a bool mask [n], or positions (any int shape; ``valid`` marks the real ones). Costs
+        nothing unless the wire is compact and the velocity is masked."""
+        if not (self.compact and self.velocity is not None and self.momentum_masking):
+            return
+        n = self.numel
+        if where.dtype == torch.bool:
+            mask = where.reshape(-1)
+        else:
+            pos = where.reshape(-1).to(torch.int64)
+            if valid is not None:
+                pos = torch.where(valid.reshape(-1), pos, torch.full_like(pos, n))
+            mask = torch.zeros(n + 1, dtype=torch.bool, device=self.device)
+            mask[pos] = True             # duplicates write the same value
+            mask = mask[:n]
+        self._wire_delivered = mask if self._wire_delivered is None else \
+            self._wire_delivered | mask
+
     def accumulate(self, grad: torch.Tensor) -> torch.Tensor:
         """``acc = residual + grad`` in fp32, as a new tensor (residual untouched)."""
         return self.residual + grad.float()

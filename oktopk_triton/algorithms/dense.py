@@ -17,6 +17,7 @@ from .base import Algorithm
 class DenseAllreduce(Algorithm):
     name = "dense"
     sparse = False
+    compact_refusal = "a dense allreduce sends values only, no indices to compact"
 
     @classmethod
     def schedule(cls, n: int, k: int, P: int, **options) -> List[S.CollectiveSpec]:

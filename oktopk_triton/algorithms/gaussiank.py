@@ -32,6 +32,10 @@ rest waits in the residual); over-selection is cut at the capacity (the overflow
 highest indices, stays in the residual). Nothing is lost either way.
 
 Volume ``2·(1 + cap)·(P-1)`` words per rank per step (the padding counts as sent).
+
+``wire_format="compact"`` (docs/algorithms.md §9): a slot is ``ceil(n/65536)`` chunk counts (the
+indices are global; they sum to the count sent) and ``cap`` words, ``(ceil(n/65536) + cap)(P-1)``
+words in all; the sender keeps ``acc - bf16(acc)`` of what it sent.
 """
 from __future__ import annotations
 
@@ -41,6 +45,7 @@ from typing import List, Optional
 
 import torch
 
+from . import _wire as W
 from ._sparse import compact, pack_entries, scatter_add_sources, unpack_entries
 from . import schedule as S
 from .base import Algorithm
@@ -52,6 +57,11 @@ class Gaussiank(Algorithm):
     name = "gaussiank"
     OPTIONS = {"slack": 1.5, "iters": 8, "lo": 0.75, "hi": 1.25}
     HEADER = 2
+    compact_refusal = None     # global indices: chunk counts over all of n
+
+    @classmethod
+    def _msg_words(cls, n: int, cap: int, wire_format) -> int:
+        return W.row_words(cap, n) if wire_format == "compact" else cls.HEADER + 2 * cap
 
     @classmethod
     def capacity(cls, k: int, n: int, slack: float = 1.5) -> int:
@@ -63,18 +73,18 @@ class Gaussiank(Algorithm):
         if P <= 1:
             return 0
         cap = cls.capacity(k, n, opts.get("slack", cls.OPTIONS["slack"]))
-        return 4 * (cls.HEADER + 2 * cap) * (P - 1)
+        return 4 * cls._msg_words(n, cap, opts.get("wire_format")) * (P - 1)
 
     @classmethod
     def schedule(cls, n: int, k: int, P: int, **options) -> List[S.CollectiveSpec]:
         """One steady step: the flag allreduce, one allgather of ``2 + 2·cap`` int32 words
-        (``cap = ceil(slack·k)``; padding counts)."""
+        (``cap = ceil(slack·k)``; padding counts; compact: ``ceil(n/65536) + cap``)."""
         o = S.resolve_options(cls, n, k, P, options)
         if k >= n:
             return S.dense_step_specs(n, P, o)
         cap = cls.capacity(k, n, o["slack"])
-        return S.flag_specs(P, o) + ([S.allgather(4 * (cls.HEADER + 2 * cap), P)]
-                                     if P > 1 else [])
+        words = cls._msg_words(n, cap, o["wire_format"])
+        return S.flag_specs(P, o) + ([S.allgather(4 * words, P)] if P > 1 else [])
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -117,7 +127,15 @@ class Gaussiank(Algorithm):
         thr = self.threshold(acc)
         mask = (acc.abs() >= thr) & (acc != 0)
         idx, val, count, kept = compact(mask, acc, cap)
-        if P > 1:
+        if self.compact:
+            msg = W.encode(idx, val, count, self.numel)
+            allmsg = torch.empty(P, msg.shape[1], dtype=torch.int32, device=acc.device)
+            if P > 1:
+                self.comm.allgather(allmsg, msg)
+            else:
+                allmsg.copy_(msg)
+            all_idx, all_val, counts = W.decode(allmsg, cap, self.numel)
+        elif P > 1:
             header = torch.stack([count, torch.zeros_like(count)])
             msg = pack_entries(idx, val, header=header)
             allmsg = torch.empty(P * (H + 2 * cap), dtype=torch.int32, device=acc.device)
@@ -128,7 +146,10 @@ class Gaussiank(Algorithm):
             all_idx, all_val, counts = idx.view(1, cap), val.view(1, cap), count.view(1)
         scatter_add_sources(out, all_idx, all_val, counts)
         out.div_(P)
-        self.commit_residual(torch.where(kept, torch.zeros_like(acc), acc), nonfinite)
+        # the compact wire's rounding stays owed
+        sent = W.bf16_rounding(acc) if self.compact else torch.zeros_like(acc)
+        self.commit_residual(torch.where(kept, sent, acc), nonfinite)
+        self.mark_delivered(kept)
         self.stats.update(local_selected=torch.clamp(count, max=cap),
                           global_selected=(out != 0).sum(),
                           overflow=torch.clamp(count - cap, min=0), threshold=thr,

@@ -31,6 +31,14 @@ is always k), plus ``ceil(k/32)`` mask words on the unfold message. Volume per r
 ``2k·log2 P`` words for a power of two; otherwise at most ``2k·ceil(log2 P) + ceil(k/32)``
 (the even rank of a fold pair: ``floor(log2 P)`` butterfly rounds + the unfold message; the odd
 rank sends ``2k`` once). No host read anywhere.
+
+``wire_format="compact"`` (docs/algorithms.md §9): a set is ``ceil(n/65536)`` chunk counts (global
+indices) and ``k`` words. Both partners of a round must merge the same bits, so each rounds its
+current set to bf16 *before* the exchange and merges the rounded sets; the rounding of a group's
+partial sum is kept by one member, the group's lowest virtual rank, and only where the index
+survives every later merge (otherwise the sticky mask returns the contributions whole). The
+final set is rounded once more, everyone applies ``bf16(F)/P``, and virtual rank 0 keeps
+``F - bf16(F)``. The folded rank keeps the rounding of its own entries where they stayed alive.
 """
 from __future__ import annotations
 
@@ -38,6 +46,7 @@ from typing import List, Optional
 
 import torch
 
+from . import _wire as W
 from ._sparse import (is_member, merge_topk, pack_bits, pack_entries, topk_entries,
                       unpack_bits, unpack_entries)
 from . import schedule as S
@@ -53,6 +62,12 @@ def _layout(P: int):
 
 class GTopk(Algorithm):
     name = "gtopk"
+    compact_refusal = None     # global indices; a group's rounding kept by its lowest member
+
+    @staticmethod
+    def _set_words(n: int, k: int, compact) -> int:
+        """int32 words of one k-entry set message."""
+        return W.row_words(k, n) if compact else 2 * k
 
     @classmethod
     def volume_bound_bytes(cls, n: int, k: int, P: int, **opts) -> int:
@@ -61,9 +76,10 @@ class GTopk(Algorithm):
             return 0
         P2, e = _layout(P)
         rounds = P2.bit_length() - 1
-        words = 2 * k * rounds
+        entries = cls._set_words(n, k, opts.get("wire_format") == "compact")
+        words = entries * rounds
         if e:
-            words += 2 * k + (k + 31) // 32
+            words += entries + (k + 31) // 32
         return 4 * words
 
     @classmethod
@@ -73,13 +89,13 @@ class GTopk(Algorithm):
         partner each; the survivor of a fold pair first receives its partner's 2k words and
         finally sends it ``2k + ceil(k/32)`` words; the folded rank sends 2k words, then receives
         the result. ``rank=None``: rank 0 (a survivor whenever there are folds: the critical
-        path)."""
+        path). Compact: a set is ``ceil(n/65536) + k`` words instead of 2k."""
         o, specs, whole = S.step_start(cls, n, k, P, options)
         if whole:
             return specs
         r = 0 if o["rank"] is None else o["rank"]
         P2, e = _layout(P)
-        entries = 4 * 2 * k
+        entries = 4 * cls._set_words(n, k, o["compact"])
         unfold = entries + 4 * ((k + 31) // 32)
         butterfly = [S.send_recv([entries], [entries], 1)] * (P2.bit_length() - 1)
         if r < 2 * e and r % 2 == 1:            # folded
@@ -111,38 +127,63 @@ class GTopk(Algorithm):
         self.comm.send_recv([(peer, msg)], [(peer, buf)])
         return buf
 
+    def _pack(self, idx: torch.Tensor, val: torch.Tensor) -> torch.Tensor:
+        if self.compact:
+            return W.encode(idx, val, None, self.numel).view(-1)
+        return pack_entries(idx, val)
+
+    def _unpack(self, buf: torch.Tensor):
+        if self.compact:
+            idx, val, _ = W.decode(buf, self.k, self.numel)
+            return idx.view(-1), val.view(-1)
+        _, idx, val = unpack_entries(buf, self.k)
+        return idx, val
+
     def step(self, grad: torch.Tensor, out: torch.Tensor,
              nonfinite: Optional[torch.Tensor]) -> None:
         k, P = self.k, self.P
         nmask = (k + 31) // 32
+        words = self._set_words(self.numel, k, self.compact)
         acc = self.accumulate(grad)
         L_idx, L_val = topk_entries(acc, k)
+        # compact: [indices, rounding, still alive] this rank keeps where the index survives
+        owed: list = []
 
         if self._role == "folded":
             peer = self._fold_peer
-            self.comm.send_recv([(peer, pack_entries(L_idx, L_val))], [])
-            buf = torch.empty(2 * k + nmask, dtype=torch.int32, device=acc.device)
+            self.comm.send_recv([(peer, self._pack(L_idx, L_val))], [])
+            buf = torch.empty(words + nmask, dtype=torch.int32, device=acc.device)
             self.comm.send_recv([], [(peer, buf)])
-            _, F_idx, F_val = unpack_entries(buf[:2 * k], k)
-            alive = unpack_bits(buf[2 * k:], k)
+            F_idx, F_val = self._unpack(buf[:words])
+            alive = unpack_bits(buf[words:], k)
+            if self.compact:   # what the wire dropped of the entries it sent
+                owed.append([L_idx, W.bf16_rounding(L_val), alive])
         else:
             S_idx, S_val = L_idx, L_val
             alive = torch.ones(k, dtype=torch.bool, device=acc.device)
             p_idx = p_alive = None
             if self._role == "survivor":
                 peer = self._fold_peer
-                buf = torch.empty(2 * k, dtype=torch.int32, device=acc.device)
+                buf = torch.empty(words, dtype=torch.int32, device=acc.device)
                 self.comm.send_recv([], [(peer, buf)])
-                _, p_idx, p_val = unpack_entries(buf, k)
+                p_idx, p_val = self._unpack(buf)
                 S_idx, S_val = merge_topk(S_idx, S_val, p_idx, p_val, k)   # lower rank first
                 alive = is_member(L_idx, S_idx)
                 p_alive = is_member(p_idx, S_idx)
             v = self._v
             bit = 1
             while bit < self._P2:
+                if self.compact:
+                    # both partners merge the rounded sets; the group's lowest member keeps
+                    # the rounding of its partial sums
+                    rounded = W.bf16_round(S_val)
+                    if v & (bit - 1) == 0:
+                        owed.append([S_idx, S_val - rounded,
+                                     torch.ones(k, dtype=torch.bool, device=acc.device)])
+                    S_val = rounded
                 peer = self._real(v ^ bit)
-                theirs = self._exchange(peer, pack_entries(S_idx, S_val), 2 * k)
-                _, t_idx, t_val = unpack_entries(theirs, k)
+                theirs = self._exchange(peer, self._pack(S_idx, S_val), words)
+                t_idx, t_val = self._unpack(theirs)
                 if v & bit == 0:
                     S_idx, S_val = merge_topk(S_idx, S_val, t_idx, t_val, k)
                 else:
@@ -150,15 +191,26 @@ class GTopk(Algorithm):
                 alive &= is_member(L_idx, S_idx)
                 if p_alive is not None:
                     p_alive &= is_member(p_idx, S_idx)
+                for entry in owed:           # a rounding survives only with its index
+                    entry[2] = entry[2] & is_member(entry[0], S_idx)
                 bit <<= 1
             F_idx, F_val = S_idx, S_val
+            if self.compact:   # every rank applies bf16(F); virtual rank 0 keeps the rest
+                rounded = W.bf16_round(F_val)
+                if v == 0:
+                    owed.append([F_idx, F_val - rounded,
+                                 torch.ones(k, dtype=torch.bool, device=acc.device)])
+                F_val = rounded
             if self._role == "survivor":
-                msg = torch.cat([pack_entries(F_idx, F_val), pack_bits(p_alive)])
+                msg = torch.cat([self._pack(F_idx, F_val), pack_bits(p_alive)])
                 self.comm.send_recv([(self._fold_peer, msg)], [])
 
         out.index_copy_(0, F_idx.to(torch.int64), F_val / P)
         L64 = L_idx.to(torch.int64)
         acc.scatter_(0, L64, torch.where(alive, torch.zeros_like(L_val), L_val))
+        for idx, err, keep in owed:
+            acc.index_add_(0, idx.to(torch.int64), torch.where(keep, err, torch.zeros_like(err)))
+        self.mark_delivered(L_idx, alive)
         self.commit_residual(acc, nonfinite)
         self.stats.update(local_selected=alive.sum(), global_selected=(F_val != 0).sum(),
                           overflow=0, dropped=k - alive.sum())

@@ -36,14 +36,18 @@ Options every ``schedule`` takes besides the class's own ``OPTIONS`` (unknown na
 non-finite flag allreduce, first in every step; ``"off"`` removes it), ``dtype`` (the gradient's
 dtype: only the dense allreduce sends it), ``rank`` (``None``: the rank the step waits for, the
 one with the most rounds, then the most bytes; an int: that rank's own list, for algorithms whose
-ranks differ), and the base options ``warmup_steps``, ``momentum``, ``momentum_masking``, which
-change nothing on the wire of a steady step. A step with ``k >= n`` is dense for every algorithm
-(the base class's ``dense_step``: one fp32 allreduce of n).
+ranks differ), ``wire_format`` (``"fp32"`` or ``"compact"``: the sizes of the compact messages,
+``o["compact"]`` in the resolved options), and the base options ``warmup_steps``,
+``momentum``, ``momentum_masking``, which change nothing on the wire of a steady step. A step
+with ``k >= n`` is dense for every algorithm (the base class's ``dense_step``: one fp32
+allreduce of n).
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Dict, List, Optional, Sequence
+
+from ._wire import check_wire_format
 
 __all__ = ["CollectiveSpec", "KINDS", "resolve_options", "allreduce", "allgather", "alltoall",
            "broadcast", "send_recv", "flag_specs", "dense_step_specs", "total_bytes",
@@ -54,7 +58,7 @@ _INT32 = 4
 
 # base-class options that a schedule accepts (besides the class's OPTIONS)
 _BASE_OPTIONS = ("check_finite", "dtype", "rank", "warmup_steps", "momentum",
-                 "momentum_masking", "device")
+                 "momentum_masking", "device", "wire_format")
 _DTYPE_BYTES = {"fp32": 4, "float32": 4, "float": 4, "bf16": 2, "bfloat16": 2, "fp16": 2,
                 "float16": 2, "half": 2}
 
@@ -129,6 +133,9 @@ def resolve_options(cls, n: int, k: int, P: int, options: Dict[str, Any],
                          f"{cf!r}")
     o["check_finite"] = cf
     o["grad_bytes"] = _dtype_bytes(options.get("dtype"))
+    o["wire_format"] = options.get("wire_format", "fp32")
+    o["compact"] = check_wire_format(cls.name, o["wire_format"],
+                                     getattr(cls, "compact_refusal", None))
     rank = options.get("rank")
     if rank is not None and not (isinstance(rank, int) and 0 <= rank < P):
         raise ValueError(f"{cls.name}.schedule: rank must be None or in [0, {P}), got {rank!r}")

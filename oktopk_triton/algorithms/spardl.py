@@ -33,6 +33,11 @@ the ``P/d`` super-blocks (``d`` blocks each) inside every team; phase 2: Spar-Re
 super-block ``q``'s ``d`` blocks among the ``d`` ranks at position ``q`` (one per team), so rank
 ``(t, q)`` owns block ``q*d + t``; then a Bruck allgather among those ``d`` ranks and one of the
 super-blocks inside every team. ``ceil(log2(P/d)) + ceil(log2 d)`` rounds each way.
+
+``wire_format="compact"`` (docs/algorithms.md §9): a block message is ``ceil(L/65536)`` chunk
+counts (block-relative indices) and ``k_b`` words instead of ``1 + 2·k_b``. A rank that sends a
+partial sum keeps what the bf16 rounding dropped in its own ``W``, where everything it does not
+forward stays anyway; every rank builds ``out`` from the same bf16 values.
 """
 from __future__ import annotations
 
@@ -41,6 +46,7 @@ from typing import List, Optional
 
 import torch
 
+from . import _wire as W_
 from . import schedule as S
 from .base import Algorithm
 
@@ -59,13 +65,20 @@ class SparDL(Algorithm):
     name = "spardl"
     OPTIONS = {"teams": 1}
     STATE = ()
+    compact_refusal = None     # block-relative indices; the rounding stays in the sender's W
+
+    @staticmethod
+    def _block_words(L: int, kb: int, compact: bool) -> int:
+        """int32 words of one block message: header + k_b entries."""
+        return W_.row_words(kb, L) if compact else 1 + 2 * kb
 
     @classmethod
     def schedule(cls, n: int, k: int, P: int, **options) -> List[S.CollectiveSpec]:
         """One steady step (the same on every rank): the flag allreduce, then one send/recv
         with one partner per round: Spar-Reduce-Scatter inside the team (units of ``teams``
         blocks) and across teams (single blocks), then the Bruck allgathers across teams and
-        inside the team. A block message is ``1 + 2·k_b`` int32 words."""
+        inside the team. A block message is ``1 + 2·k_b`` int32 words (compact:
+        ``ceil(L/65536) + k_b``)."""
         o = S.resolve_options(cls, n, k, P, options)
         if k >= n:
             return S.dense_step_specs(n, P, o)
@@ -75,7 +88,7 @@ class SparDL(Algorithm):
                              f"got {d!r}")
         L = -(-n // P)
         kb = max(1, min(L, int(round(k / P))))
-        block = 4 * (1 + 2 * kb)
+        block = 4 * cls._block_words(L, kb, o["compact"])
         T = P // d
 
         def reduce_scatter(G, unit):
@@ -143,40 +156,60 @@ class SparDL(Algorithm):
         # after the Bruck rounds offset j holds unit (gi + j) % G -> unit u at offset (u - gi) % G
         return torch.tensor([(u - gi) % G for u in range(G)], device=self.device)
 
-    def _msg(self, blocks: torch.Tensor, wsel: Optional[torch.Tensor]) -> torch.Tensor:
-        """Top-k_b of every row of ``blocks`` [B, L] packed as [B, 1 + 2 k_b] int32; the sent
-        entries are zeroed in ``blocks`` (in place)."""
+    def _msg(self, blocks: torch.Tensor, sent: Optional[torch.Tensor] = None):
+        """Top-k_b of every row of ``blocks`` [B, L] packed as [B, 1 + 2 k_b] int32 (compact:
+        [B, ceil(L/65536) + k_b]); the sent entries are zeroed in ``blocks`` (in place; compact:
+        left with the bf16 rounding). Returns (message, nonzeros sent per row). ``sent``
+        (bool [B, L], optional): set at the sent positions."""
         kb = self.kb
         _, idx = torch.topk(blocks.abs(), kb, dim=1, sorted=False)
         vals = blocks.gather(1, idx)
+        nnz = (vals != 0).sum(1, dtype=torch.int32)
+        if sent is not None:
+            sent.scatter_(1, idx, True)
+        if self.compact:
+            blocks.scatter_(1, idx, W_.bf16_rounding(vals))
+            return W_.encode(idx, vals, None, self.L), nnz
         blocks.scatter_(1, idx, 0.0)
         msg = torch.empty(blocks.shape[0], 1 + 2 * kb, dtype=torch.int32, device=blocks.device)
-        msg[:, 0] = (vals != 0).sum(1, dtype=torch.int32)
+        msg[:, 0] = nnz
         msg[:, 1:1 + kb] = idx.to(torch.int32)
         msg[:, 1 + kb:] = vals.view(torch.int32)
-        return msg
+        return msg, nnz
 
     def _unpack(self, msg: torch.Tensor):
         kb = self.kb
+        if self.compact:
+            idx, vals, _ = W_.decode(msg, kb, self.L)
+            return idx.long(), vals
         idx = msg[:, 1:1 + kb].long()
         vals = msg[:, 1 + kb:].contiguous().view(torch.float32)
         return idx, vals
 
     def _reduce_scatter(self, W: torch.Tensor, group: List[int], gi: int, plan: list,
-                        counters: list) -> None:
+                        counters: list, D: Optional[torch.Tensor] = None) -> None:
+        """``D`` (optional, bool like ``W``): where this rank's W holds nothing but what a send
+        left (the compact wire's rounding), for momentum factor masking."""
         G = len(group)
         U, L = W.shape[1], W.shape[2]
         for d, s, send_units, recv_units in plan:
             blocks = W.index_select(0, send_units).reshape(s * U, L)
-            msg = self._msg(blocks, None)
+            sent = None if D is None else D.index_select(0, send_units).reshape(s * U, L)
+            msg, nnz = self._msg(blocks, sent)
             W.index_copy_(0, send_units, blocks.view(s, U, L))
-            counters.append(msg[:, 0].sum())
+            if D is not None:
+                D.index_copy_(0, send_units, sent.view(s, U, L))
+            counters.append(nnz.sum())
             rmsg = torch.empty_like(msg)
             self.comm.send_recv([(group[(gi + d) % G], msg)], [(group[(gi - d) % G], rmsg)])
             idx, vals = self._unpack(rmsg)
             tgt = W.index_select(0, recv_units).reshape(s * U, L)
             tgt.scatter_add_(1, idx, vals)
             W.index_copy_(0, recv_units, tgt.view(s, U, L))
+            if D is not None:   # a nonzero arrival makes the position owe again
+                dt = D.index_select(0, recv_units).reshape(s * U, L)
+                dt.scatter_(1, idx, dt.gather(1, idx) & (vals == 0))
+                D.index_copy_(0, recv_units, dt.view(s, U, L))
 
     def _allgather(self, mine: torch.Tensor, group: List[int], gi: int,
                    order: torch.Tensor) -> torch.Tensor:
@@ -204,19 +237,25 @@ class SparDL(Algorithm):
             Wflat = torch.zeros(P * L, dtype=torch.float32, device=self.device)
             Wflat.index_copy_(0, self._pad_pos, acc)
         W = Wflat.view(P, L)
+        # compact wire with masked momentum: where W holds only a send's rounding
+        track = self.compact and self.velocity is not None and self.momentum_masking
+        D = torch.zeros(P, L, dtype=torch.bool, device=self.device) if track else None
         counters: list = []
         q, t = self._q, self._t
         # phase 1: inside the team, units = super-blocks of d blocks
         if T > 1:
-            self._reduce_scatter(W.view(T, d, L), self._team, q, self._rs_team, counters)
+            self._reduce_scatter(W.view(T, d, L), self._team, q, self._rs_team, counters,
+                                 None if D is None else D.view(T, d, L))
         # phase 2: across teams, super-block q's d blocks, one per team
         sup = W.view(T, d, L)[q]                     # [d, L] view into W
         if d > 1:
-            self._reduce_scatter(sup.view(d, 1, L), self._cross, t, self._rs_cross, counters)
+            self._reduce_scatter(sup.view(d, 1, L), self._cross, t, self._rs_cross, counters,
+                                 None if D is None else D.view(T, d, L)[q].view(d, 1, L))
         # owner: final top-k_b of its block (rank (t, q) owns block q*d + t)
         own = sup[t:t + 1]                           # [1, L] view into W
         before = own.clone()
-        final = self._msg(own, None)                 # zeroes the kept entries in W
+        own_sent = None if D is None else D.view(T, d, L)[q][t:t + 1]
+        final, final_nnz = self._msg(own, own_sent)  # zeroes the kept entries in W
         # Spar-All-Gather
         blocks = final
         if d > 1:
@@ -235,8 +274,11 @@ class SparDL(Algorithm):
         else:
             out.copy_(opad.view(-1).index_select(0, self._pad_pos).div_(P))
             self.commit_residual(Wflat.index_select(0, self._pad_pos), nonfinite)
+        if D is not None:
+            D = D.view(-1)
+            self.mark_delivered(D if self._pad_pos is None else D.index_select(0, self._pad_pos))
 
-        sent = counters[0] if counters else final[:, 0].sum()
+        sent = counters[0] if counters else final_nnz.sum()
         if len(counters) > 1:
             sent = torch.stack(counters).sum()
         self.stats.update(
@@ -244,6 +286,6 @@ class SparDL(Algorithm):
             global_selected=(out != 0).sum(),
             overflow=0,
             # entries of the owner's full block sum that did not make its top-k_b
-            dropped=(before != 0).sum() - final[:, 0].sum(),
+            dropped=(before != 0).sum() - final_nnz.sum(),
             block_budget=kb,
         )

@@ -13,6 +13,10 @@ Per step, on every rank:
 
 Volume ``2k(P-1)`` words per rank per step, exactly (plus the base class's 4-byte non-finite
 flag allreduce). Output up to ``P·k`` nonzeros. No host read: the sizes depend on n, k, P only.
+
+``wire_format="compact"`` (docs/algorithms.md §9): the message is ``ceil(n/65536)`` chunk counts
+(the indices are global) and ``k`` words, ``(ceil(n/65536) + k)(P-1)`` words in all; every
+rank sums the same bf16 values, and the sender keeps ``acc - bf16(acc)`` of its k entries.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from typing import List, Optional
 
 import torch
 
+from . import _wire as W
 from ._sparse import pack_entries, scatter_add_sources, topk_entries, unpack_entries
 from . import schedule as S
 from .base import Algorithm
@@ -29,26 +34,41 @@ __all__ = ["TopkA"]
 
 class TopkA(Algorithm):
     name = "topka"
+    compact_refusal = None     # global indices: chunk counts over all of n
 
     @classmethod
     def volume_bound_bytes(cls, n: int, k: int, P: int, **opts) -> int:
         """Bytes one rank sends per step (exact, without the 4-byte non-finite flag)."""
-        return 0 if P <= 1 else 4 * 2 * k * (P - 1)
+        return 0 if P <= 1 else cls._msg_bytes(n, k, opts.get("wire_format")) * (P - 1)
+
+    @staticmethod
+    def _msg_bytes(n: int, k: int, wire_format) -> int:
+        return 4 * (W.row_words(k, n) if wire_format == "compact" else 2 * k)
 
     @classmethod
     def schedule(cls, n: int, k: int, P: int, **options) -> List[S.CollectiveSpec]:
-        """One steady step: the flag allreduce, one allgather of 2k int32 words."""
+        """One steady step: the flag allreduce, one allgather of 2k int32 words (compact:
+        ``ceil(n/65536) + k``)."""
         o = S.resolve_options(cls, n, k, P, options)
         if k >= n:
             return S.dense_step_specs(n, P, o)
-        return S.flag_specs(P, o) + ([S.allgather(4 * 2 * k, P)] if P > 1 else [])
+        msg = cls._msg_bytes(n, k, o["wire_format"])
+        return S.flag_specs(P, o) + ([S.allgather(msg, P)] if P > 1 else [])
 
     def step(self, grad: torch.Tensor, out: torch.Tensor,
              nonfinite: Optional[torch.Tensor]) -> None:
         k, P = self.k, self.P
         acc = self.accumulate(grad)
         idx, val = topk_entries(acc, k)
-        if P > 1:
+        if self.compact:
+            msg = W.encode(idx, val, None, self.numel)
+            allmsg = torch.empty(P, msg.shape[1], dtype=torch.int32, device=acc.device)
+            if P > 1:
+                self.comm.allgather(allmsg, msg)
+            else:
+                allmsg.copy_(msg)
+            all_idx, all_val, _ = W.decode(allmsg, k, self.numel)
+        elif P > 1:
             msg = pack_entries(idx, val)
             allmsg = torch.empty(P * 2 * k, dtype=torch.int32, device=acc.device)
             self.comm.allgather(allmsg, msg)
@@ -57,7 +77,10 @@ class TopkA(Algorithm):
             all_idx, all_val = idx.view(1, k), val.view(1, k)
         scatter_add_sources(out, all_idx, all_val)
         out.div_(P)
-        acc.index_fill_(0, idx.to(torch.int64), 0.0)
+        # every sent entry is in out; the compact wire's rounding stays owed
+        acc.index_copy_(0, idx.to(torch.int64), W.bf16_rounding(val) if self.compact
+                        else torch.zeros_like(val))
+        self.mark_delivered(idx)
         self.commit_residual(acc, nonfinite)
         self.stats.update(local_selected=(val != 0).sum(), global_selected=(out != 0).sum(),
                           overflow=0)

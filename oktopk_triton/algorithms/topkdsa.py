@@ -32,6 +32,13 @@ decisions every message size is fixed, and no step reads the device from the hos
 Note: in dense mode the sparse reduce-scatter is kept (SparCML's ``split_allgather``) rather than
 a dense allreduce of ``acc``: the fill stays observable (so the algorithm can switch back to
 sparse) and the volume stays within §6's ``(2k + n)(P-1)/P``.
+
+``wire_format="compact"`` (docs/algorithms.md §9): a reduce message is ``ceil(L/65536)`` chunk
+counts (region-relative indices) and ``cap`` words instead of ``1 + 2·cap``; a sparse gather
+message is the fill word, the chunk counts and ``cap2`` words; a dense gather sends ``R`` as
+bf16 (``ceil(L/2)`` words). The senders keep the rounding: in the reduce each rank in its
+residual, in the gather the owner in what stays of ``R``. The switch to dense compares these
+compact sizes.
 """
 from __future__ import annotations
 
@@ -39,6 +46,7 @@ import math
 
 import torch
 
+from . import _wire as W
 from . import schedule as S
 from .base import Algorithm
 
@@ -51,12 +59,22 @@ class TopkDSA(Algorithm):
     name = "topkdsa"
     OPTIONS = {"tau": 32, "slack": 1.25, "gather_slack": 1.25, "fill": 1.0 / 3.0}
     STATE = ("mode", "cap2", "decisions")
+    compact_refusal = None     # region-relative indices; the owner keeps the gather's rounding
+
+    @staticmethod
+    def _sizes(L: int, cap: int, compact: bool):
+        """(reduce message words, sparse gather words as a function of cap2, dense gather
+        words) of one region."""
+        if compact:
+            return W.row_words(cap, L), (lambda c2: W.row_words(c2, L, header=1)), (L + 1) // 2
+        return 1 + 2 * cap, (lambda c2: 1 + 2 * c2), L
 
     @classmethod
     def schedule(cls, n: int, k: int, P: int, **options) -> list:
         """One steady step: the flag allreduce, one alltoall of ``[P, 1 + 2·cap]`` int32, one
         allgather of the reduced region: ``1 + 2·cap2`` int32 (sparse mode) or ``L`` fp32
-        (dense mode). Mode and ``cap2`` follow the fill observed at the last decision: pass
+        (dense mode); compact: ``ceil(L/65536) + cap``, ``1 + ceil(L/65536) + cap2`` and
+        ``ceil(L/2)`` words. Mode and ``cap2`` follow the fill observed at the last decision: pass
         ``mode`` ("sparse"/"dense") and ``cap2`` (the algorithm's state) for the exact size;
         without them the gather is data dependent, from the smallest sparse message
         (``cap2 = 1``) up to a dense region."""
@@ -68,19 +86,20 @@ class TopkDSA(Algorithm):
             return specs
         L = -(-n // P)
         cap = max(1, min(L, math.ceil(float(o["slack"]) * k / P)))
-        specs.append(S.alltoall(4 * P * (1 + 2 * cap), P))
+        red, sparse, dense = cls._sizes(L, cap, o["compact"])
+        specs.append(S.alltoall(4 * P * red, P))
         mode, cap2 = o["mode"], o["cap2"]
         if mode is None:
-            hi = 4 * L
-            lo = 4 * 3 if 3 < L else hi
+            hi = 4 * dense
+            lo = 4 * sparse(1) if sparse(1) < dense else hi
             specs.append(S.allgather(hi, P, data_dependent=(P - 1) * (hi - lo)))
         elif mode == DENSE:
-            specs.append(S.allgather(4 * L, P))
+            specs.append(S.allgather(4 * dense, P))
         elif mode == SPARSE:
             if not (isinstance(cap2, int) and 1 <= cap2 <= L):
                 raise ValueError(f"topkdsa.schedule: sparse mode needs cap2 in [1, {L}], "
                                  f"got {cap2!r}")
-            specs.append(S.allgather(4 * (1 + 2 * cap2), P))
+            specs.append(S.allgather(4 * sparse(cap2), P))
         else:
             raise ValueError(f"topkdsa.schedule: mode must be None, {SPARSE!r} or {DENSE!r}, "
                              f"got {mode!r}")
@@ -106,9 +125,11 @@ class TopkDSA(Algorithm):
         # None when n % P == 0: the padded layout is the flat vector itself (no copies)
         self._pad_pos = None if n % P == 0 else \
             (torch.arange(n, dtype=torch.int64) - b[:-1][blk] + blk * L).to(self.device)
+        # message sizes in this wire format: reduce, sparse gather (of cap2), dense gather
+        _, self._sparse_words, self._dense_words = self._sizes(L, self.cap, self.compact)
         # step 0: lossless gather
         self.cap2 = min(L, P * self.cap)
-        self.mode = DENSE if 1 + 2 * self.cap2 >= L else SPARSE
+        self.mode = DENSE if self._sparse_words(self.cap2) >= self._dense_words else SPARSE
         self.decisions = 0
         self.stats.update(local_selected=0, global_selected=0, overflow=0)
 
@@ -134,7 +155,8 @@ class TopkDSA(Algorithm):
         c = counts.tolist()
         total, mx = sum(c), max(c)
         cap2 = max(1, min(self.L, math.ceil(float(self.opts["gather_slack"]) * mx)))
-        if total > float(self.opts["fill"]) * self.numel or 1 + 2 * cap2 >= self.L:
+        if total > float(self.opts["fill"]) * self.numel or \
+                self._sparse_words(cap2) >= self._dense_words:
             self.mode = DENSE
         else:
             self.mode, self.cap2 = SPARSE, cap2
@@ -155,7 +177,11 @@ class TopkDSA(Algorithm):
         residual, sel_count, sent_count, rmsg = self._select_and_send(acc, acc_pad)
 
         # 3. owner reduces in rank order
-        iidx, ivals = self._unpack(rmsg)
+        if self.compact:
+            iidx, ivals, _ = W.decode(rmsg, cap, L)
+            iidx = iidx.long()
+        else:
+            iidx, ivals = self._unpack(rmsg)
         R = torch.zeros(L, dtype=torch.float32, device=dev)
         for s in range(P):
             R.index_add_(0, iidx[s], ivals[s])
@@ -170,6 +196,8 @@ class TopkDSA(Algorithm):
         else:
             out.copy_(opad.view(-1).index_select(0, self._pad_pos).div_(P))
             self.commit_residual(residual.view(-1).index_select(0, self._pad_pos), nonfinite)
+        if self.compact:
+            self._mark_sent()
 
         self.stats.update(
             local_selected=sent_count.sum(),
@@ -203,8 +231,13 @@ class TopkDSA(Algorithm):
         sent_count = (rvals != 0).sum(1)
         # acc - sent: exact zeros where sent (the values are copies); slots that picked an
         # unselected (zero in `sel`) position leave acc there untouched
-        residual = acc_pad.scatter(1, ridx, acc_pad.gather(1, ridx) - rvals)
-        msg = self._pack(ridx, rvals, sent_count)
+        # (compact: what the wire carries is bf16(rvals); the rounding stays owed)
+        wire = W.bf16_round(rvals) if self.compact else rvals
+        residual = acc_pad.scatter(1, ridx, acc_pad.gather(1, ridx) - wire)
+        if self.compact:   # for the velocity mask (_mark_sent), dropped there
+            self._sent = (ridx, rvals != 0)
+        msg = W.encode(ridx, rvals, None, L) if self.compact else \
+            self._pack(ridx, rvals, sent_count)
         rmsg = torch.empty_like(msg)
         if P > 1:
             self.comm.alltoall(rmsg.view(-1), msg.view(-1))
@@ -222,18 +255,41 @@ class TopkDSA(Algorithm):
             _, gidx = torch.topk(R.abs(), self.cap2, sorted=False)
             gvals = R.gather(0, gidx)
             fill_own = (R != 0).sum()
-            R.scatter_(0, gidx, 0.0)  # what does not fit stays with the owner
-            gmsg = self._pack(gidx, gvals, fill_own)
+            # what does not fit stays with the owner (compact: and the rounding of what does)
+            R.scatter_(0, gidx, W.bf16_rounding(gvals) if self.compact
+                       else torch.zeros_like(gvals))
+            if self.compact:
+                gmsg = W.encode(gidx, gvals, None, L, header=1).view(-1)
+                gmsg[0] = fill_own.to(torch.int32)
+            else:
+                gmsg = self._pack(gidx, gvals, fill_own)
             allm = torch.empty(P, gmsg.numel(), dtype=torch.int32, device=dev)
             if P > 1:
                 self.comm.allgather(allm, gmsg)
             else:
                 allm[0] = gmsg
-            aidx, avals = self._unpack(allm)
+            if self.compact:
+                aidx, avals, _ = W.decode(allm, self.cap2, L, header=1)
+                aidx = aidx.long()
+            else:
+                aidx, avals = self._unpack(allm)
             opad = torch.zeros(P, L, dtype=torch.float32, device=dev)
             opad.scatter_(1, aidx, avals)
             counts = allm[:, 0]
             kept = (avals != 0).sum()
+        elif self.compact:   # R as bf16, two to a word (an odd L padded); R keeps the rounding
+            half = self._dense_words
+            wire = torch.zeros(2 * half, dtype=torch.bfloat16, device=dev)
+            wire[:L] = R
+            allw = torch.empty(P, half, dtype=torch.int32, device=dev)
+            if P > 1:
+                self.comm.allgather(allw, wire.view(torch.int32))
+            else:
+                allw[0] = wire.view(torch.int32)
+            opad = allw.view(torch.bfloat16)[:, :L].float()
+            R.sub_(opad[self.rank])
+            counts = (opad != 0).sum(1)
+            kept = counts.sum()
         else:
             opad = torch.empty(P, L, dtype=torch.float32, device=dev)
             if P > 1:
@@ -244,3 +300,14 @@ class TopkDSA(Algorithm):
             counts = (opad != 0).sum(1)
             kept = counts.sum()
         return opad, counts, kept
+
+    def _mark_sent(self) -> None:
+        """Compact wire, masked momentum: the entries this rank sent to their owners are
+        delivered whole but for the rounding (the velocity restarts there), like the zeros a
+        fp32 step leaves."""
+        ridx, nz = self._sent
+        self._sent = None
+        P, n = self.P, self.numel
+        j = torch.arange(P, device=self.device).reshape(P, 1)
+        start, end = n * j // P, n * (j + 1) // P           # region j of the flat vector
+        self.mark_delivered(start + ridx, nz & (ridx < end - start))

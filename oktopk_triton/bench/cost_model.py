@@ -380,13 +380,16 @@ def topkdsa_state(n: int, k: int, P: int, fill_factor: Optional[float] = None,
 
 def algorithm_schedule(name: str, n: int, k: int, P: int, check_finite: str = "skip",
                        dtype: str = "fp32", topkdsa_fill: Optional[float] = None,
-                       topkdsa_bytes: Optional[float] = None):
+                       topkdsa_bytes: Optional[float] = None, wire_format: str = "fp32"):
     """The schedule the projection prices. TopkDSA: its gather from the fill model, or (when
-    ``topkdsa_bytes``, a measured total per step, is given) the cap2 that reproduces it."""
+    ``topkdsa_bytes``, a measured total per step, is given) the cap2 that reproduces it (both
+    in fp32 words). ``wire_format``: the sparse algorithms' (dense ignores it)."""
     from ..algorithms.schedule import schedule_of
     opts: Dict[str, Any] = {"check_finite": check_finite}
     if name == "dense":
         opts["dtype"] = dtype
+    elif wire_format != "fp32":
+        opts["wire_format"] = wire_format
     if name == "topkdsa" and P > 1 and k < n:
         if topkdsa_bytes is not None:
             bound = schedule_of(name, n, k, P, **opts)

@@ -133,7 +133,8 @@ class _LMReducer:
             # density: the one its bytes are matched to (its table in merged reports)
             self.mode, self.density, self.k = "gradients", cfg["density"], self.numel
             self.opt = _make_optimizer(cfg, model.parameters(), False)
-            target = _oktopk_bytes(self.numel, cfg["density"], comm.world_size)
+            wire = (cfg.get("options") or {}).get("wire_format", "fp32")
+            target = _oktopk_bytes(self.numel, cfg["density"], comm.world_size, wire)
             rank = powersgd_rank_for([p.shape for p in params], target, comm.world_size)
             start = cfg.get("powersgd_start") or max(2, round(0.02 * cfg["steps"]))
             self.hook = HookBaseline(model, algorithm, rank=rank, start_iter=start, device=device)
@@ -188,10 +189,12 @@ class _LMReducer:
         return {"local_steps": ls.describe()} if ls is not None else {}
 
 
-def _oktopk_bytes(n: int, density: float, P: int) -> int:
-    """Bytes per rank of a steady Ok-Topk step at this density (its static schedule)."""
+def _oktopk_bytes(n: int, density: float, P: int, wire_format: str = "fp32") -> int:
+    """Bytes per rank of a steady Ok-Topk step at this density (its static schedule) in the
+    run's wire format (``--option wire_format=compact``: about half)."""
     from ..algorithms.schedule import schedule_of, total_bytes
-    return total_bytes(schedule_of("oktopk", n, max(1, int(density * n)), P))
+    return total_bytes(schedule_of("oktopk", n, max(1, int(density * n)), P,
+                                   wire_format=wire_format))
 
 
 def _lm_lr(cfg):
