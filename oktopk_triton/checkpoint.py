@@ -20,6 +20,7 @@ framework integrations (``oktopk_triton.integrations``).
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import re
 from typing import Any, Callable, Dict, Iterable, List, Optional
@@ -31,6 +32,7 @@ __all__ = ["FORMAT", "CheckpointError", "rank_file", "param_fingerprint", "save_
 
 FORMAT = 1
 DEFAULT_NAME = "oktopk"
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -89,6 +91,7 @@ def save_rank(directory: str, kind: str, rank: int, world_size: int,
     torch.save({"format": FORMAT, "kind": kind, "version": __version__, "rank": int(rank),
                 "world_size": int(world_size), "fingerprint": fingerprint, "state": state}, tmp)
     os.replace(tmp, path)
+    log.info("%s: rank %d of %d saved to %s", kind, rank, world_size, path)
     return path
 
 
@@ -138,6 +141,8 @@ def load_rank(directory: str, kind: str, rank: int, world_size: int,
     except CheckpointError as e:
         err = str(e)
     agree(gather(err), err)
+    log.info("%s: rank %d of %d loaded from %s", kind, rank, world_size,
+             rank_file(directory, rank, world_size, name))
     return f
 
 
