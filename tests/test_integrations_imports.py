@@ -50,7 +50,8 @@ def test_strategy_and_callback_refuse_foreign_arguments():
     assert SparseDDPStrategy(density=0.2).sparse_state.density == 0.2
 
 
-@pytest.mark.parametrize("name", ["lightning_sparse", "accelerate_sparse", "trainer_sparse"])
+@pytest.mark.parametrize("name", ["lightning_sparse", "accelerate_sparse", "trainer_sparse",
+                                  "fsdp_hsdp_sparse"])
 def test_examples_compile(name):
     with open(os.path.join(ROOT, "examples", f"{name}.py")) as f:
         code = f.read()
