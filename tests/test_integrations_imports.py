@@ -13,11 +13,19 @@ FRAMEWORKS = {"lightning": "lightning", "accelerate": "accelerate",
               "transformers": "transformers"}
 
 
+def _uninstall(monkeypatch, framework):
+    """Make ``framework`` and its submodules look uninstalled (None in sys.modules makes an
+    import raise ImportError), also where another test imported them already."""
+    for key in [k for k in sys.modules if k == framework or k.startswith(framework + ".")]:
+        monkeypatch.setitem(sys.modules, key, None)
+    monkeypatch.setitem(sys.modules, framework, None)
+
+
 @pytest.mark.parametrize("module,framework", sorted(FRAMEWORKS.items()))
 def test_missing_framework_names_the_extra(monkeypatch, module, framework):
     name = f"oktopk_triton.integrations.{module}"
     monkeypatch.delitem(sys.modules, name, raising=False)
-    monkeypatch.setitem(sys.modules, framework, None)      # "not installed"
+    _uninstall(monkeypatch, framework)
     with pytest.raises(ImportError, match=r"needs .*pip install \"oktopk-triton\[integrations\]\""):
         importlib.import_module(name)
     monkeypatch.delitem(sys.modules, name, raising=False)
@@ -25,7 +33,7 @@ def test_missing_framework_names_the_extra(monkeypatch, module, framework):
 
 def test_the_package_imports_without_any_framework(monkeypatch):
     for fw in FRAMEWORKS.values():
-        monkeypatch.setitem(sys.modules, fw, None)
+        _uninstall(monkeypatch, fw)
     monkeypatch.delitem(sys.modules, "oktopk_triton.integrations", raising=False)
     mod = importlib.import_module("oktopk_triton.integrations")
     assert mod.RANK_DIR == "oktopk"
