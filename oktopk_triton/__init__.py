@@ -4,7 +4,13 @@
     sar = SparseAllreduce(model.parameters(), density=0.01)   # algorithm="oktopk"
     loss.backward(); sar.reduce_gradients(); opt.step()
 """
-__version__ = "0.1.0"
+import logging
+
+__version__ = "0.2.0"
+
+# the library logs to "oktopk_triton" (and its children, e.g. "oktopk_triton.checkpoint") and
+# prints nothing; an application shows the messages with logging.basicConfig(level=logging.INFO)
+logging.getLogger("oktopk_triton").addHandler(logging.NullHandler())
 
 __all__ = ["SparseAllreduce", "LocalCluster", "TorchCommunicator", "NcclCommunicator",
            "Communicator", "GraphedStep", "get_algorithm", "shutdown", "__version__"]

@@ -338,6 +338,51 @@ class SparseAllreduceState:
                 f"mode={self.mode!r}, start_iter={self.start_iter}, iter={self.iter}, "
                 f"reducers={len(self.reducers)})")
 
+    # -- per-rank files (oktopk_triton.checkpoint) --------------------------------------------
+    def _file_rank(self) -> Tuple[int, int]:
+        """(rank, world size) naming this rank's file: the global ones, so that several groups
+        (e.g. HSDP's replica groups) save into one directory without clashing."""
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+
+    def fingerprint(self, model: Optional[torch.nn.Module] = None) -> Dict[str, Any]:
+        """What a saved state must match: algorithm, mode, group size, and the parameters (their
+        canonical layout once the hook has seen an iteration; ``model``'s trainable parameters'
+        numel and shapes, in any order, when given)."""
+        group = self._world_size() if dist.is_available() and dist.is_initialized() else 1
+        fp: Dict[str, Any] = {"algorithm": self.algorithm, "mode": self.mode,
+                              "group_size": group}
+        shapes = [list(s) for s in self.layout.shapes]
+        if model is not None:
+            ps = [p for p in model.parameters() if p.requires_grad]
+            shapes = [list(p.shape) for p in ps]
+        if shapes:
+            fp["numel"] = sum(int(torch.Size(s).numel()) for s in shapes)
+            fp["sorted_shapes"] = sorted(shapes)
+        return fp
+
+    def save(self, directory: str, name: str = "oktopk") -> str:
+        """Write this rank's state to ``directory/{name}-rank{r}-of{P}.pt`` (every rank calls
+        it; each writes its own file, readable with ``torch.load(weights_only=True)``).
+        Returns the path."""
+        from .checkpoint import save_rank
+        rank, world = self._file_rank()
+        return save_rank(directory, "SparseAllreduceState", rank, world, self.fingerprint(),
+                         self.state_dict(), name)
+
+    def load(self, directory: str, model: Optional[torch.nn.Module] = None,
+             name: str = "oktopk") -> None:
+        """Restore this rank's state saved by :meth:`save` (every rank calls it, before the
+        first backward of the resumed run). A missing file, another world size, algorithm or
+        mode, or (with ``model``) other parameters raise ``CheckpointError`` (a ``ValueError``)
+        on every rank; without ``model`` the parameters are checked at the first backward."""
+        from .checkpoint import gather_dist, load_rank
+        rank, world = self._file_rank()
+        f = load_rank(directory, "SparseAllreduceState", rank, world, self.fingerprint(model),
+                      gather_dist(self.process_group), name)
+        self.load_state_dict(f["state"])
+
 
 def _completed(t: torch.Tensor) -> "torch.futures.Future[torch.Tensor]":
     fut: torch.futures.Future = torch.futures.Future()

@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .algorithms.base import Algorithm
+from .algorithms.base import Algorithm, LossScale
 
 EAGER_STEPS = 3
 
@@ -76,7 +76,7 @@ class GraphedStep:
         self._graph = self._grad = self._out = None
         self._calls = 0
 
-    def __call__(self, grad: torch.Tensor, scale: Any = None) -> torch.Tensor:
+    def __call__(self, grad: torch.Tensor, scale: LossScale = None) -> torch.Tensor:
         alg = self.algorithm
         if scale is not None:
             raise ValueError("GraphedStep: a loss scale cannot be replayed; pass scale to the "

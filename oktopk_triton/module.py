@@ -394,6 +394,33 @@ class SparseAllreduce(torch.nn.Module):
                              "or with an outer velocity; build this reducer with the same "
                              "local-step options")
 
+    # -- per-rank files (oktopk_triton.checkpoint) ------------------------------------------
+    def fingerprint(self) -> Dict[str, Any]:
+        """What a saved state must match: the algorithm, numel and, when built from parameters,
+        their shapes and dtypes in order."""
+        from .checkpoint import param_fingerprint
+        fp = param_fingerprint(self._params) if self._params is not None else {}
+        fp.update(algorithm=self.algorithm_name, numel=self.numel)
+        return fp
+
+    def save(self, directory: str, name: str = "oktopk") -> str:
+        """Write this rank's state (:meth:`get_extra_state`) to
+        ``directory/{name}-rank{r}-of{P}.pt`` (every rank calls it; readable with
+        ``torch.load(weights_only=True)``). Returns the path."""
+        from .checkpoint import save_rank
+        return save_rank(directory, "SparseAllreduce", self.comm.rank, self.comm.world_size,
+                         self.fingerprint(), self.get_extra_state(), name)
+
+    def load(self, directory: str, name: str = "oktopk") -> None:
+        """Restore this rank's state saved by :meth:`save` (every rank calls it: the ranks agree
+        through the communicator). A missing file, another world size, algorithm or other
+        parameters raise ``CheckpointError`` (a ``ValueError``) on every rank."""
+        from .checkpoint import gather_comm, load_rank
+        f = load_rank(directory, "SparseAllreduce", self.comm.rank, self.comm.world_size,
+                      self.fingerprint(), gather_comm(self.comm), name,
+                      map_location=self.device)
+        self.set_extra_state(f["state"])
+
     def extra_repr(self) -> str:
         return (f"numel={self.numel}, density={self.density:g}, algorithm={self.algorithm_name!r}, "
                 f"world_size={self.comm.world_size}, rank={self.comm.rank}, device={self.device}")

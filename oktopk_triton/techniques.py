@@ -6,9 +6,16 @@ and Deep Gradient Compression's sparsity warm-up (:class:`DensitySchedule`, the
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
+
+if TYPE_CHECKING:
+    from .algorithms.base import Algorithm
+    from .module import SparseAllreduce
+
+# density_schedule=: (step, density) pairs, or a DGC ramp {"ramp_steps": R, "start", "factor"}
+ScheduleSpec = Union[Sequence[Tuple[int, float]], Dict[str, Union[int, float]], None]
 
 __all__ = ["FrozenAdam", "DensitySchedule"]
 
@@ -37,7 +44,8 @@ class FrozenAdam:
         self.t = 0
 
     @classmethod
-    def build(cls, adam: Any, alg: Any, params: Any) -> Optional["FrozenAdam"]:
+    def build(cls, adam: Optional[str], alg: Algorithm,
+              params: Optional[List[torch.Tensor]]) -> Optional["FrozenAdam"]:
         """``adam=None`` → None; ``adam="frozen"`` → a FrozenAdam over ``alg``'s vector."""
         if adam is None:
             return None
@@ -62,7 +70,7 @@ class FrozenAdam:
         return (self.v / (1 - b2 ** t)).sqrt_().add_(eps)
 
     @torch.no_grad()
-    def step(self, sar: Any, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    def step(self, sar: SparseAllreduce, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         h = self.hyper(optimizer)
         b1, b2 = h["betas"]
         alg = sar.algorithm
@@ -129,7 +137,7 @@ class DensitySchedule:
         self.stages = stages
 
     @classmethod
-    def build(cls, spec: Any, target: float) -> Optional["DensitySchedule"]:
+    def build(cls, spec: ScheduleSpec, target: float) -> Optional["DensitySchedule"]:
         """``None`` → None; a list of ``(step, density)`` pairs ending at ``target``; or a DGC
         ramp ``{"ramp_steps": R, "start": 0.25, "factor": 4.0}`` down to ``target``."""
         if spec is None:

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import abc
 import math
-from typing import Any, ClassVar, Dict, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, Optional, Union
 
 import torch
 
@@ -54,10 +54,17 @@ from .. import kernels as K
 from ..comm.base import Communicator, resolve_device
 from ._wire import check_wire_format
 
-__all__ = ["Algorithm", "FLOAT_DTYPES"]
+__all__ = ["Algorithm", "FLOAT_DTYPES", "LossScale"]
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CHECK_FINITE = ("skip", "raise", "off")
+
+if TYPE_CHECKING:
+    from torch.amp import GradScaler
+
+# what ``scale=`` accepts: a GradScaler (its device tensor is read), a one-element tensor, a
+# positive number, or None (no loss scaling)
+LossScale = Union["GradScaler", torch.Tensor, float, None]
 
 
 class Algorithm(abc.ABC):
@@ -172,7 +179,7 @@ class Algorithm(abc.ABC):
         if grad.device != self.device:
             raise ValueError(f"{self.name}: gradient is on {grad.device}, expected {self.device}")
 
-    def __call__(self, grad: torch.Tensor, scale: Any = None) -> torch.Tensor:
+    def __call__(self, grad: torch.Tensor, scale: LossScale = None) -> torch.Tensor:
         """Reduce ``grad`` (any shape with ``numel`` elements); returns ``out`` of the same shape,
         dtype and device, bitwise identical on every rank.
 
@@ -301,7 +308,7 @@ class Algorithm(abc.ABC):
             delivered = delivered & (nonfinite == 0)
         self.velocity.masked_fill_(delivered, 0.0)
 
-    def _follow_scale(self, scale: Any) -> None:
+    def _follow_scale(self, scale: LossScale) -> None:
         """Put the residual, velocity and ``SCALED`` thresholds into the units of ``scale``."""
         if hasattr(scale, "_scale"):            # a GradScaler: its device tensor
             scale = scale._scale

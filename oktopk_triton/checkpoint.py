@@ -1,0 +1,186 @@
+"""Per-rank checkpoint files: what each rank still owes survives a resume.
+
+Every rank of a sparse allreduce holds its own state (the error-feedback residual, thresholds,
+the step count): the residuals differ across ranks, and the sum over ranks of what was sent plus
+what is owed is what conservation keeps. A framework that saves on rank 0 only therefore loses
+P - 1 ranks' residuals. Here each rank writes its own file into one directory:
+
+    <directory>/<name>-rank{r}-of{P}.pt
+
+holding ``{"format", "kind", "version", "rank", "world_size", "fingerprint", "state"}``: plain
+dicts, lists, ints, floats, strs and tensors only, so ``torch.load(path, weights_only=True)``
+reads it. ``fingerprint`` describes the parameters the state was computed for (shapes, dtypes,
+numel, the algorithm); loading into another world size, another model or another algorithm, or
+from a directory without this rank's file, raises a one-line error, on every rank (the ranks
+agree before any of them continues, so a rank whose file is fine does not train on alone).
+
+Used by ``SparseAllreduceState.save/load`` (the DDP hook), ``SparseAllreduce.save/load`` and the
+framework integrations (``oktopk_triton.integrations``).
+"""
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import re
+from typing import Any, Callable, Dict, Iterable, List, Optional
+
+import torch
+
+__all__ = ["FORMAT", "CheckpointError", "rank_file", "param_fingerprint", "save_rank",
+           "load_rank", "agree", "saved_world_sizes"]
+
+FORMAT = 1
+DEFAULT_NAME = "oktopk"
+log = logging.getLogger(__name__)
+
+
+class CheckpointError(ValueError):
+    """A per-rank checkpoint that does not fit (other world size, other model, missing file)."""
+
+
+def rank_file(directory: str, rank: int, world_size: int, name: str = DEFAULT_NAME) -> str:
+    """The path of rank ``rank``'s file among ``world_size`` ranks."""
+    return os.path.join(os.fspath(directory), f"{name}-rank{rank}-of{world_size}.pt")
+
+
+def saved_world_sizes(directory: str, name: str = DEFAULT_NAME) -> List[int]:
+    """The world sizes for which ``directory`` holds files of ``name`` (for error messages)."""
+    pat = re.compile(rf"{re.escape(name)}-rank\d+-of(\d+)\.pt$")
+    found = {int(m.group(1)) for f in glob.glob(os.path.join(glob.escape(os.fspath(directory)),
+                                                              f"{glob.escape(name)}-rank*-of*.pt"))
+             if (m := pat.search(os.path.basename(f)))}
+    return sorted(found)
+
+
+def param_fingerprint(params: Iterable[torch.Tensor]) -> Dict[str, Any]:
+    """Shapes, dtypes and total numel of ``params`` in their order (plain lists and strs)."""
+    shapes, dtypes, numel = [], [], 0
+    for p in params:
+        shapes.append(list(p.shape))
+        dtypes.append(str(p.dtype).replace("torch.", ""))
+        numel += p.numel()
+    return {"numel": numel, "shapes": shapes, "dtypes": dtypes}
+
+
+def _differs(saved: Dict[str, Any], mine: Dict[str, Any]) -> Optional[str]:
+    """The first key on which two fingerprints disagree, in a few words (a key only one of them
+    has is not compared: e.g. a state saved before it saw any parameters)."""
+    for key in sorted(set(saved) & set(mine)):
+        a, b = saved[key], mine[key]
+        if a == b:
+            continue
+        if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+            i = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+            return f"{key}[{i}] is {a[i]!r} in the file, {b[i]!r} here"
+        if isinstance(a, list) and isinstance(b, list):
+            return f"{key} has {len(a)} entries in the file, {len(b)} here"
+        return f"{key} is {a!r} in the file, {b!r} here"
+    return None
+
+
+def save_rank(directory: str, kind: str, rank: int, world_size: int,
+              fingerprint: Dict[str, Any], state: Dict[str, Any],
+              name: str = DEFAULT_NAME) -> str:
+    """Write this rank's file (atomically: a crash mid-write leaves the old file). Returns its
+    path."""
+    from . import __version__
+    os.makedirs(directory, exist_ok=True)
+    path = rank_file(directory, rank, world_size, name)
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save({"format": FORMAT, "kind": kind, "version": __version__, "rank": int(rank),
+                "world_size": int(world_size), "fingerprint": fingerprint, "state": state}, tmp)
+    os.replace(tmp, path)
+    log.info("%s: rank %d of %d saved to %s", kind, rank, world_size, path)
+    return path
+
+
+def _read(directory: str, kind: str, rank: int, world_size: int,
+          fingerprint: Optional[Dict[str, Any]], name: str,
+          map_location: Any) -> Dict[str, Any]:
+    """This rank's file, checked; raises CheckpointError with a one-line reason."""
+    path = rank_file(directory, rank, world_size, name)
+    if not os.path.isfile(path):
+        others = [p for p in saved_world_sizes(directory, name) if p != world_size]
+        hint = (f"; the directory holds files for world size {', '.join(map(str, others))}, "
+                "resume with that many ranks" if others else "")
+        raise CheckpointError(f"{kind}.load: no file {path} for rank {rank} of {world_size}"
+                              f"{hint}")
+    try:
+        f = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:   # truncated, not a torch file, unsafe content
+        raise CheckpointError(f"{kind}.load: cannot read {path}: "
+                              f"{str(e).strip().splitlines()[0] if str(e).strip() else e!r}"
+                              ) from e
+    if not isinstance(f, dict) or f.get("format") != FORMAT:
+        raise CheckpointError(f"{kind}.load: {path} is not a per-rank checkpoint of format "
+                              f"{FORMAT}")
+    if f.get("kind") != kind:
+        raise CheckpointError(f"{kind}.load: {path} was saved by {f.get('kind')}, not {kind}")
+    if (f.get("rank"), f.get("world_size")) != (rank, world_size):
+        raise CheckpointError(f"{kind}.load: {path} holds rank {f.get('rank')} of "
+                              f"{f.get('world_size')}, expected rank {rank} of {world_size}")
+    if fingerprint is not None:
+        why = _differs(f.get("fingerprint") or {}, fingerprint)
+        if why is not None:
+            raise CheckpointError(f"{kind}.load: {path} was saved for other parameters ({why})")
+    return f
+
+
+def load_rank(directory: str, kind: str, rank: int, world_size: int,
+              fingerprint: Optional[Dict[str, Any]],
+              gather: Callable[[Optional[str]], List[Optional[str]]],
+              name: str = DEFAULT_NAME, map_location: Any = "cpu") -> Dict[str, Any]:
+    """Read and check this rank's file, then agree with every rank (``gather``: this rank's
+    error or ``None`` -> every rank's); any failure raises on every rank. Returns the file's
+    dict (its ``state`` and ``fingerprint``)."""
+    err: Optional[str] = None
+    f: Dict[str, Any] = {}
+    try:
+        f = _read(directory, kind, rank, world_size, fingerprint, name, map_location)
+    except CheckpointError as e:
+        err = str(e)
+    agree(gather(err), err)
+    log.info("%s: rank %d of %d loaded from %s", kind, rank, world_size,
+             rank_file(directory, rank, world_size, name))
+    return f
+
+
+def agree(errors: List[Optional[str]], mine: Optional[str]) -> None:
+    """Raise on every rank when any rank reported an error: this rank's own message, or the
+    first failing rank's prefixed with that rank."""
+    bad = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if not bad:
+        return
+    more = f" (and {len(bad) - 1} other rank(s) failed)" if len(bad) > 1 else ""
+    if mine is not None:
+        raise CheckpointError(f"{mine}{more}")
+    r, e = bad[0]
+    raise CheckpointError(f"rank {r} failed: {e}{more}")
+
+
+def gather_dist(group: Any = None) -> Callable[[Optional[str]], List[Optional[str]]]:
+    """``gather`` over a torch.distributed group (a world of one when it is not initialised)."""
+    import torch.distributed as dist
+
+    def run(err: Optional[str]) -> List[Optional[str]]:
+        if not (dist.is_available() and dist.is_initialized()):
+            return [err]
+        out: List[Optional[str]] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, err, group=group)
+        return out
+    return run
+
+
+def gather_comm(comm: Any) -> Callable[[Optional[str]], List[Optional[str]]]:
+    """``gather`` over a :class:`~oktopk_triton.comm.Communicator`: one int per rank (the
+    communicators carry tensors, not strings), so another rank's failure is named by its rank."""
+    def run(err: Optional[str]) -> List[Optional[str]]:
+        flag = torch.tensor([0 if err is None else 1], dtype=torch.int32, device=comm.device)
+        out = torch.empty(comm.world_size, dtype=torch.int32, device=comm.device)
+        comm.allgather(out, flag)
+        flags = out.tolist()
+        return [err if r == comm.rank else
+                (None if f == 0 else "its checkpoint file did not load (its own error says why)")
+                for r, f in enumerate(flags)]
+    return run

@@ -1,0 +1,66 @@
+"""Accelerate: register(accelerator, model) on 2 CPU gloo ranks against the real Accelerator.
+The replicas stay bitwise equal, save_state writes one file per rank, and load_state in fresh
+processes continues bit for bit (against the same run, which saved after its first epoch)."""
+import os
+
+import pytest
+import torch
+
+from distutil import run_gloo
+
+pytest.importorskip("accelerate")
+
+import integutil as U  # noqa: E402
+
+EPOCHS = 2    # 4 steps an epoch on each rank
+
+
+def _prepared():
+    from accelerate import Accelerator
+
+    from oktopk_triton.integrations.accelerate import register
+    acc = Accelerator(cpu=True)
+    model = U.net()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*U.dataset()),
+                                         batch_size=8)
+    model, opt, loader = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), loader)
+    return acc, model, opt, loader, register(acc, model, density=0.05)
+
+
+def _epoch(acc, model, opt, loader):
+    for x, y in loader:
+        opt.zero_grad()
+        acc.backward(torch.nn.functional.cross_entropy(model(x), y))
+        opt.step()
+
+
+def _run(comm, tmp, resume):
+    U.launched_by_torchrun(comm)
+    acc, model, opt, loader, state = _prepared()
+    assert acc.num_processes == 2 and type(model).__name__ == "DistributedDataParallel"
+    owed = None
+    if resume:
+        acc.load_state(os.path.join(tmp, "ckpt"))
+        _epoch(acc, model, opt, loader)
+    else:
+        _epoch(acc, model, opt, loader)
+        acc.save_state(os.path.join(tmp, "ckpt"))
+        owed = state.reducers[-1].residual.clone()
+        for _ in range(EPOCHS - 1):
+            _epoch(acc, model, opt, loader)
+    return U.flat(model.module), state.iter, owed
+
+
+def test_accelerate_register_trains_and_resumes_bit_for_bit(tmp_path):
+    tmp = str(tmp_path)
+    first = run_gloo(2, _run, tmp, False, timeout=300)
+    for w, it, owed in first:
+        assert it == EPOCHS * 4 and owed.abs().sum() > 0
+        assert torch.equal(w, first[0][0])                      # replicas bitwise equal
+    assert not torch.equal(first[0][2], first[1][2])
+    assert sorted(os.listdir(os.path.join(tmp, "ckpt", "oktopk"))) == [
+        "oktopk-rank0-of2.pt", "oktopk-rank1-of2.pt"]
+    resumed = run_gloo(2, _run, tmp, True, timeout=300)
+    for r, (w, it, _) in enumerate(resumed):
+        assert it == EPOCHS * 4
+        assert torch.equal(w, first[r][0]), (w - first[r][0]).abs().max()
