@@ -74,6 +74,8 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 import torch.distributed as dist
 
+from .comm.base import ring_allreduce_bytes
+
 __all__ = ["SparseAllreduceState", "sparse_allreduce_hook"]
 
 
@@ -429,7 +431,7 @@ def sparse_allreduce_hook(state: SparseAllreduceState,
         # dense, exactly as DDP's default allreduce hook: divide, then sum
         t = buf.div_(P)
         fut = dist.all_reduce(t, group=state.process_group, async_op=True).get_future()
-        state._iter_bytes += 2 * (P - 1) * t.numel() * t.element_size() // P
+        state._iter_bytes += ring_allreduce_bytes(t.numel() * t.element_size(), P)
         result = fut.then(lambda f: f.value()[0])
     else:
         views = _bucket_views(bucket, buf)

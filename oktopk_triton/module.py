@@ -27,7 +27,7 @@ continues bit for bit. The communicator is not saved (a restored reducer uses it
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional, Union
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Union
 
 import torch
 
@@ -38,7 +38,14 @@ from .graph import GraphedStep
 from .local_steps import LocalSteps
 from .techniques import DensitySchedule, FrozenAdam
 
-__all__ = ["SparseAllreduce"]
+__all__ = ["SparseAllreduce", "ParamSlice"]
+
+
+class ParamSlice(NamedTuple):
+    """One parameter's place in the flat gradient: ``flat[offset:offset + numel]``."""
+    param: torch.Tensor
+    offset: int
+    numel: int
 
 
 def _default_communicator(device: torch.device) -> Communicator:
@@ -424,3 +431,10 @@ class SparseAllreduce(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"numel={self.numel}, density={self.density:g}, algorithm={self.algorithm_name!r}, "
                 f"world_size={self.comm.world_size}, rank={self.comm.rank}, device={self.device}")
+
+    def param_slices(self) -> List[ParamSlice]:
+        """The parameters in the order they are flattened, each with its slice of the flat
+        gradient (read-only view; empty for a SparseAllreduce built from a length)."""
+        if self._params is None:
+            return []
+        return [ParamSlice(p, off, p.numel()) for p, off in zip(self._params, self._offsets)]

@@ -77,16 +77,16 @@ class FrozenAdam:
         if abs(alg.momentum - b1) > 1e-12:
             raise ValueError(f"reduce_adam: the reducer's momentum {alg.momentum} must equal "
                              f"Adam's beta1 {b1}")
-        params: List[torch.Tensor] = sar._params
+        slices = sar.param_slices()
         warm = self.t < self.warmup_steps
         if not warm:
             if self.denom is None or self.t == self.warmup_steps:
                 self.denom = self._denominator(self.warmup_steps, b2, h["eps"])
                 if self.t == self.warmup_steps and alg.velocity is not None:
                     alg.velocity.div_(self.denom)      # the velocity moves into the new space
-            for p, off in zip(params, sar._offsets):
+            for p, off, n in slices:
                 if p.grad is not None:
-                    p.grad.div_(self.denom[off:off + p.numel()].view(p.shape).to(p.grad.dtype))
+                    p.grad.div_(self.denom[off:off + n].view(p.shape).to(p.grad.dtype))
         out = sar.reduce_gradients().float()
         self.t += 1
         if warm:
@@ -98,10 +98,10 @@ class FrozenAdam:
             upd = out
         upd = upd * ((1 - b1) / (1 - b1 ** self.t))
         upd = torch.where(torch.isfinite(upd), upd, torch.zeros((), device=upd.device))
-        for p, off in zip(params, sar._offsets):
+        for p, off, n in slices:
             if h["wd"]:
                 p.mul_(1 - h["lr"] * h["wd"])
-            p.add_(upd[off:off + p.numel()].view(p.shape).to(p.dtype), alpha=-h["lr"])
+            p.add_(upd[off:off + n].view(p.shape).to(p.dtype), alpha=-h["lr"])
         return out
 
     def state_dict(self) -> Dict[str, Any]:

@@ -36,13 +36,11 @@ from __future__ import annotations
 
 import os
 import pickle
-import queue as _queue
 import sys
 import time
-import traceback
 from typing import Any, Callable, List
 
-from oktopk_triton.bench._procs import environ, exit_rank, free_port
+from oktopk_triton.bench.ranks import Ranks, free_port, init_rank, make_comm
 
 _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 if _TESTS_DIR not in sys.path:  # so spawned children (and odd import modes) find test modules
@@ -79,44 +77,22 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, q,
+def _worker(rank: int, world_size: int, port: int, send, fn: Callable, args: tuple,
             pg_timeout: float, backend: str = "gloo") -> None:
-    code = 0
-    try:
-        import datetime
-
-        import torch
-        import torch.distributed as dist
-        torch.set_num_threads(1)
-        from oktopk_triton.comm import TorchCommunicator
-
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size,
-                                timeout=datetime.timedelta(seconds=pg_timeout))
-        if backend == "nccl-cupy":
-            # several ranks may share one GPU: make each look like its own host to NCCL
-            os.environ.setdefault("NCCL_HOSTID", f"oktopk-test-rank{rank}")
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-            from oktopk_triton.comm import NcclCommunicator
-            comm = NcclCommunicator.from_torch_distributed()
-        else:
-            comm = TorchCommunicator()
-        result = fn(comm, *args)
-        if backend == "nccl-cupy":
-            torch.cuda.synchronize()
-        q.put((rank, True, pickle.dumps(_to_cpu(result))))
-        try:  # keep our sockets open until every rank is done with them
-            dist.barrier()
-        except Exception:
-            pass
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent
-        code = 1
-        try:
-            q.put((rank, False, (type(exc).__name__, traceback.format_exc())))
-        except Exception:
-            pass
-    finally:
-        exit_rank(q, code)
+    import torch
+    import torch.distributed as dist
+    nccl = backend == "nccl-cupy"
+    # several ranks may share one GPU: placement gives each its own NCCL_HOSTID
+    dev = init_rank(rank, world_size, port, gpu=nccl, group="gloo", timeout=pg_timeout)
+    comm = make_comm("cupy", dev) if nccl else make_comm("torch", dev)
+    result = fn(comm, *args)
+    if nccl:
+        torch.cuda.synchronize()
+    send("result", pickle.dumps(_to_cpu(result)))
+    try:  # keep our sockets open until every rank is done with them
+        dist.barrier()
+    except Exception:
+        pass
 
 
 def run_gloo(world_size: int, fn: Callable, *args: Any, timeout: float = 120,
@@ -136,79 +112,33 @@ def run_nccl(world_size: int, fn: Callable, *args: Any, timeout: float = 180,
 
 def _run(world_size: int, fn: Callable, args: tuple, timeout: float,
          pg_timeout: float | None, backend: str) -> List[Any]:
-    import torch.multiprocessing as mp
-
     if pg_timeout is None:
         pg_timeout = min(float(timeout), 60.0)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = []
-    with environ({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}):
-        for r in range(world_size):
-            p = ctx.Process(target=_worker,
-                            args=(r, world_size, port, fn, args, q, pg_timeout, backend),
-                            name=f"run_gloo-rank{r}", daemon=True)
-            try:
-                p.start()
-            except BaseException:
-                for started in procs:  # e.g. fn or args not picklable
-                    started.kill()
-                    started.join(timeout=5.0)
-                raise
-            procs.append(p)
-
+    ranks = Ranks(world_size, _worker, (fn, args, pg_timeout, backend), name="run_gloo-rank",
+                  env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
     results: List[Any] = [None] * world_size
     got = [False] * world_size
     errors = []  # (rank, type, tb) in arrival order
     deadline = time.monotonic() + timeout
-    grace_end = None
     try:
         while not all(got):
-            now = time.monotonic()
-            if grace_end is not None and now > grace_end:
-                break
-            if now > deadline:
-                missing = [r for r in range(world_size) if not got[r]]
+            # after the first error the others get 5 s to report theirs
+            rank, kind, payload = ranks.get(deadline, poll=0.2)
+            if kind == "timeout":
                 if errors:
                     break
+                missing = [r for r in range(world_size) if not got[r]]
                 raise TimeoutError(f"run_gloo: ranks {missing} did not finish within {timeout}s")
-            try:
-                rank, ok, payload = q.get(timeout=0.2)
-            except _queue.Empty:
-                # a child that died without reporting (segfault, os._exit, kill)
-                for r, p in enumerate(procs):
-                    if not got[r] and p.exitcode is not None:
-                        # it may have reported just before exiting: drain once more
-                        try:
-                            while True:
-                                rank, ok, payload = q.get(timeout=0.5)
-                                _record(rank, ok, payload, results, got, errors)
-                        except _queue.Empty:
-                            pass
-                        if not got[r]:
-                            got[r] = True
-                            errors.append((r, "ProcessDied",
-                                           f"rank {r} exited with code {p.exitcode} "
-                                           f"without reporting\n"))
-                if errors and grace_end is None:
-                    grace_end = time.monotonic() + 5.0
-                continue
-            _record(rank, ok, payload, results, got, errors)
-            if errors and grace_end is None:
-                grace_end = time.monotonic() + 5.0  # let the others report their errors
+            if kind == "result":
+                got[rank] = True
+                results[rank] = pickle.loads(payload)
+            elif kind in ("fatal", "died") and not got[rank]:
+                got[rank] = True
+                errors.append((rank, *payload) if kind == "fatal"
+                              else (rank, "ProcessDied", payload + "\n"))
+                deadline = min(deadline, time.monotonic() + 5.0)
     finally:
-        for p in procs:
-            p.join(timeout=2.0 if not errors else 0.5)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5.0)
-        q.close()
-        try:
-            q.join_thread()
-        except Exception:
-            pass
+        ranks.stop(2.0 if not errors else 0.5)
     if errors:
         # report the origin: a rank's own error before the communication errors it caused
         secondary = ("CommAborted", "CommTimeout")
@@ -218,11 +148,3 @@ def _run(world_size: int, fn: Callable, args: tuple, timeout: float,
                          for r, t, b in errors[1:])
         raise RemoteError(rank, typ, tb, others)
     return results
-
-
-def _record(rank, ok, payload, results, got, errors) -> None:
-    got[rank] = True
-    if ok:
-        results[rank] = pickle.loads(payload)
-    else:
-        errors.append((rank, payload[0], payload[1]))

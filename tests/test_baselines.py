@@ -25,7 +25,7 @@ def _config(*argv):
 
 def _body(comm, cfg):
     from oktopk_triton.bench import gpt as g
-    from oktopk_triton.bench import train as t
+    from oktopk_triton.bench import lm_loop as t
     corpus = g.load_corpus(cfg["val_fraction"], max_train_bytes=1 << 20)
     data = (corpus.train, corpus.val)
     out = {alg: t.train_one_lm(cfg, alg, 0, comm, torch.device("cpu"), data, log=False)

@@ -9,6 +9,9 @@ import pytest
 
 from oktopk_triton.algorithms import available_algorithms
 from oktopk_triton.bench import collectives as C
+from oktopk_triton.bench import collectives_rank as CR
+from oktopk_triton.bench import measure as M
+from oktopk_triton.bench import ranks as R
 
 N = 6144  # divisible by 2 and 3: the dense ring formula is an integer number of bytes
 
@@ -96,7 +99,8 @@ def test_collectives_cli_entry(tmp_path, entry):
 # ---------------------------------------------------------------------------------------------
 # the one-GPU benchmark's schema: same on every backend
 # ---------------------------------------------------------------------------------------------
-TOP_KEYS = ("benchmark", "backend", "comm", "date", "git_commit", "host", "device", "gpus", "mps",
+TOP_KEYS = ("benchmark", "backend", "comm", "date", "commit", "dirty", "arguments",
+            "host", "device", "gpus", "mps",
             "versions", "config", "probes", "results")
 RESULT_KEYS = ("step_ms_mean", "step_ms_min", "mb_sent_per_rank", "ratio_to_dense", "host_syncs",
                "out_bitwise_equal", "collectives_per_step")
@@ -167,8 +171,8 @@ def test_rank_env_gives_each_rank_sharing_a_gpu_its_own_nccl_hostid():
     ids = [C.rank_env(r, 4, 1)["NCCL_HOSTID"] for r in range(4)]      # 4 ranks, 1 GPU
     assert len(set(ids)) == 4
     assert len({C.rank_env(r, 8, 2)["NCCL_HOSTID"] for r in range(8)}) == 8
-    assert [C.rank_device_index(r, 2) for r in range(4)] == [0, 1, 0, 1]
-    assert C.ranks_share_gpu(2, 1) and not C.ranks_share_gpu(2, 2) and not C.ranks_share_gpu(2, 0)
+    assert [R.placement(r, 4, 2)[0] for r in range(4)] == [0, 1, 0, 1]
+    assert R.ranks_share_gpu(2, 1) and not R.ranks_share_gpu(2, 2) and not R.ranks_share_gpu(2, 0)
 
 
 class _Done:
@@ -191,40 +195,40 @@ def _fake_run(answers):
 def test_detect_mps_on_fake_outputs():
     # daemon up: the control pipe exists and get_server_list answers
     run, calls = _fake_run({"nvidia-cuda-mps-control": _Done(0, "4242\n")})
-    m = C.detect_mps(env={"CUDA_MPS_PIPE_DIRECTORY": "/tmp/mps-pipe"}, run=run,
+    m = R.detect_mps(env={"CUDA_MPS_PIPE_DIRECTORY": "/tmp/mps-pipe"}, run=run,
                      exists=lambda p: p == "/tmp/mps-pipe/control")
     assert m["active"] is True and m["servers"] == ["4242"]
     assert m["pipe_directory"] == "/tmp/mps-pipe"
     assert calls == [("nvidia-cuda-mps-control", "get_server_list\n", "/tmp/mps-pipe")]
     # daemon up, no server started yet: still active
     run, _ = _fake_run({"nvidia-cuda-mps-control": _Done(0, "")})
-    assert C.detect_mps(env={}, run=run, exists=lambda p: p == "/tmp/nvidia-mps/control")["active"]
+    assert R.detect_mps(env={}, run=run, exists=lambda p: p == "/tmp/nvidia-mps/control")["active"]
     # no daemon: the client cannot find it
     run, _ = _fake_run({"nvidia-cuda-mps-control": _Done(1, "", "Cannot find MPS control daemon "
                                                                 "process")})
-    m = C.detect_mps(env={}, run=run, exists=lambda p: False)
+    m = R.detect_mps(env={}, run=run, exists=lambda p: False)
     assert m["active"] is False and "Cannot find" in m["detail"]
     # a stale pipe directory with nothing answering
     run, _ = _fake_run({"nvidia-cuda-mps-control": _Done(1, "")})
-    assert C.detect_mps(env={}, run=run, exists=lambda p: True)["active"] is False
+    assert R.detect_mps(env={}, run=run, exists=lambda p: True)["active"] is False
     # no control command: nvidia-smi listing an MPS server counts, a plain process list not
     run, _ = _fake_run({"nvidia-smi": _Done(0, "Processes\n  Name : nvidia-cuda-mps-server\n")})
-    assert C.detect_mps(env={}, run=run, exists=lambda p: False)["active"] is True
+    assert R.detect_mps(env={}, run=run, exists=lambda p: False)["active"] is True
     run, _ = _fake_run({"nvidia-smi": _Done(0, "Processes\n  Name : python\n")})
-    m = C.detect_mps(env={}, run=run, exists=lambda p: False)
+    m = R.detect_mps(env={}, run=run, exists=lambda p: False)
     assert m["active"] is False and "not found" in m["detail"]
     # nothing at all (a CPU machine)
     run, _ = _fake_run({})
-    assert C.detect_mps(env={}, run=run, exists=lambda p: False)["active"] is False
+    assert R.detect_mps(env={}, run=run, exists=lambda p: False)["active"] is False
 
 
 def test_mps_warning_only_when_ranks_share_a_gpu_without_mps():
     off, on = {"active": False, "detail": "x"}, {"active": True}
-    assert C.mps_warning(4, 1, off) and "MPS" in C.mps_warning(4, 1, off)
-    assert "4 ranks share 1 GPU" in C.mps_warning(4, 1, off)
-    assert C.mps_warning(4, 1, on) is None
-    assert C.mps_warning(4, 4, off) is None
-    assert C.mps_warning(2, 0, off) is None
+    assert R.mps_warning(4, 1, off) and "MPS" in R.mps_warning(4, 1, off)
+    assert "4 ranks share 1 GPU" in R.mps_warning(4, 1, off)
+    assert R.mps_warning(4, 1, on) is None
+    assert R.mps_warning(4, 4, off) is None
+    assert R.mps_warning(2, 0, off) is None
 
 
 def test_default_json_path_names_date_and_device():
@@ -244,9 +248,9 @@ def test_nccl_backend_plumbing_with_fakes(tmp_path, monkeypatch, capsys):
 
     def fake_group(P, algs, cfg, log=print):
         seen[P] = cfg
-        res = {a: LocalCluster(P).run(C._rank_run, a, cfg["n"], cfg["density"], cfg["steps"],
+        res = {a: LocalCluster(P).run(CR._rank_run, a, cfg["n"], cfg["density"], cfg["steps"],
                                       cfg["seed"], cfg["check_finite"]) for a in algs}
-        probes = (LocalCluster(P).run(C._rank_probes, cfg["n"], cfg["probe_reps"])
+        probes = (LocalCluster(P).run(CR._rank_probes, cfg["n"], cfg["probe_reps"])
                   if cfg["probes"] else None)
         info = [{"pid": 1000 + r, "device_name": "NVIDIA H100 80GB HBM3", "nccl": "2.28.9",
                  "NCCL_HOSTID": cfg["env"][r].get("NCCL_HOSTID")} for r in range(P)]
@@ -289,22 +293,22 @@ def test_count_host_syncs_counts_the_sync_warnings(monkeypatch):
         warnings.warn("something else")
         warnings.warn("called a synchronizing CUDA operation")
         return "out"
-    assert C.count_host_syncs(step) == (2, "out")
+    assert CR.count_host_syncs(step) == (2, "out")
     assert modes == ["warn", 0]
 
 
 def test_out_checksum_is_bitwise():
     import torch
     x = torch.randn(1000)
-    assert C.out_checksum(x) == C.out_checksum(x.clone())
+    assert M.checksum(x) == M.checksum(x.clone())
     y = x.clone()
     y[17] = torch.nextafter(y[17], torch.tensor(float("inf")))  # one ulp
-    assert C.out_checksum(y) != C.out_checksum(x)
+    assert M.checksum(y) != M.checksum(x)
     z = x.clone()
     z[[3, 4]] = z[[4, 3]]  # same words, other places
-    assert C.out_checksum(z) != C.out_checksum(x)
-    assert C.out_checksum(torch.zeros(4)) != C.out_checksum(torch.tensor([0.0, -0.0, 0.0, 0.0]))
-    assert C.out_checksum(x.to(torch.bfloat16)) == C.out_checksum(x.to(torch.bfloat16))
+    assert M.checksum(z) != M.checksum(x)
+    assert M.checksum(torch.zeros(4)) != M.checksum(torch.tensor([0.0, -0.0, 0.0, 0.0]))
+    assert M.checksum(x.to(torch.bfloat16)) == M.checksum(x.to(torch.bfloat16))
 
 
 def test_run_group_failure_ends_the_group_and_names_the_rest():

@@ -7,6 +7,7 @@ import pytest
 
 from oktopk_triton.algorithms import available_algorithms
 from oktopk_triton.bench import ddp_bench as D
+from oktopk_triton.bench import ranks as R
 
 W, LAYERS, BATCH, STEPS, WARMUP, P = 16, 2, 8, 3, 2, 2
 
@@ -47,7 +48,8 @@ def _by_hook(rep):
 def test_schema_and_every_hook_ran(report):
     rep = report["rep"]
     assert report["rc"] == 0 and rep["errors"] == [], rep["errors"]
-    for key in ("benchmark", "backend", "date", "git_commit", "host", "device", "gpus", "mps",
+    for key in ("benchmark", "backend", "date", "commit", "dirty", "arguments",
+                "host", "device", "gpus", "mps",
                 "versions", "config", "results"):
         assert key in rep, key
     assert rep["benchmark"] == "ddp" and rep["backend"] == "gloo"
@@ -162,10 +164,10 @@ def test_sparse_modes_follows_the_state_signature(monkeypatch):
 
 def test_mps_detection(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
-    assert D._mps_active() is False                         # no control pipe
+    assert D.detect_mps()["active"] is False                 # no control pipe
     (tmp_path / "control").write_text("")
-    monkeypatch.setattr(D.os, "listdir", lambda path: [] if path == "/proc" else [])
-    assert D._mps_active() is False                         # a stale pipe, no daemon
+    monkeypatch.setattr(R.os, "listdir", lambda path: [] if path == "/proc" else [])
+    assert D.detect_mps()["active"] is False                 # a stale pipe, no daemon
 
 
 def test_cli_has_ddp():
@@ -192,7 +194,7 @@ def test_summary_times_exclude_warmup_and_take_the_slowest_rank():
 
 
 def test_markdown_of_a_gpu_report():
-    rep = {"backend": "nccl", "date": "2026-11-23T12:00:00+00:00", "git_commit": "0123456789abc",
+    rep = {"backend": "nccl", "date": "2026-11-23T12:00:00+00:00", "commit": "0123456789abc",
            "device": "NVIDIA H100 80GB HBM3", "gpus": 1, "mps": False,
            "config": {"W": 2048, "layers": 16, "params": 16 * (2048 * 2048 + 2048), "batch": 64,
                       "P": 4, "steps": 8, "warmup": 3, "bucket_cap_mb": 25.0, "ranks_per_gpu": 4},
@@ -216,12 +218,12 @@ def test_markdown_of_a_gpu_report():
 
 
 def test_rank_placement():
-    assert [D.rank_placement(r, 4, 1) for r in range(4)] == \
-        [(0, f"oktopk-ddp-rank{r}") for r in range(4)]           # one GPU: four hosts to NCCL
-    assert [D.rank_placement(r, 4, 2)[0] for r in range(4)] == [0, 1, 0, 1]
-    assert D.rank_placement(3, 4, 8) == (3, None)                 # a GPU each: NCCL as usual
+    assert [R.placement(r, 4, 1) for r in range(4)] == \
+        [(0, {"NCCL_HOSTID": f"oktopk-rank{r}"}) for r in range(4)]   # one GPU: four hosts
+    assert [R.placement(r, 4, 2)[0] for r in range(4)] == [0, 1, 0, 1]
+    assert R.placement(3, 4, 8) == (3, {})                        # a GPU each: NCCL as usual
     with pytest.raises(RuntimeError):
-        D.rank_placement(0, 2, 0)
+        R.placement(0, 2, 0)
 
 
 def test_gpu_run_around_the_ranks(monkeypatch, capsys):
@@ -231,7 +233,7 @@ def test_gpu_run_around_the_ranks(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "FakeGPU 80GB")
-    monkeypatch.setattr(D, "_mps_active", lambda: False)
+    monkeypatch.setattr(D, "detect_mps", lambda: {"active": False})
     seen = {}
 
     def fake_spawn(cfg, plan, timeout, log):
@@ -249,7 +251,7 @@ def test_gpu_run_around_the_ranks(monkeypatch, capsys):
     assert cfg["ranks_per_gpu"] == 4 and cfg["kernel_backend"] == "auto"
     assert rep["config"]["params"] == 16 * (2048 * 2048 + 2048)        # 67.1M
     assert rep["backend"] == "nccl" and rep["device"] == "FakeGPU 80GB" and rep["gpus"] == 1
-    assert rep["mps"] is False and rep["warnings"] and "MPS" in rep["warnings"][0]
+    assert rep["mps"]["active"] is False and rep["warnings"] and "MPS" in rep["warnings"][0]
     assert "NOT active" in capsys.readouterr().err                     # loudly, on stderr
     assert [r["hook"] for r in rep["results"]] == ["none", "allreduce"]
     assert rep["results"][1]["step_ms_mean"] == pytest.approx(150.0)

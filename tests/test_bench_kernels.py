@@ -24,7 +24,8 @@ def run_cli(tmp_path, *extra):
 
 def test_kernels_bench_json_on_cpu(tmp_path, capsys):
     rep = run_cli(tmp_path, "--device", "cpu")       # cpu also where CUDA is at hand
-    for key in ("device", "device_type", "date", "torch", "triton", "git_commit", "density",
+    for key in ("device", "device_type", "date", "torch", "triton", "commit", "dirty", "arguments",
+                "density",
                 "regions", "repeats", "sizes", "runs", "entries", "goals", "kernel_backend"):
         assert key in rep, key
     assert rep["device_type"] == "cpu" and rep["sizes"] == [2048, 3001]

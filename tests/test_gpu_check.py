@@ -132,6 +132,10 @@ def test_runner_limits_mps_and_summary(gc, tmp_path, monkeypatch, capsys):
     assert rc == 1                                          # tests failed, ddp timed out
     assert signal.getsignal(signal.SIGTERM) == before      # handlers restored
     summ = json.loads((out / "gpu-check-2026-11-23.json").read_text())
+    # the project's result header: the commit keeps its -dirty marker as a flag of its own
+    assert summ["benchmark"] == "gpu-check" and isinstance(summ["dirty"], bool)
+    assert summ["commit"] and not summ["commit"].endswith("-dirty")
+    assert summ["arguments"]["only"] == ["mps-start", "tests", "kernels", "ddp"]
     st = {s["name"]: s for s in summ["stages"]}
     assert list(st) == ["mps-start", "tests", "kernels", "ddp", "mps-stop"]
     assert st["mps-start"]["status"] == "ok"

@@ -421,3 +421,17 @@ def test_reduce_updates_takes_the_scaler_step():
     for w, _ in res:
         for a, b in zip(w, [(x + y) / 2 for x, y in zip(res[0][1], res[1][1])]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_param_slices_name_each_parameters_part_of_the_flat_gradient():
+    from oktopk_triton import SparseAllreduce
+    from oktopk_triton.comm import LocalCluster
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    sar = SparseAllreduce(model.parameters(), comm=LocalCluster(1).communicator(0), density=0.5,
+                          algorithm="oktopk")
+    sl = sar.param_slices()
+    assert [s.param for s in sl] == list(model.parameters())
+    assert [(s.offset, s.numel) for s in sl] == [(0, 12), (12, 4), (16, 8), (24, 2)]
+    assert sl[-1].offset + sl[-1].numel == sar.numel
+    assert SparseAllreduce(8, comm=LocalCluster(1).communicator(0), density=0.5,
+                           algorithm="oktopk").param_slices() == []

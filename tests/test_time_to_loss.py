@@ -1,10 +1,11 @@
-"""bench/time_to_loss: the steps ratio on synthetic validation curves, the ratios of a train
-report, and `oktopk-bench project`'s time to a loss."""
+"""oktopk_triton.planning's time to a loss: the steps ratio on synthetic validation curves, the
+ratios of a train report, and `oktopk-bench project`'s time to a loss."""
 import json
 
 import pytest
 
-from oktopk_triton.bench import time_to_loss as lm
+from oktopk_triton import planning as lm
+from oktopk_triton.bench import project
 
 STEPS = [0, 100, 200, 300, 400]
 LOSS = [5.0, 4.0, 3.0, 2.5, 2.0]
@@ -73,22 +74,22 @@ def test_a_report_at_two_densities_is_read_at_the_projections_density(tmp_path):
         lm.ratios_from_train({"runs": runs})      # never an average over two densities
     p = tmp_path / "merged.json"
     p.write_text(json.dumps({"runs": runs}))
-    assert lm.load_ratios([str(p)], [], 0.001)["oktopk"] == pytest.approx(2.0)
+    assert project.load_ratios([str(p)], [], 0.001)["oktopk"] == pytest.approx(2.0)
 
 
 def test_load_ratios_refuses_bad_pairs_and_files(tmp_path):
-    assert lm.load_ratios([], ["oktopk=1.98"]) == {"oktopk": 1.98, "dense": 1.0}
+    assert project.load_ratios([], ["oktopk=1.98"]) == {"oktopk": 1.98, "dense": 1.0}
     for bad in ("oktopk", "oktopk=", "=2", "oktopk=-1", "oktopk=x"):
         with pytest.raises(SystemExit, match="expected NAME=RATIO"):
-            lm.load_ratios([], [bad])
+            project.load_ratios([], [bad])
     with pytest.raises(SystemExit, match="cannot read a train report"):
-        lm.load_ratios([str(tmp_path / "missing.json")], [])
+        project.load_ratios([str(tmp_path / "missing.json")], [])
     p = tmp_path / "t.json"
     p.write_text(json.dumps({"runs": [_run("dense", 0, list(zip(STEPS, LOSS))),
                                       _run("gtopk", 0, [(0, 5.0), (400, 2.5)])]}))
-    r = lm.load_ratios([str(p)], ["gtopk=3"])
+    r = project.load_ratios([str(p)], ["gtopk=3"])
     assert r["gtopk"] == 3.0                      # a pair given after the file wins
-    assert lm.load_ratios([str(p)], [])["gtopk"] == pytest.approx(400 / 300)
+    assert project.load_ratios([str(p)], [])["gtopk"] == pytest.approx(400 / 300)
 
 
 def test_time_to_loss_multiplies_and_picks_the_first():
@@ -100,12 +101,11 @@ def test_time_to_loss_multiplies_and_picks_the_first():
         ("dense", 14.0, False), ("oktopk", 12.0, True)]     # spardl: no ratio, not ranked
     t = lm.time_to_loss(rows, {"dense": 1.0, "oktopk": 2.0}, compute_ms=10.0)
     assert [r["algorithm"] for r in t if r["first"]] == ["dense"]
-    assert "first" in lm.format_time_to_loss(t, "title").splitlines()[1]
+    assert "first" in project.format_time_to_loss(t, "title").splitlines()[1]
 
 
 def test_project_prints_time_to_loss(capsys, tmp_path):
     import argparse
-    from oktopk_triton.bench import project
     p = argparse.ArgumentParser()
     project.add_arguments(p)
     out = tmp_path / "p.json"
@@ -130,10 +130,10 @@ def test_project_prints_time_to_loss(capsys, tmp_path):
 
 def test_baselines_are_priced_from_dense_and_oktopk():
     from oktopk_triton.bench import project
-    from oktopk_triton.bench.cost_model import DEFAULT_KERNELS, parse_net
+    from oktopk_triton.planning import DEFAULT_KERNELS, parse_net
     net = parse_net("10Gbps")
     n, P = 1 << 24, 8
-    rows = project.project(n, 0.01, [P], net, DEFAULT_KERNELS, ["dense", "oktopk"])
+    rows = lm.project(n, 0.01, [P], net, DEFAULT_KERNELS, ["dense", "oktopk"])
     dense, ok = rows
     b16, psgd = project.baseline_rows(rows, {"bf16": 1.1, "powersgd": 4.0}, n, 0.01, net,
                                       DEFAULT_KERNELS)

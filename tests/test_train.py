@@ -50,7 +50,7 @@ def test_train_cli_end_to_end(tmp_path):
 def test_parser_and_table():
     import argparse
 
-    from oktopk_triton.bench import train
+    from oktopk_triton.bench import report, train
     p = argparse.ArgumentParser()
     train.add_arguments(p)
     a = p.parse_args(["--algorithms", "dense", "--seed", "3", "--option", "tau=8"])
@@ -59,7 +59,7 @@ def test_parser_and_table():
     runs = [{"algorithm": "dense", "seed": 3, "final_test_acc": 0.9, "final_train_loss": 0.1,
              "bytes_per_step": 1000.0, "time_per_step_ms": 2.0, "reduce_ms": 1.0, "numel": 100,
              "k": 100, "replicas_identical": True}]
-    summary = train.summarize(runs, ["dense", "oktopk"], [])
+    summary = report.summarize(runs, ["dense", "oktopk"], [])
     assert summary[1]["status"] == "failed"
-    text = train.format_table(summary, cfg)
+    text = report.format_table(summary, cfg)
     assert "dense" in text and "FAILED" in text

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from oktopk_triton.bench import gpt, train
+from oktopk_triton.bench import gpt, lm_loop, report, train
 from distutil import run_gloo
 
 
@@ -27,7 +27,7 @@ def _config(*argv):
 def _lm_body(comm, cfg):
     import torch.distributed as dist
     from oktopk_triton.bench import gpt as g
-    from oktopk_triton.bench import train as t
+    from oktopk_triton.bench import lm_loop as t
     corpus = g.load_corpus(cfg["val_fraction"], max_train_bytes=1 << 20)
     data = (corpus.train, corpus.val)
     out = {}
@@ -111,16 +111,16 @@ def test_tiny_lm_with_local_steps(monkeypatch):
 def test_reduce_mode_resolution():
     cfg = _config()
     assert cfg["reduce"] == "auto"
-    assert train.resolve_reduce(cfg, "oktopk") == "updates"
-    assert train.resolve_reduce(cfg, "dense") == "gradients"
-    assert train.resolve_reduce(dict(cfg, optimizer="sgd"), "oktopk") == "gradients"
+    assert lm_loop.resolve_reduce(cfg, "oktopk") == "updates"
+    assert lm_loop.resolve_reduce(cfg, "dense") == "gradients"
+    assert lm_loop.resolve_reduce(dict(cfg, optimizer="sgd"), "oktopk") == "gradients"
     g = _config("--reduce", "gradients")
-    assert train.resolve_reduce(g, "oktopk") == "gradients"
+    assert lm_loop.resolve_reduce(g, "oktopk") == "gradients"
     u = _config("--reduce", "updates")
-    assert train.resolve_reduce(u, "dense") == "updates"
+    assert lm_loop.resolve_reduce(u, "dense") == "updates"
     ls = _config("--option", "sync_every=2")                    # local steps: updates only
-    assert train.resolve_reduce(ls, "dense") == "updates"
-    assert train.resolve_reduce(_config("--option", "sync_every=1"), "dense") == "gradients"
+    assert lm_loop.resolve_reduce(ls, "dense") == "updates"
+    assert lm_loop.resolve_reduce(_config("--option", "sync_every=1"), "dense") == "gradients"
 
 
 def test_corpus_is_the_stdlib_split_by_file():
@@ -182,8 +182,8 @@ def test_gpu_config_path_builds_on_cpu():
     with pytest.raises(SystemExit):
         _config("--size", "tiny", "--context", "64")      # beyond the learned positions
     dev = torch.device("cpu")
-    assert isinstance(train._autocast(dev), type(train._autocast(dev)))
-    assert not isinstance(train._autocast(dev), torch.autocast)
+    assert isinstance(lm_loop._autocast(dev), type(lm_loop._autocast(dev)))
+    assert not isinstance(lm_loop._autocast(dev), torch.autocast)
     data = torch.arange(1000, dtype=torch.int64).to(torch.uint8)
     starts = gpt.val_starts(len(data), 5, 33)
     assert starts[0] == 0 and starts[-1] == len(data) - 33
@@ -205,14 +205,14 @@ def test_lm_table_summary_and_plot(tmp_path):
                          "bytes_curve": [1000] * 10, "time_per_step_ms": 2.0, "reduce_ms": 1.0,
                          "numel": 100, "k": 1, "replicas_identical": True,
                          "applied_curve": [100 if alg == "dense" else 1] * 10})
-    summary = train.summarize(runs, ["dense", "oktopk"], [])
+    summary = report.summarize(runs, ["dense", "oktopk"], [])
     ok = summary[1]
     assert ok["loss_vs_dense_pct"] == pytest.approx(100 * (2.105 / 2.005 - 1))
     assert ok["loss_vs_dense_pct_per_seed"] == pytest.approx([5.0, 100 * (2.11 / 2.01 - 1)])
     assert ok["applied_per_step"] == 1 and summary[0]["applied_per_step"] == 100
-    text = train.format_table(summary, cfg)
+    text = report.format_table(summary, cfg)
     assert "val nats/byte" in text and "bits/byte" in text
     assert f"{100 * (2.105 / 2.005 - 1):+.2f}%" in text and "2.1050 ± 0.0071" in text
     png = tmp_path / "lm.png"
-    train.plot({"config": cfg, "runs": runs, "corpus": {"unigram_nats_per_byte": 3.3}}, str(png))
+    report.plot({"config": cfg, "runs": runs, "corpus": {"unigram_nats_per_byte": 3.3}}, str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

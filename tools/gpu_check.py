@@ -157,7 +157,7 @@ def stage_env() -> Dict[str, str]:
 
 def mps_running(pipe_dir: str) -> bool:
     """An MPS control daemon serves ``pipe_dir``: its control pipe exists and a process named
-    nvidia-cuda-mps-control is alive (oktopk_triton.bench._common.detect_mps, what the benchmarks
+    nvidia-cuda-mps-control is alive (oktopk_triton.bench.ranks.detect_mps, what the benchmarks
     use, asks the daemon itself)."""
     if not os.path.exists(os.path.join(pipe_dir, "control")):
         return False
@@ -329,13 +329,13 @@ def write_summary(summary: Dict[str, object], out_dir: str, date: str) -> str:
     return "\n".join(rows)
 
 
-def _git_commit() -> Optional[str]:
-    try:
-        p = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                           timeout=10)
-        return p.stdout.strip() or None
-    except Exception:  # noqa: BLE001
-        return None
+def _header(args) -> Dict[str, object]:
+    """The result header every JSON of the project carries (oktopk_triton.bench.records, from
+    this checkout: the commit with its -dirty marker, versions, MPS/NCCL settings, arguments)."""
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    from oktopk_triton.bench import records
+    return records.header("gpu-check", args)
 
 
 def main(argv=None) -> int:
@@ -391,8 +391,8 @@ def main(argv=None) -> int:
 
     t_start = time.monotonic()
     summary: Dict[str, object] = {
-        "benchmark": "gpu-check", "date": date, "host": os.uname().nodename,
-        "git_commit": _git_commit(), "out": out_dir, "limits_sum_s": limits,
+        **_header(args), "file_date": date, "host": os.uname().nodename,
+        "out": out_dir, "limits_sum_s": limits,
         "budget_s": BUDGET_S, "mps": None, "stages": [], "wall_s": 0.0}
     started_mps = False
     failed = False

@@ -14,14 +14,13 @@ Results are recorded in docs/kernel-measurements.md (the decisions quote them).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import time
 import traceback
 
 import torch
 
 from oktopk_triton import kernels as K
+from oktopk_triton.bench import records
 from oktopk_triton.kernels import selection as S
 from oktopk_triton.kernels import threshold as T
 
@@ -56,8 +55,8 @@ def main():
     ap.add_argument("--max-log2", type=int, default=28)
     args = ap.parse_args()
     dev = torch.device("cuda")
-    rec = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "date": time.strftime("%Y-%m-%d %H:%M"), "rows": [], "checks": [], "errors": []}
+    rec = {**records.header("kernel-variants", args, device=torch.cuda.get_device_name()),
+           "torch": torch.__version__, "rows": [], "checks": [], "errors": []}
     import triton
     rec["triton"] = triton.__version__
 
@@ -66,8 +65,7 @@ def main():
         print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                        for k, v in kw.items()),
               flush=True)
-        with open(args.json, "w") as f:
-            json.dump(rec, f, indent=1)
+        records.write(args.json, rec)
 
     def check(name, ok, detail=""):
         rec["checks"].append({"name": name, "ok": bool(ok), "detail": str(detail)})
@@ -261,8 +259,7 @@ def main():
         print("cupy", rec["cupy"], flush=True)
     except Exception:
         rec["errors"].append(traceback.format_exc())
-    with open(args.json, "w") as f:
-        json.dump(rec, f, indent=1)
+    records.write(args.json, rec)
     print("checks failed:", sum(not c["ok"] for c in rec["checks"]), "errors:", len(rec["errors"]))
 
 

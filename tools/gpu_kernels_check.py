@@ -18,7 +18,6 @@ Exit status 1 when any check failed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -31,6 +30,7 @@ if not torch.cuda.is_available():
 
 from oktopk_triton import kernels as K  # noqa: E402
 from oktopk_triton.bench import kernels as bench  # noqa: E402
+from oktopk_triton.bench import records  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -172,14 +172,12 @@ def main(argv=None) -> int:
             sizes.append(1 << args.max_log2)
         sizes = sorted(set(sizes))
         bench_sizes, repeats = [1 << p for p in args.bench_log2], args.repeats
-    report = {"device": bench.device_name(device), "torch": torch.__version__,
+    report = {**records.header("kernels-check", args, device=bench.device_name(device)),
+              "torch": torch.__version__,
               "interpreter": K.INTERPRET, "checks": [], "bench": [], "failed": 0}
 
     def save():
-        d = os.path.dirname(os.path.abspath(args.out))
-        os.makedirs(d, exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+        records.write(args.out, report)
 
     gen = torch.Generator(device=device).manual_seed(0)
     for n in sizes:

@@ -14,7 +14,6 @@ Needs CUDA.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
@@ -22,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from oktopk_triton import kernels as K
 from oktopk_triton.algorithms import get_algorithm
+from oktopk_triton.bench import records
 from oktopk_triton.comm.local import SingleCommunicator
 from oktopk_triton.graph import GraphedStep
 
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("gpu_profile: needs a CUDA device", file=sys.stderr)
         return 2
-    out = {"device": torch.cuda.get_device_name(), "sizes": []}
+    out = {**records.header("gpu-profile", a, device=torch.cuda.get_device_name()), "sizes": []}
     for lg in a.log2:
         n = 1 << lg
         k = max(1, n // 100)
@@ -92,8 +92,7 @@ def main(argv=None) -> int:
         del x, cases
         torch.cuda.empty_cache()
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
+        records.write(a.json, out)
     return 0
 
 

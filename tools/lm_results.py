@@ -10,10 +10,10 @@ A campaign is several launches (one per density and group of algorithms, so that
 the time budget only costs what it was running). Dense does not depend on the density, so its
 runs are the baseline of every density. ``merge`` keeps every run once (by algorithm, density
 and seed; a later part replaces an earlier one), checks that the parts trained the same model on
-the same corpus with the same schedule, summarises per density with ``train.summarize`` and
-records the per-layer starvation table. ``tables`` prints the markdown the README quotes:
-final validation loss per algorithm and density with the relative gap to dense, and where Ok-Topk
-spends its entries layer by layer.
+the same corpus with the same schedule, summarises per density with ``report.summarize`` and
+records the per-layer starvation table, in one result record (oktopk_triton.bench.records).
+``tables`` prints the markdown the README quotes: final validation loss per algorithm and
+density with the relative gap to dense, and where Ok-Topk spends its entries layer by layer.
 """
 from __future__ import annotations
 
@@ -24,8 +24,10 @@ import re
 import sys
 from typing import Any, Dict, List
 
+from oktopk_triton.bench import records
 from oktopk_triton.bench.baselines import BASELINES
-from oktopk_triton.bench.time_to_loss import ratios_from_train
+from oktopk_triton.bench.report import summarize
+from oktopk_triton.planning import ratios_from_train
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
@@ -48,8 +50,7 @@ def layer_kind(name: str) -> str:
 
 
 def merge(out_path: str, parts: List[str]) -> Dict[str, Any]:
-    from oktopk_triton.bench import train
-    reports = [json.load(open(p)) for p in parts]
+    reports = [records.read(p) for p in parts]
     base = reports[0]
     for p, r in zip(parts, reports):
         for key in SAME:
@@ -58,22 +59,12 @@ def merge(out_path: str, parts: List[str]) -> Dict[str, Any]:
                                  f"{parts[0]}'s {base['config'].get(key)!r}")
         if r.get("corpus", {}).get("sha256") != base.get("corpus", {}).get("sha256"):
             raise SystemExit(f"{p}: a different corpus")
-    runs: Dict[tuple, dict] = {}
-    failures = []
-    for r in reports:
-        for run in r["runs"]:
-            run = dict(run)
-            if run["algorithm"] in BASELINES and run["density"] == 1.0 and \
-                    "density" in r["config"]:
-                # early baseline runs recorded 1.0; they belong to the density they match
-                run["density"] = r["config"]["density"]
-            run["stats_curve"] = {k: v for k, v in run.get("stats_curve", {}).items()
-                                  if k in KEEP_STATS}
-            runs[(run["algorithm"], run["density"], run["seed"])] = run
-        failures += r.get("failures", [])
-    runs_l = sorted(runs.values(), key=lambda x: (x["density"] != 1.0, -x["density"],
-                                                   x["algorithm"], x["seed"]))
-    densities = sorted({d for (_, d, _) in runs if d != 1.0}, reverse=True)
+    failures = [f for r in reports for f in r.get("failures", [])]
+    runs = records.merge((_part_run(r, run) for r in reports for run in r["runs"]),
+                         key=lambda x: (x["algorithm"], x["density"], x["seed"]))
+    runs_l = sorted(runs, key=lambda x: (x["density"] != 1.0, -x["density"],
+                                         x["algorithm"], x["seed"]))
+    densities = sorted({x["density"] for x in runs if x["density"] != 1.0}, reverse=True)
     algo_order: List[str] = []
     for r in reports:      # a merged file given as a part has no algorithm list: its runs'
         for a in r["config"].get("algorithms") or [x["algorithm"] for x in r["runs"]]:
@@ -83,7 +74,7 @@ def merge(out_path: str, parts: List[str]) -> Dict[str, Any]:
     for d in densities:
         sel = [x for x in runs_l if x["density"] in (d, 1.0)]
         algs = [a for a in algo_order if any(x["algorithm"] == a for x in sel)]
-        summary[f"{d:g}"] = train.summarize(sel, algs, [])
+        summary[f"{d:g}"] = summarize(sel, algs, [])
         layers[f"{d:g}"] = layer_table(sel)
     cfg = {k: base["config"].get(k) for k in SAME}
     cfg["densities"] = densities
@@ -93,26 +84,40 @@ def merge(out_path: str, parts: List[str]) -> Dict[str, Any]:
         (f"cpu ({base['host'].get('cpus')} cores, shared with other jobs)"
          if dev.startswith("cpu") else dev) + f", {first.get('backend', '?')}")
     report = {
+        **records.header("lm-merge", {"parts": parts}, device=device),
         "what": f"byte-level GPT on the Python stdlib's .py files, {cfg['world_size']} ranks: "
                 "final validation loss (nats/byte) of every algorithm against dense",
-        "date": max((r.get("date") or "") for r in reports) or None, "device": device,
-        "versions": base.get("versions"), "git": _all_of(reports, "git"),
+        "part_commits": _all_of(reports),
+        "part_date": max(str(r.get("part_date") or r.get("date") or "")[:10] for r in reports),
         "corpus": base.get("corpus"), "config": cfg, "parts": _part_names(parts, reports),
         "wall_s": sum(r.get("wall_s", 0.0) for r in reports), "failures": failures,
         "goals": {f"{k:g}": v for k, v in GOALS.items()},
         "summary": summary, "layers": layers, "runs": runs_l,
     }
-    with open(out_path, "w") as f:
-        json.dump(report, f, separators=(",", ":"))
+    records.write(out_path, report, compact=True)
     return report
 
 
-def _all_of(reports: List[dict], key: str) -> List[str]:
-    """Every value of ``key`` (a string, or a merged file's list of them) over the reports."""
+def _part_run(report: dict, run: dict) -> dict:
+    """A part's run as the merge keeps it: its density, and only the stats worth keeping."""
+    run = dict(run)
+    if run["algorithm"] in BASELINES and run["density"] == 1.0 and \
+            "density" in report["config"]:
+        # early baseline runs recorded 1.0; they belong to the density they match
+        run["density"] = report["config"]["density"]
+    run["stats_curve"] = {k: v for k, v in run.get("stats_curve", {}).items() if k in KEEP_STATS}
+    return run
+
+
+def _all_of(reports: List[dict]) -> List[str]:
+    """Every commit (``-dirty`` marked) the parts came from: a merged part's own part_commits."""
     vals = set()
     for r in reports:
-        v = r.get(key)
-        vals.update(v if isinstance(v, list) else [v])
+        if r.get("part_commits"):
+            vals.update(r["part_commits"])
+            continue
+        commits = r["commit"] if isinstance(r.get("commit"), list) else [r.get("commit")]
+        vals.update(f"{c}-dirty" if r.get("dirty") and c else c for c in commits)
     return sorted(vals - {None})
 
 
@@ -158,7 +163,7 @@ def layer_table(runs: List[dict]) -> Dict[str, Dict[str, Dict[str, float]]]:
 
 
 def tables(path: str) -> str:
-    d = json.load(open(path))
+    d = records.read(path)
     c, corpus = d["config"], d.get("corpus") or {}
     g = c["gpt"]
     n = next(iter(d["summary"].values()))[0]["numel"]
@@ -171,7 +176,7 @@ def tables(path: str) -> str:
              f"({corpus.get('train_bytes', 0) / 1e6:.1f} MB train, "
              f"{corpus.get('val_bytes', 0) / 1e6:.2f} MB validation, by file); unigram "
              f"entropy {corpus.get('unigram_nats_per_byte', float('nan')):.3f} nats/byte. "
-             f"{d.get('date')}.", ""]
+             f"{d.get('part_date') or d.get('date')}.", ""]
     for dens, rows in d["summary"].items():
         goal = d.get("goals", {}).get(dens) or {}
         k = rows[0].get('k') if rows[0]['algorithm'] != 'dense' else round(float(dens) * n)
@@ -241,7 +246,7 @@ def movement(labelled: List[str]) -> str:
         label, spec = item.split("=", 1)
         path, _, sel = spec.partition(":")
         alg, _, seed = sel.partition(":")
-        rs = [r for r in json.load(open(path))["runs"] if not alg or r["algorithm"] == alg]
+        rs = [r for r in records.read(path)["runs"] if not alg or r["algorithm"] == alg]
         rs = [r for r in rs if all("moved_sq" in L for L in r.get("layers", {}).values())]
         if not rs:
             raise SystemExit(f"{item}: no run with movement records")
@@ -322,7 +327,7 @@ def plot(out_png: str, merged: str, extra: List[str] = ()) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from oktopk_triton.bench.time_to_loss import mean_curve
+    from oktopk_triton.planning import mean_curve
     with open(merged) as f:
         d = json.load(f)
     runs = d.get("runs", [])

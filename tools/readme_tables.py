@@ -1,22 +1,30 @@
 """Print the README's results tables (markdown) from the JSON files in bench/results/.
 
     python tools/readme_tables.py            # all tables
-The README quotes this output verbatim, so every number there comes from a recorded file.
+The README quotes this output verbatim, so every number there comes from a recorded file. It
+first rewrites bench/results/index.json (one entry per result file: benchmark, date, commit,
+dirty, device; oktopk_triton.bench.records.index) and picks the files from that index.
 """
 from __future__ import annotations
 
-import glob
-import json
 import os
 import sys
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 RES = os.path.join(ROOT, "bench", "results")
+sys.path.insert(0, ROOT)
+from oktopk_triton.bench import records  # noqa: E402
 
 
 def _load(name):
     p = os.path.join(RES, name)
-    return json.load(open(p)) if os.path.exists(p) else None
+    return records.read(p) if os.path.exists(p) else None
+
+
+def _files(entries, benchmark: str, prefix: str = ""):
+    """The index's files of ``benchmark`` whose names start with ``prefix``, sorted."""
+    return sorted(e["file"] for e in entries
+                  if e["benchmark"] == benchmark and e["file"].startswith(prefix))
 
 
 def train_table(name: str) -> str:
@@ -26,17 +34,18 @@ def train_table(name: str) -> str:
     c = d["config"]
     head = (f"`{name}`: {c['world_size']} ranks, density {c['density']}, {c['model']}, "
             f"{c['epochs']} epochs, seeds {c['seeds']}\n\n")
-    rows = ["| algorithm | test accuracy % (mean ± sd) | vs dense (points) | bytes/rank/step | "
-            "vs dense bytes | time/step ms |", "|---|---|---|---|---|---|"]
-    for s in d["summary"]:
-        if s.get("status") != "ok":
-            rows.append(f"| {s['algorithm']} | {s.get('status')} | | | | |")
-            continue
-        rows.append(f"| {s['algorithm']} | {100 * s['final_test_acc']:.2f} ± "
-                    f"{100 * s['final_test_acc_std']:.2f} | {s['acc_vs_dense_points']:+.2f} | "
-                    f"{s['bytes_per_step'] / 1e3:.1f} kB | {s['bytes_vs_dense']:.4f} | "
-                    f"{s['time_per_step_ms']:.1f} |")
-    return head + "\n".join(rows) + "\n"
+    def ok(cell):   # a failed run: its status, then empty cells
+        return lambda s: cell(s) if s.get("status") == "ok" else ""
+
+    cols = [("algorithm", lambda s: s["algorithm"]),
+            ("test accuracy % (mean ± sd)", lambda s: (
+                f"{100 * s['final_test_acc']:.2f} ± {100 * s['final_test_acc_std']:.2f}"
+                if s.get("status") == "ok" else s.get("status"))),
+            ("vs dense (points)", ok(lambda s: f"{s['acc_vs_dense_points']:+.2f}")),
+            ("bytes/rank/step", ok(lambda s: f"{s['bytes_per_step'] / 1e3:.1f} kB")),
+            ("vs dense bytes", ok(lambda s: f"{s['bytes_vs_dense']:.4f}")),
+            ("time/step ms", ok(lambda s: f"{s['time_per_step_ms']:.1f}"))]
+    return head + records.table(d["summary"], cols, markdown=True) + "\n"
 
 
 def collectives_table(name: str) -> str:
@@ -74,12 +83,12 @@ def kernels_table(path: str) -> str:
     """``oktopk-bench kernels`` JSON: one column per n (ms and % of that run's copy bandwidth;
     the thresholds and the selection also x faster than torch.topk / topk + gather), then the
     kernel goals."""
-    d = json.load(open(path))
+    d = records.read(path)
     runs = d["runs"]
     name = os.path.basename(path)
     out = [f"`{name}`: {d['device']}, {d['date'][:10]}, density {d['density']}, "
            f"P = {d['regions']}, median of {d['repeats']} ({d.get('timing', '')}), "
-           f"commit {str(d.get('git_commit'))[:10]}\n",
+           f"commit {str(d.get('commit'))[:10]}{'-dirty' if d.get('dirty') else ''}\n",
            "| kernel | " + " | ".join(f"n = 2^{r['n'].bit_length() - 1}"
                                       if r["n"] & (r["n"] - 1) == 0 else f"n = {r['n']}"
                                       for r in runs) + " |",
@@ -135,21 +144,23 @@ def ddp_table(path: str) -> str:
     """A ``oktopk-bench ddp`` JSON as its README table
     (oktopk_triton.bench.ddp_bench.format_markdown)."""
     from oktopk_triton.bench.ddp_bench import format_markdown
-    return f"`{os.path.basename(path)}`: " + format_markdown(json.load(open(path))) + "\n"
+    return f"`{os.path.basename(path)}`: " + format_markdown(records.read(path)) + "\n"
 
 
 def main() -> int:
+    entries = records.index(RES)
+    records.write(os.path.join(RES, "index.json"), {**records.header("index"), "files": entries})
     print(goal_table([
         ("1%", "train-digits-d0.01-seeds10.json", "momentum corrected + masked", 0.5),
         ("0.1%", "train-digits-d0.001-seeds10.json", "momentum corrected + masked", 1.5)]))
     for name in ("train-digits-d0.01.json", "train-digits-d0.001.json", "train-digits-demo.json"):
         print(train_table(name))
-    for p in sorted(glob.glob(os.path.join(RES, "collectives-*.json"))):
-        print(collectives_table(os.path.basename(p)))
-    for p in sorted(glob.glob(os.path.join(RES, "gpu-kernels-*.json"))):
-        print(kernels_table(p))
-    for p in sorted(glob.glob(os.path.join(RES, "ddp-*.json"))):
-        print(ddp_table(p))
+    for name in _files(entries, "collectives", "collectives-"):
+        print(collectives_table(name))
+    for name in _files(entries, "kernels", "gpu-kernels-"):
+        print(kernels_table(os.path.join(RES, name)))
+    for name in _files(entries, "ddp"):
+        print(ddp_table(os.path.join(RES, name)))
     return 0
 
 

@@ -8,8 +8,6 @@ did not end with status 0 (torch 2.13's gloo teardown can abort a rank with SIGA
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import re
 import subprocess
@@ -25,11 +23,6 @@ def first_example() -> str:
     if not m:
         raise SystemExit("README.md has no marked first example")
     return m.group(1)
-
-
-def git_commit() -> str:
-    from oktopk_triton.bench._common import git_commit as commit
-    return commit()
 
 
 def main() -> None:
@@ -57,11 +50,11 @@ def main() -> None:
     failed = sum(c != 0 for c in codes)
     print(f"{failed} of {len(codes)} runs ended with a non-zero status")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"what": "README first example under torchrun, 2 gloo ranks",
-                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                       "git": git_commit(), "cpus": os.cpu_count(),
-                       "runs": len(codes), "nonzero": failed, "codes": codes}, f, indent=1)
+        from oktopk_triton.bench import records
+        records.write(args.json, {**records.header("teardown-loop", args),
+                                  "what": "README first example under torchrun, 2 gloo ranks",
+                                  "cpus": os.cpu_count(), "runs": len(codes), "nonzero": failed,
+                                  "codes": codes})
     sys.exit(1 if failed else 0)
 
 

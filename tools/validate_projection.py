@@ -28,7 +28,9 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from oktopk_triton import planning as pl  # noqa: E402
 from oktopk_triton.bench import project as pj  # noqa: E402
+from oktopk_triton.bench import records  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -52,17 +54,16 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="write the validation JSON here")
     a = ap.parse_args(argv)
 
-    kernels, note = pj.resolve_kernels(a.kernels)
+    kernels, note = pl.resolve_kernels(a.kernels)
     if note:
         print("note:", note)
     synthetic = a.synthetic or not a.json_in
     truth = None
     if synthetic:
-        truth = pj.parse_net(f"{a.beta},{a.alpha}")
-        d = pj.synthetic_collectives(truth, kernels, noise=a.noise, seed=a.seed)
+        truth = pl.parse_net(f"{a.beta},{a.alpha}")
+        d = pl.synthetic_collectives(truth, kernels, noise=a.noise, seed=a.seed)
         if a.write_synthetic:
-            with open(a.write_synthetic, "w") as f:
-                json.dump(d, f, indent=1)
+            records.write(a.write_synthetic, d)
             print(f"wrote {a.write_synthetic} (SYNTHETIC)")
     else:
         docs = []
@@ -70,7 +71,7 @@ def main(argv=None) -> int:
             with open(path) as f:
                 docs.append(json.load(f))
         d = pj.merge_collectives(docs)
-    v = pj.validate(d, kernels, ranks_per_gpu=a.ranks_per_gpu, target_pct=a.target, fit=a.fit)
+    v = pl.validate(d, kernels, ranks_per_gpu=a.ranks_per_gpu, target_pct=a.target, fit=a.fit)
     v["input"] = a.json_in or "generated"
     if not a.json_in and a.write_synthetic:
         v["input"] = a.write_synthetic
@@ -89,8 +90,7 @@ def main(argv=None) -> int:
                   f"{100 * eb:.2f}% (tolerance {100 * tol:g}%): {verdict}")
         v["recovered"] = ok
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(v, f, indent=1)
+        records.write(a.json, {**records.header("project-validation", a), **v})
         print(f"wrote {a.json}")
     return 0 if ok else 1
 

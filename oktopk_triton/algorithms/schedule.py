@@ -48,6 +48,7 @@ import dataclasses
 from typing import Any, Dict, List, Optional, Sequence
 
 from ._wire import check_wire_format
+from ..comm.base import ring_allreduce_bytes
 
 __all__ = ["CollectiveSpec", "KINDS", "resolve_options", "allreduce", "allgather", "alltoall",
            "broadcast", "send_recv", "flag_specs", "dense_step_specs", "total_bytes",
@@ -145,7 +146,7 @@ def resolve_options(cls, n: int, k: int, P: int, options: Dict[str, Any],
 
 # -- one spec per primitive, bytes as comm/base.py counts them ------------------------------------
 def allreduce(nbytes: int, P: int) -> CollectiveSpec:
-    return CollectiveSpec("allreduce", 2 * (P - 1) * nbytes // P, 2 * (P - 1), P - 1)
+    return CollectiveSpec("allreduce", ring_allreduce_bytes(nbytes, P), 2 * (P - 1), P - 1)
 
 
 def allgather(chunk_bytes: int, P: int, data_dependent: int = 0) -> CollectiveSpec:

@@ -1,14 +1,16 @@
 """Helpers every benchmark shares: the source a result came from, the versions it ran with, the
-algorithms a command line names, byte counts for tables, and whether CUDA MPS is active. One
-home each, so every result JSON records its commit the same way."""
+algorithms a command line names and byte counts for tables. One home each, so every result
+JSON records its commit the same way (through :mod:`oktopk_triton.bench.records`)."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# git is asked from the package's own folder: inside a checkout it answers for that checkout,
+# outside one (an installed wheel) it does not answer and the commit is None
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def git_commit(short: bool = False) -> Optional[str]:
@@ -16,11 +18,11 @@ def git_commit(short: bool = False) -> Optional[str]:
     from it; ``None`` outside a checkout or without git."""
     try:
         args = ["git", "rev-parse"] + (["--short"] if short else []) + ["HEAD"]
-        head = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=10)
+        head = subprocess.run(args, cwd=_PACKAGE_DIR, capture_output=True, text=True, timeout=10)
         if head.returncode != 0 or not head.stdout.strip():
             return None
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=REPO, capture_output=True, text=True, timeout=10)
+                               cwd=_PACKAGE_DIR, capture_output=True, text=True, timeout=10)
         return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except Exception:  # noqa: BLE001 - no git, not a checkout
         return None
@@ -81,51 +83,3 @@ def nccl_version_text(v) -> Optional[str]:
     if v >= 20900:  # NCCL_VERSION_CODE = major*10000 + minor*100 + patch since 2.9
         return f"{v // 10000}.{(v % 10000) // 100}.{v % 100}"
     return f"{v // 1000}.{(v % 1000) // 100}.{v % 100}"
-
-
-_MPS_DEFAULT_PIPE = "/tmp/nvidia-mps"
-
-
-def detect_mps(env=None, run=None, exists=None) -> Dict[str, Any]:
-    """Whether the CUDA MPS control daemon serves this environment's processes.
-
-    Active when its pipe directory (``CUDA_MPS_PIPE_DIRECTORY``, default /tmp/nvidia-mps) holds
-    the ``control`` pipe and ``echo get_server_list | nvidia-cuda-mps-control`` answers. Without
-    that command, a running ``nvidia-cuda-mps-server`` in ``nvidia-smi`` counts. ``run`` and
-    ``exists`` replace ``subprocess.run`` and ``os.path.exists`` (tests)."""
-    import subprocess
-    env = dict(os.environ if env is None else env)
-    run = subprocess.run if run is None else run
-    exists = os.path.exists if exists is None else exists
-    pipe = env.get("CUDA_MPS_PIPE_DIRECTORY") or _MPS_DEFAULT_PIPE
-    info: Dict[str, Any] = {"active": False, "pipe_directory": pipe,
-                            "control_pipe": exists(os.path.join(pipe, "control")),
-                            "servers": None, "detail": ""}
-    try:
-        r = run(["nvidia-cuda-mps-control"], input="get_server_list\n", capture_output=True,
-                text=True, timeout=10, env=env)
-    except FileNotFoundError:
-        info["detail"] = "nvidia-cuda-mps-control not found"
-    except subprocess.TimeoutExpired:
-        info["detail"] = "nvidia-cuda-mps-control did not answer in 10 s"
-    else:
-        text = f"{r.stdout or ''}{r.stderr or ''}".strip()
-        refused = any(w in text.lower() for w in ("cannot find", "not running", "failed",
-                                                  "error", "no such"))
-        if r.returncode == 0 and not refused and info["control_pipe"]:
-            info["active"] = True
-            info["servers"] = [x for x in (r.stdout or "").split() if x.isdigit()]
-            info["detail"] = f"control daemon answers on {pipe}"
-        else:
-            info["detail"] = (f"nvidia-cuda-mps-control: rc={r.returncode}, "
-                              f"control pipe {'present' if info['control_pipe'] else 'absent'}"
-                              + (f": {text[:200]}" if text else ""))
-        return info
-    try:
-        r = run(["nvidia-smi", "-q"], capture_output=True, text=True, timeout=20, env=env)
-    except (FileNotFoundError, subprocess.TimeoutExpired):
-        return info
-    if r.returncode == 0 and "nvidia-cuda-mps-server" in (r.stdout or ""):
-        info["active"] = True
-        info["detail"] += "; nvidia-smi lists nvidia-cuda-mps-server"
-    return info

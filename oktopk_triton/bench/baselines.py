@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..comm.base import ring_allreduce_bytes
+
 BASELINES = ("powersgd", "bf16")
 
 
@@ -66,11 +68,29 @@ class _CountingDist:
     def all_reduce(self, tensor, *args, **kwargs):
         group = kwargs.get("group")
         P = dist.get_world_size(group) if group is not None else dist.get_world_size()
-        self._counter["bytes_sent"] += 2 * (P - 1) * tensor.numel() * tensor.element_size() // P
+        self._counter["bytes_sent"] += ring_allreduce_bytes(tensor.numel() * tensor.element_size(),
+                                                            P)
         return dist.all_reduce(tensor, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(dist, name)
+
+
+def count_hook_bytes(counter: Dict[str, int]) -> None:
+    """From now on, every ``all_reduce`` of torch's DDP hooks (``default_hooks``, PowerSGD's
+    dense warm-up and its P and Q factors) adds its ring bytes to ``counter["bytes_sent"]``: the
+    hooks' modules call torch.distributed through their module attribute ``dist``."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    powersgd_module().dist = default_hooks.dist = _CountingDist(counter)
+
+
+def powersgd_state(rank: int, start_iter: int, seed: int = 0):
+    """torch's ``PowerSGDState`` as every run here uses it: rank ``rank``, error feedback and
+    warm start on, dense allreduce for the first ``start_iter`` steps."""
+    return powersgd_module().PowerSGDState(process_group=None, matrix_approximation_rank=rank,
+                                           start_powerSGD_iter=start_iter,
+                                           use_error_feedback=True, warm_start=True,
+                                           random_seed=seed)
 
 
 def _compressed(rows: int, cols: int, rank: int, min_rate: float) -> bool:
@@ -91,7 +111,7 @@ def powersgd_bytes(shapes: Sequence[torch.Size], rank: int, P: int, min_rate: fl
                 words += (rows + cols) * rank
                 continue
         words += math.prod(s)
-    return 2 * (P - 1) * 4 * words // P
+    return ring_allreduce_bytes(4 * words, P)
 
 
 def powersgd_rank_for(shapes: Sequence[torch.Size], target_bytes: float, P: int,
@@ -140,9 +160,7 @@ class HookBaseline:
 
     def __init__(self, model: nn.Module, kind: str, *, rank: int = 1, start_iter: int = 2,
                  device: torch.device = torch.device("cpu")) -> None:
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         from torch.nn.parallel import DistributedDataParallel as DDP
-        psgd = powersgd_module()
         if kind not in BASELINES:
             raise ValueError(f"baseline must be one of {BASELINES}, got {kind!r}")
         self.kind, self.rank = kind, rank
@@ -155,15 +173,10 @@ class HookBaseline:
         mb = 4.0 * sum(p.numel() for p in model.parameters()) / 2**20
         self.ddp = DDP(_LossModule(model), device_ids=None if device.type == "cpu" else [device],
                        bucket_cap_mb=max(25.0, 2.0 * mb))
-        # the hooks' modules call torch.distributed through their module attribute ``dist``
-        # (PowerSGD's dense warm-up steps through default_hooks): count there
-        psgd.dist = default_hooks.dist = _CountingDist(self._total)
+        count_hook_bytes(self._total)
         if kind == "powersgd":
-            state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
-                                       start_powerSGD_iter=max(2, int(start_iter)),
-                                       use_error_feedback=True, warm_start=True,
-                                       random_seed=0)
-            self.ddp.register_comm_hook(state, psgd.powerSGD_hook)
+            self.ddp.register_comm_hook(powersgd_state(rank, max(2, int(start_iter))),
+                                        powersgd_module().powerSGD_hook)
         else:
             self.ddp.register_comm_hook(None, bf16_compress_hook(_CountingDist(self._total)))
 

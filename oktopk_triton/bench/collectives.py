@@ -52,8 +52,6 @@ a latency/bandwidth model.
 from __future__ import annotations
 
 import datetime
-import json
-import math
 import os
 import platform
 import resource
@@ -61,24 +59,17 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
-from ..algorithms._sparse import _log2ceil
+from ..algorithms._sparse import volume_formula_range
 from . import _args as A
-from ._common import REPO, detect_mps, fmt_bytes, nccl_version_text, versions
-from ._common import git_commit as _git_commit
+from . import records
+from ._common import fmt_bytes
 from ._common import resolve_algorithms as _resolve
-from ._procs import free_port
-# one rank's side, re-exported (bench/collectives_rank.py)
-from .collectives_rank import (_proc_entry, _rank_probes, _rank_run, _run_local,
-                               _run_local_probes, count_host_syncs, grad_scale, make_grad,
-                               out_checksum, peak_transient_bytes, probe_sizes,
-                               rank_device_index, rank_env, ranks_share_gpu)
+from .collectives_rank import _rank_main, _run_local, _run_local_probes
+from .measure import step_stats
+from .ranks import Ranks, detect_mps, mps_warning, placement, ranks_share_gpu, warn_loudly
 
-__all__ = ["add_arguments", "main", "run_benchmark", "make_grad", "formula_words",
-           "lower_bound_words", "rank_env", "detect_mps", "mps_warning", "out_checksum",
-           "count_host_syncs", "default_json_path",
-           # one rank's side (bench/collectives_rank.py)
-           "grad_scale", "peak_transient_bytes", "probe_sizes", "rank_device_index",
-           "ranks_share_gpu", "_rank_run", "_rank_probes"]
+__all__ = ["add_arguments", "main", "run_benchmark", "formula_words", "lower_bound_words",
+           "rank_env", "default_json_path"]
 
 
 # -- arguments -------------------------------------------------------------------------------------
@@ -120,169 +111,19 @@ def add_arguments(p) -> None:
 
 
 def formula_words(name: str, n: int, k: int, P: int):
-    """(low, high) words per rank per step by docs/algorithms.md §6 (headers not included).
-
-    Uses ``oktopk_triton.algorithms._sparse.volume_formula_range`` when present."""
-    try:
-        from ..algorithms._sparse import volume_formula_range
-        lo, hi = volume_formula_range(name, n, k, P)
-        return float(lo), float(hi)
-    except (ImportError, AttributeError):
-        pass
-    if P <= 1:
-        return 0.0, 0.0
-    f = (P - 1) / P
-    table = {
-        "dense": (2.0 * n * f, 2.0 * n * f),
-        "topka": (2.0 * k * (P - 1),) * 2,
-        "gtopk": (2.0 * k * _log2ceil(P),) * 2,
-        "topkdsa": (4.0 * k * f, (2.0 * k + n) * f),
-        "spardl": (4.0 * k * f,) * 2,
-        "oktopk": (2.0 * k * f, 6.0 * k * f),
-        "gaussiank": (2.0 * math.ceil(1.5 * k) * (P - 1),) * 2,
-    }
-    return table.get(name, (float("nan"), float("nan")))
+    """(low, high) words per rank per step by docs/algorithms.md §6 (headers not included)."""
+    lo, hi = volume_formula_range(name, n, k, P)
+    return float(lo), float(hi)
 
 
 def lower_bound_words(k: int, P: int) -> float:
     return 2.0 * k * (P - 1) / P
 
 
-# -- MPS -------------------------------------------------------------------------------------------
-def mps_warning(P: int, ngpu: int, mps: Dict[str, Any]) -> Optional[str]:
-    """The loud warning when ranks share a GPU without MPS (None otherwise)."""
-    if not ranks_share_gpu(P, ngpu) or mps.get("active"):
-        return None
-    return (f"{P} ranks share {ngpu} GPU(s) and the CUDA MPS daemon is NOT active "
-            f"({mps.get('detail') or 'not detected'}): the ranks are time-sliced on the GPU, a "
-            "spinning NCCL kernel of one rank holds it while the others wait, and step times "
-            "are not those of a cluster (measured on an H100, P=4: a 4-byte allreduce 18 ms "
-            "time-sliced, 0.05 ms with MPS). Start MPS first: export "
-            "CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log; mkdir -p "
-            "both; nvidia-cuda-mps-control -d")
-
-
-def _warn_loudly(text: str) -> None:
-    bar = "!" * 78
-    print(f"\n{bar}\nWARNING: {text}\n{bar}\n", file=sys.stderr, flush=True)
-
-
-class _Group:
-    """One group of P rank processes running ``algs``: started in the constructor, their
-    messages gathered by :meth:`collect`, stopped by :meth:`stop` (see :func:`_run_group`)."""
-
-    def __init__(self, P: int, algs: List[str], cfg: Dict[str, Any], log) -> None:
-        import torch.multiprocessing as mp
-        ctx = mp.get_context("spawn")
-        self.P, self.algs, self.log = P, algs, log
-        self.q = ctx.Queue()
-        port = free_port()
-        self.procs = [ctx.Process(target=_proc_entry, args=(r, P, port, cfg, algs, self.q),
-                                  daemon=True, name=f"oktopk-bench-rank{r}") for r in range(P)]
-        for pr in self.procs:
-            pr.start()
-        self.per_alg: Dict[str, List[Any]] = {a: [None] * P for a in algs}
-        self.out: Dict[str, Any] = {"results": {}, "probes": None, "info": [None] * P,
-                                    "error": None, "remaining": []}
-        self.probes: List[Any] = [None] * P
-        self.done = [False] * P
-        self.timeout = float(cfg["timeout"])
-        self.deadline = time.monotonic() + self.timeout + float(cfg["startup_timeout"])
-
-    def current(self) -> Optional[str]:
-        return next((a for a in self.algs if a not in self.out["results"]), None)
-
-    def handle(self, rank, kind, payload) -> bool:
-        """Take one message; True when the group must stop (an error)."""
-        out = self.out
-        if kind == "ready":
-            out["info"][rank] = payload
-        elif kind == "probes":
-            self.probes[rank] = payload
-            if all(p is not None for p in self.probes):
-                out["probes"] = self.probes
-        elif kind == "alg":
-            name, rec = payload
-            self.per_alg[name][rank] = rec
-            if all(x is not None for x in self.per_alg[name]):
-                out["results"][name] = self.per_alg[name]
-                self.deadline = time.monotonic() + self.timeout
-                self.log(f"  {name:9s} P={self.P:3d} done")
-        elif kind == "done":
-            self.done[rank] = True
-        elif kind == "error":
-            name, tb = payload
-            out["error"] = {"algorithm": name, "error": f"rank {rank} failed:\n{tb}"}
-            return True
-        return False
-
-    def next_item(self):
-        """The next message, or None when the group must stop: a rank died without a message,
-        or the deadline passed (``out["error"]`` says which)."""
-        import queue as _queue
-        while True:
-            try:
-                return self.q.get(timeout=0.5)
-            except _queue.Empty:
-                pass
-            dead = [r for r, pr in enumerate(self.procs)
-                    if not self.done[r] and pr.exitcode is not None]
-            if dead:
-                try:  # what it put on the queue just before exiting comes first
-                    return self.q.get(timeout=1.0)
-                except _queue.Empty:
-                    codes = {r: self.procs[r].exitcode for r in dead}
-                    self.out["error"] = {"algorithm": None,
-                                         "error": f"ranks {dead} died (exit codes {codes})"}
-                    return None
-            if time.monotonic() > self.deadline:
-                self.out["error"] = {"algorithm": None,
-                                     "error": f"TimeoutError: P={self.P} "
-                                              f"{self.current() or 'probes'} did not finish in "
-                                              f"{self.timeout:g}s"}
-                return None
-
-    def collect(self) -> None:
-        while not all(self.done):
-            item = self.next_item()
-            if item is None or self.handle(*item):
-                break
-        if self.out["error"] is not None:
-            self._drain()
-            if self.out["error"]["algorithm"] is None:
-                self.out["error"]["algorithm"] = self.current()
-
-    def _drain(self) -> None:
-        """Other ranks' results sent before the failure may still be on the way."""
-        import queue as _queue
-        drain_end = time.monotonic() + 5.0
-        try:
-            while time.monotonic() < drain_end:
-                rank, kind, payload = self.q.get(timeout=0.5)
-                if kind in ("alg", "probes", "ready"):
-                    self.handle(rank, kind, payload)
-        except _queue.Empty:
-            pass
-
-    def stop(self) -> None:
-        for pr in self.procs:
-            pr.join(timeout=5 if self.out["error"] is None else 0.5)
-        for pr in self.procs:
-            if pr.is_alive():
-                pr.kill()
-                pr.join(timeout=5)
-        self.q.close()
-
-    def result(self) -> Dict[str, Any]:
-        out = self.out
-        if out["error"] is not None:
-            failed = out["error"]["algorithm"]
-            if failed == "<setup>":  # the group could not start: a new one would fail the same way
-                out["remaining"] = []
-            else:
-                out["remaining"] = [a for a in self.algs
-                                    if a not in out["results"] and a != failed]
-        return out
+# -- process groups --------------------------------------------------------------------------------
+def rank_env(rank: int, P: int, ngpu: int) -> Dict[str, str]:
+    """What rank ``rank``'s process sets before NCCL initialises (its :func:`ranks.placement`)."""
+    return placement(rank, P, ngpu)[1] if ngpu else {}
 
 
 def _run_group(P: int, algs: List[str], cfg: Dict[str, Any], log=print) -> Dict[str, Any]:
@@ -292,12 +133,63 @@ def _run_group(P: int, algs: List[str], cfg: Dict[str, Any], log=print) -> Dict[
     "info": per-rank info, "error": None or {"algorithm", "error"}, "remaining": names not
     run because of the error}``. A failure ends the group (its processes are killed); the caller
     starts a new group for the remaining algorithms."""
-    group = _Group(P, algs, cfg, log)
+    ranks = Ranks(P, _rank_main, (cfg, algs), name="oktopk-bench-rank")
+    out: Dict[str, Any] = {"results": {}, "probes": None, "info": [None] * P, "error": None,
+                           "remaining": []}
+    per_alg: Dict[str, List[Any]] = {a: [None] * P for a in algs}
+    probes: List[Any] = [None] * P
+    timeout = float(cfg["timeout"])
+    deadline = time.monotonic() + timeout + float(cfg["startup_timeout"])
+
+    def failed_at(rank: int) -> Optional[str]:
+        """What ``rank`` was running when it failed: setup (a new group would fail the same
+        way), an algorithm, or the teardown."""
+        if out["info"][rank] is None or (cfg["probes"] and probes[rank] is None):
+            return "<setup>"
+        return next((a for a in algs if per_alg[a][rank] is None), "<teardown>")
+
+    def take(rank, kind, payload) -> None:
+        nonlocal deadline
+        if kind == "ready":
+            out["info"][rank] = payload
+        elif kind == "probes":
+            probes[rank] = payload
+            if all(p is not None for p in probes):
+                out["probes"] = probes
+        elif kind == "alg":
+            name, rec = payload
+            per_alg[name][rank] = rec
+            if all(x is not None for x in per_alg[name]):
+                out["results"][name] = per_alg[name]
+                deadline = time.monotonic() + timeout
+                log(f"  {name:9s} P={P:3d} done")
+        elif kind == "fatal":
+            out["error"] = {"algorithm": failed_at(rank),
+                            "error": f"rank {rank} failed:\n{payload[1]}"}
+        elif kind == "died":
+            out["error"] = {"algorithm": None, "error": payload}
+        elif kind == "timeout":
+            current = next((a for a in algs if a not in out["results"]), None)
+            out["error"] = {"algorithm": None, "error": f"TimeoutError: P={P} "
+                            f"{current or 'probes'} did not finish in {timeout:g}s"}
+
     try:
-        group.collect()
+        while ranks.pending() and out["error"] is None:
+            take(*ranks.get(deadline))
+        if out["error"] is not None:   # other ranks' results sent before the failure
+            for item in ranks.drain(5.0):
+                if item[1] in ("alg", "probes", "ready"):
+                    take(*item)
     finally:
-        group.stop()
-    return group.result()
+        ranks.stop(5.0 if out["error"] is None else 0.5)
+    err = out["error"]
+    if err is not None:
+        if err["algorithm"] is None:
+            err["algorithm"] = next((a for a in algs if a not in out["results"]), None)
+        if err["algorithm"] != "<setup>":   # a group that could not start: nothing to retry
+            out["remaining"] = [a for a in algs
+                                if a not in out["results"] and a != err["algorithm"]]
+    return out
 
 
 # -- the benchmark ---------------------------------------------------------------------------------
@@ -309,12 +201,12 @@ def _summary(name, P, n, density, per_rank, wall_s, check_finite,
     k = per_rank[0]["k"]
     by = [[r["bytes"][t] for r in per_rank] for t in range(steps)]       # [step][rank]
     sb = [[r["stats_bytes"][t] for r in per_rank] for t in range(steps)]
-    tm = [[r["time_s"][t] for r in per_rank] for t in range(steps)]
     nnz = [per_rank[0]["nnz"][t] for t in range(steps)]
     lo, hi = formula_words(name, n, k, P)
     check_bytes = (2 * (P - 1) * 4 // P) if (check_finite != "off" and P > 1) else 0
     mean_b = sum(sum(by[t]) for t in later) / (len(later) * P)
-    step_s = [max(row) for row in tm]                      # a step ends when its last rank ends
+    st = step_stats([r["time_s"] for r in per_rank], timed)
+    step_s = st["step_s"]
     sums = [[r.get("checksum", [None] * steps)[t] for r in per_rank] for t in range(steps)]
     colls = [[r.get("collectives", [None] * steps)[t] for r in per_rank] for t in range(steps)]
     steady_colls = [c for t in timed for c in colls[t] if c is not None]
@@ -342,8 +234,8 @@ def _summary(name, P, n, density, per_rank, wall_s, check_finite,
         "nnz_mean": sum(nnz[t] for t in later) / len(later),
         "wall_s": wall_s,
         # the one-GPU benchmark's figures
-        "step_ms_mean": 1e3 * sum(step_s[t] for t in timed) / len(timed),
-        "step_ms_min": 1e3 * min(step_s[t] for t in timed),
+        "step_ms_mean": st["ms_mean"],
+        "step_ms_min": st["ms_min"],
         "mb_sent_per_rank": mean_b / 1e6,
         "ratio_to_dense": None,            # filled in once the run's dense result is known
         "bytes_ratio_to_dense": None,
@@ -380,10 +272,10 @@ def _probe_summary(P: int, per_rank: List[List[Dict[str, Any]]]) -> List[Dict[st
     out = []
     for i, first in enumerate(per_rank[0]):
         reps = len(first["time_s"])
-        per_rep = [max(r[i]["time_s"][j] for r in per_rank) for j in range(reps)]
+        st = step_stats([r[i]["time_s"] for r in per_rank], range(reps))
         out.append({"P": P, "op": first["op"], "bytes": first["bytes"],
-                    "ms_mean": 1e3 * sum(per_rep) / reps, "ms_min": 1e3 * min(per_rep),
-                    "reps": reps, "ms_per_rep": [1e3 * x for x in per_rep]})
+                    "ms_mean": st["ms_mean"], "ms_min": st["ms_min"],
+                    "reps": reps, "ms_per_rep": [1e3 * x for x in st["step_s"]]})
     return out
 
 
@@ -405,31 +297,15 @@ def _machine() -> Dict[str, Any]:
     return info
 
 
-def _versions(nccl: Optional[str] = None) -> Dict[str, Any]:
-    v: Dict[str, Any] = versions(("torch", "triton", "cupy"))
-    if nccl is None:
-        try:
-            import torch
-            nccl = nccl_version_text(torch.cuda.nccl.version())
-        except Exception:  # noqa: BLE001
-            nccl = None
-    v["nccl"] = nccl
-    return v
-
-
 def device_slug(name: str) -> str:
     import re
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown"
 
 
 def default_json_path(report: Dict[str, Any]) -> str:
-    """``bench/results/gpu-collectives-<date>-<device>.json`` under the repository root (the
-    current directory when the package is not in a checkout)."""
-    root = REPO
-    if not os.path.isdir(os.path.join(root, "bench")):
-        root = os.getcwd()
-    return os.path.join(root, "bench", "results",
-                        f"gpu-collectives-{report['date'][:10]}-{device_slug(report['device'])}.json")
+    """``gpu-collectives-<date>-<device>.json`` in :func:`records.results_dir`."""
+    return records.results_path(f"gpu-collectives-{report['date'][:10]}-"
+                                f"{device_slug(report['device'])}.json")
 
 
 def _gpu_count() -> int:
@@ -467,7 +343,7 @@ def run_benchmark(args, log=print) -> Dict[str, Any]:
             continue
         warn = mps_warning(P, ngpu, mps) if backend == "nccl" else None
         if warn:
-            _warn_loudly(warn)
+            warn_loudly(warn)
             warnings_.append({"P": P, "warning": warn})
         per_alg: Dict[str, Any] = {}
         walls: Dict[str, float] = {}
@@ -554,17 +430,16 @@ def _report(args, algs, backend, comm_kind, comm_timeout, warmup, probe_reps, ng
     device = info0.get("device_name") or ("cpu" if backend != "nccl" else None)
     if device is None:
         device = "cuda"
+    head = records.header("collectives", args, device=device, mps=mps)
+    head["date"] = date
+    if info0.get("nccl"):   # the ranks' own NCCL (CuPy's for --comm cupy)
+        head["versions"]["nccl"] = info0["nccl"]
     return {
-        "benchmark": "collectives",
+        **head,
         "backend": backend,
         "comm": comm_kind,
-        "date": date,
-        "git_commit": _git_commit(),
         "host": platform.node(),
-        "device": device,
         "gpus": ngpu if backend == "nccl" else _gpu_count(),
-        "mps": mps,
-        "versions": _versions(info0.get("nccl")),
         "config": {"algorithms": algs, "world_sizes": list(args.world_sizes), "n": args.n,
                    "density": args.density, "steps": args.steps, "warmup": warmup,
                    "backend": backend, "comm": comm_kind, "seed": args.seed,
@@ -674,7 +549,7 @@ def main(args) -> int:
     report = run_benchmark(args, log=log)
     print(format_table(report), flush=True)
     for w in report["warnings"]:
-        _warn_loudly(w["warning"])  # again at the end, where it cannot be missed
+        warn_loudly(w["warning"])  # again at the end, where it cannot be missed
     for s in report["skipped"]:
         print(f"skipped: {s}", flush=True)
     for e in report["errors"]:
@@ -683,10 +558,7 @@ def main(args) -> int:
     if path is None and args.backend == "nccl" and report["results"]:
         path = default_json_path(report)
     if path:
-        d = os.path.dirname(os.path.abspath(path))
-        os.makedirs(d, exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(report, f, indent=1)
+        records.write(path, report)
         print(f"wrote {path}", flush=True)
     if args.plot:
         plot(report, args.plot)

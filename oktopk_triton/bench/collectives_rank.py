@@ -3,14 +3,13 @@ the driver): its gradients, its timed steps and probes, the GPU it runs on, and 
 entry point for the gloo / nccl backends (``local`` runs the ranks as threads here)."""
 from __future__ import annotations
 
-import datetime
 import os
 import time
-import traceback
 from typing import Any, Dict, List
 
 from ._common import nccl_version_text
-from ._procs import exit_rank
+from .measure import checksum
+from .ranks import init_rank, make_comm
 
 
 # -- gradients -------------------------------------------------------------------------------------
@@ -44,26 +43,6 @@ def _start_together(comm) -> None:
     is enqueued on the stream), then the host waits for the stream."""
     comm.barrier()
     _sync(comm.device)
-
-
-def out_checksum(out) -> str:
-    """A checksum of ``out``'s bit pattern computed where ``out`` lives (one 16-byte result
-    crosses to the host): the sum of the words and a position-weighted sum, both mod 2^64.
-    Equal on two ranks iff (up to a 2^-64-ish collision) their ``out`` are bitwise equal."""
-    import torch
-    flat = out.detach().contiguous().reshape(-1)
-    words = flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
-        flat.element_size()])
-    s1 = s2 = 0
-    chunk = 1 << 24
-    for start in range(0, words.numel(), chunk):
-        w = words[start:start + chunk].to(torch.int64)
-        idx = torch.arange(start, start + w.numel(), device=w.device, dtype=torch.int64)
-        weight = (idx * 2654435761) % 2147483647 + 1
-        s1 += int(w.sum())
-        s2 += int((w * weight).sum())  # int64 products wrap: the same on every rank
-    m = (1 << 64) - 1
-    return f"{s1 & m:016x}{s2 & m:016x}"
 
 
 def count_host_syncs(fn):
@@ -108,7 +87,7 @@ def _rank_run(comm, name: str, n: int, density: float, steps: int, seed: int,
         rec["collectives"].append(alg.stats.get("collectives"))
         rec["time_s"].append(dt)
         rec["nnz"].append(int((out != 0).sum().item()))
-        rec["checksum"].append(out_checksum(out))
+        rec["checksum"].append(checksum(out))
         del out, g
     if cuda and count_syncs:
         g = make_grad(n, seed, comm.rank, steps, device=dev, scale=scale)
@@ -172,25 +151,6 @@ def _rank_probes(comm, n: int, reps: int) -> List[Dict[str, Any]]:
     return out
 
 
-# -- placement of ranks on GPUs, MPS ---------------------------------------------------------------
-def ranks_share_gpu(P: int, ngpu: int) -> bool:
-    return ngpu > 0 and P > ngpu
-
-
-def rank_device_index(rank: int, ngpu: int) -> int:
-    return rank % ngpu
-
-
-def rank_env(rank: int, P: int, ngpu: int) -> Dict[str, str]:
-    """Environment variables rank ``rank``'s process sets before NCCL initialises. Ranks sharing
-    a GPU each get their own ``NCCL_HOSTID``: NCCL then sees P hosts and talks over loopback
-    sockets (NCCL 2.28 refuses two ranks of one communicator on one GPU of one host)."""
-    env: Dict[str, str] = {}
-    if ranks_share_gpu(P, ngpu):
-        env["NCCL_HOSTID"] = f"oktopk-bench-rank{rank}"
-    return env
-
-
 # -- backends --------------------------------------------------------------------------------------
 def _run_local(name, P, n, density, steps, seed, check_finite, timeout):
     from ..comm.local import LocalCluster
@@ -204,74 +164,41 @@ def _run_local_probes(P, n, reps, timeout):
     return LocalCluster(P, timeout=timeout).run(_rank_probes, n, reps)
 
 
-def _make_comm(rank: int, P: int, port: int, cfg: Dict[str, Any]):
-    """This rank's communicator: gloo -> TorchCommunicator on gloo; nccl -> NcclCommunicator
-    (``comm="cupy"``, bootstrapped through a gloo group) or TorchCommunicator on an NCCL group.
-    Returns ``(comm, info)``."""
+def _rank_main(rank: int, P: int, port: int, send, cfg: Dict[str, Any], algs: List[str]):
+    """One rank's process (:class:`oktopk_triton.bench.ranks.Ranks` target): its environment
+    first (before NCCL initialises), the communicator, the probes, then each algorithm in turn;
+    every result goes to the parent as soon as it exists. A failing rank reports and exits at
+    once: its peers then fail fast (lost peer) instead of waiting."""
+    os.environ.update(cfg["env"][rank])
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
-    from ..comm.torch_dist import TorchCommunicator
-    backend, timeout = cfg["backend"], float(cfg["comm_timeout"])
-    init = dict(init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=P,
-                timeout=datetime.timedelta(seconds=timeout))
+    nccl, timeout = cfg["backend"] == "nccl", float(cfg["comm_timeout"])
+    group = "nccl" if nccl and cfg["comm"] == "torch" else "gloo"   # cupy: a gloo bootstrap
+    dev = init_rank(rank, P, port, gpu=nccl, ngpu=cfg["ngpu"], group=group, timeout=timeout)
     info: Dict[str, Any] = {"pid": os.getpid(), "env": cfg["env"][rank],
                             "NCCL_HOSTID": os.environ.get("NCCL_HOSTID")}  # as NCCL will see it
-    if backend == "gloo":
-        dist.init_process_group("gloo", **init)
-        return TorchCommunicator(timeout=timeout), info
-    dev = torch.device("cuda", rank_device_index(rank, cfg["ngpu"]))
-    torch.cuda.set_device(dev)
-    info["device"] = str(dev)
-    info["device_name"] = torch.cuda.get_device_name(dev)
-    if cfg["comm"] == "torch":
-        dist.init_process_group("nccl", **init)
-        comm = TorchCommunicator()
-        comm.device = dev
-        try:
-            info["nccl"] = nccl_version_text(torch.cuda.nccl.version())
-        except Exception:  # noqa: BLE001
-            info["nccl"] = None
-        return comm, info
-    dist.init_process_group("gloo", **init)  # bootstrap: the unique id, peers, the last barrier
-    from ..comm.nccl import NcclCommunicator
-    comm = NcclCommunicator.from_torch_distributed(device=dev, timeout=timeout)
+    if nccl:
+        info.update(device=str(dev), device_name=torch.cuda.get_device_name(dev),
+                    nccl=_nccl_version(cfg["comm"]))
+    comm = make_comm(cfg["comm"] if nccl else "torch", dev,
+                     timeout=None if group == "nccl" else timeout)
+    send("ready", info)
+    if cfg["probes"]:
+        send("probes", _rank_probes(comm, cfg["n"], cfg["probe_reps"]))
+    for name in algs:
+        rec = _rank_run(comm, name, cfg["n"], cfg["density"], cfg["steps"], cfg["seed"],
+                        cfg["check_finite"])
+        send("alg", (name, rec))
+    dist.barrier()  # keep this rank's sockets open until every rank is done
+
+
+def _nccl_version(comm: str):
     try:
+        if comm == "torch":
+            import torch
+            return nccl_version_text(torch.cuda.nccl.version())
         from cupy.cuda import nccl
-        info["nccl"] = nccl_version_text(nccl.get_version())
+        return nccl_version_text(nccl.get_version())
     except Exception:  # noqa: BLE001
-        info["nccl"] = None
-    return comm, info
-
-
-def _proc_entry(rank, P, port, cfg, algs, q):
-    """One rank's process: environment first (before NCCL initialises), the communicator, the
-    probes, then each algorithm in turn; every result goes to the parent as soon as it exists.
-    A failing rank reports and exits at once: its peers then fail fast (lost peer) instead of
-    waiting; no teardown that could block on a dead peer."""
-    code = 0
-    name = "<setup>"  # what was running when a failure came: setup, an algorithm, teardown
-    try:
-        os.environ.update(cfg["env"][rank])
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        import torch
-        torch.set_num_threads(1)
-        comm, info = _make_comm(rank, P, port, cfg)
-        q.put((rank, "ready", info))
-        if cfg["probes"]:
-            q.put((rank, "probes", _rank_probes(comm, cfg["n"], cfg["probe_reps"])))
-        for name in algs:
-            rec = _rank_run(comm, name, cfg["n"], cfg["density"], cfg["steps"], cfg["seed"],
-                            cfg["check_finite"])
-            q.put((rank, "alg", (name, rec)))
-        name = "<teardown>"
-        import torch.distributed as dist
-        dist.barrier()  # keep this rank's sockets open until every rank is done
-        q.put((rank, "done", None))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        code = 1
-        try:
-            q.put((rank, "error", (name, traceback.format_exc())))
-        except Exception:  # noqa: BLE001
-            pass
-    finally:
-        exit_rank(q, code)
+        return None

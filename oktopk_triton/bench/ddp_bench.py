@@ -54,7 +54,6 @@ all ranks ended with bitwise-equal parameters (true for every averaging hook, fa
 from __future__ import annotations
 
 import datetime
-import hashlib
 import inspect
 import json
 import os
@@ -65,9 +64,12 @@ import traceback
 from typing import Any, Callable, Dict, List, Optional
 
 from . import _args as A
-from ._common import detect_mps, nccl_version_text, versions
-from ._common import git_commit as _git_commit
-from ._procs import environ, exit_rank, free_port
+from ..comm.base import ring_allreduce_bytes
+from ..comm.select import _cupy_available
+from .baselines import count_hook_bytes, powersgd_module, powersgd_state
+from . import records
+from .measure import params_checksum, step_stats
+from .ranks import Ranks, detect_mps, init_rank, make_comm
 
 __all__ = ["add_arguments", "main", "run_benchmark", "format_markdown", "format_table",
            "HOOKS", "make_model", "sparse_modes", "default_json_path"]
@@ -143,36 +145,12 @@ def param_count(width: int, layers: int) -> int:
     return layers * (width * width + width)
 
 
-def ring_bytes(nbytes: int, P: int) -> float:
-    """Bytes one rank sends in a ring allreduce of ``nbytes``."""
-    return 2.0 * (P - 1) * nbytes / P if P > 1 else 0.0
-
-
 # -- environment facts -----------------------------------------------------------------------------
-def _mps_active() -> bool:
-    """Whether the CUDA MPS control daemon serves this environment's processes
-    (:func:`oktopk_triton.bench._common.detect_mps`, the detector ``oktopk-bench collectives``
-    uses too)."""
-    return bool(detect_mps()["active"])
-
-
 def _load_avg() -> Optional[float]:
     try:
         return round(os.getloadavg()[0], 2)
     except (OSError, AttributeError):  # pragma: no cover - not on every platform
         return None
-
-
-def _versions() -> Dict[str, Any]:
-    v: Dict[str, Any] = versions(("torch", "triton", "numpy", "cupy", "oktopk_triton"))
-    try:
-        import torch
-        if torch.cuda.is_available():
-            v["cuda"] = torch.version.cuda
-            v["nccl"] = nccl_version_text(torch.cuda.nccl.version())
-    except Exception:  # noqa: BLE001
-        pass
-    return v
 
 
 def sparse_modes() -> List[Optional[str]]:
@@ -238,32 +216,6 @@ def _plan(args) -> List[Dict[str, Any]]:
     return plan
 
 
-class _AllreduceCounter:
-    """Counts ``torch.distributed.all_reduce`` calls as ring allreduces while installed (the
-    Python DDP hooks of torch look the function up on the module at call time)."""
-
-    def __init__(self, P: int) -> None:
-        self.P = P
-        self.bytes = 0.0
-        self._orig: Optional[Callable] = None
-
-    def __enter__(self) -> "_AllreduceCounter":
-        import torch.distributed as dist
-        self._orig = dist.all_reduce
-        orig = self._orig
-
-        def counted(tensor, *a, **kw):
-            self.bytes += ring_bytes(tensor.numel() * tensor.element_size(), self.P)
-            return orig(tensor, *a, **kw)
-
-        dist.all_reduce = counted
-        return self
-
-    def __exit__(self, *exc) -> None:
-        import torch.distributed as dist
-        dist.all_reduce = self._orig
-
-
 def _none_hook(state, bucket):
     """Communicates nothing: the bucket's local gradients, as they are."""
     import torch
@@ -279,7 +231,6 @@ def _powersgd_one_bucket_at_a_time(state, bucket):
     buckets in flight on gloo these interleave in a different order on different ranks and the
     group deadlocks (seen here: 4 x Linear(64, 64) in 10 kB buckets, 2 ranks). Waiting keeps one
     order; on gloo the sparse hook is synchronous too. NCCL runs the plain hook."""
-    from .baselines import powersgd_module
     fut = powersgd_module().powerSGD_hook(state, bucket)
     fut.wait()
     return fut
@@ -308,14 +259,13 @@ def _run_one(spec: Dict[str, Any], cfg: Dict[str, Any], rank: int, dev,
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    P = cfg["P"]
     cuda = dev.type == "cuda"
     torch.manual_seed(cfg["seed"])                       # the same initial model on every rank
     model = make_model(cfg["width"], cfg["layers"]).to(dev)
     ddp = DDP(model, device_ids=[dev.index] if cuda else None,
               bucket_cap_mb=cfg["bucket_cap_mb"])
     hook = spec["hook"]
-    comm, state, counter = _register_hook(ddp, spec, cfg, cuda, get_comm)
+    comm, state, counted = _register_hook(ddp, spec, cfg, cuda, get_comm)
 
     # this rank's data: a few fixed batches of a random regression problem
     g = torch.Generator().manual_seed(cfg["seed"] * 7919 + 1000 * (rank + 1))
@@ -324,40 +274,36 @@ def _run_one(spec: Dict[str, Any], cfg: Dict[str, Any], rank: int, dev,
     opt = torch.optim.SGD(ddp.parameters(), lr=cfg["lr"], momentum=0.9)
     barrier_kw = {"device_ids": [dev.index]} if cuda else {}
     n_params = sum(p.numel() for p in model.parameters())
-    ring_model = ring_bytes(4 * n_params, P)
+    # what a rank sends: the sparse hook's communicator counts; torch's hooks' all_reduce calls
+    # are counted as ring allreduces; DDP's C++ allreduce is not visible, so the ring model of
+    # all parameters
+    def sent() -> float:
+        if comm is not None:
+            return float(comm.bytes_sent)
+        if counted is not None:
+            return float(counted["bytes_sent"])
+        return 0.0
 
-    times, losses, sent = [], [], []
+    times, losses, sent_per_step = [], [], []
     for it in range(cfg["warmup"] + cfg["steps"]):
         x, y = batches[it % len(batches)]
         if cuda:
             torch.cuda.synchronize(dev)
         dist.barrier(**barrier_kw)
-        c0 = comm.bytes_sent if comm is not None else 0
-        a0 = counter.bytes if counter is not None else 0.0
+        b0 = sent()
         t0 = time.perf_counter()
-        if counter is not None:
-            with counter:
-                loss = _train_step(ddp, opt, x, y, F)
-        else:
-            loss = _train_step(ddp, opt, x, y, F)
+        opt.zero_grad(set_to_none=True)
+        loss = F.mse_loss(ddp(x), y)
+        loss.backward()
+        opt.step()
         if cuda:
             torch.cuda.synchronize(dev)
-        dt = time.perf_counter() - t0
-        if hook == "sparse":
-            b = float(comm.bytes_sent - c0)
-        elif counter is not None:
-            b = counter.bytes - a0
-        elif hook == "allreduce":
-            b = ring_model
-        else:
-            b = 0.0
-        times.append(dt)
-        sent.append(b)
+        times.append(time.perf_counter() - t0)
+        sent_per_step.append(float(ring_allreduce_bytes(4 * n_params, cfg["P"]))
+                             if hook == "allreduce" else sent() - b0)
         losses.append(float(loss.detach()))
-    flat = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()]).cpu()
-    digest = hashlib.sha1(flat.numpy().tobytes()).hexdigest()
-    rec = {"time_s": times, "bytes": sent, "loss": losses, "param_digest": digest,
-           "params": n_params}
+    rec = {"time_s": times, "bytes": sent_per_step, "loss": losses,
+           "param_digest": params_checksum(model.parameters()), "params": n_params}
     if hook == "sparse" and state is not None:
         rec["buckets"] = len(getattr(state, "reducers", {}) or {})
     del ddp, model, opt, batches
@@ -367,27 +313,21 @@ def _run_one(spec: Dict[str, Any], cfg: Dict[str, Any], rank: int, dev,
 
 
 def _register_hook(ddp, spec: Dict[str, Any], cfg: Dict[str, Any], cuda: bool, get_comm):
-    """Register ``spec``'s communication hook on ``ddp``; (communicator, hook state, allreduce
-    byte counter), each None when the hook has none."""
-    P = cfg["P"]
-    hook, comm, state, counter = spec["hook"], None, None, None
+    """Register ``spec``'s communication hook on ``ddp``; (communicator, hook state, counter of
+    torch's hooks' bytes), each None when the hook has none."""
+    hook, comm, state, counted = spec["hook"], None, None, None
+    if hook in ("fp16", "powersgd"):
+        counted = {"bytes_sent": 0}
+        count_hook_bytes(counted)
     if hook == "none":
         ddp.register_comm_hook(None, _none_hook)
     elif hook == "fp16":
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
         ddp.register_comm_hook(None, fp16_compress_hook)
-        counter = _AllreduceCounter(P)
     elif hook == "powersgd":
-        from .baselines import powersgd_module
-        psgd = powersgd_module()
-        state = psgd.PowerSGDState(process_group=None,
-                                   matrix_approximation_rank=cfg["powersgd_rank"],
-                                   start_powerSGD_iter=cfg["powersgd_start_iter"],
-                                   use_error_feedback=True, warm_start=True,
-                                   random_seed=cfg["seed"])
-        ddp.register_comm_hook(state, psgd.powerSGD_hook if cuda
+        state = powersgd_state(cfg["powersgd_rank"], cfg["powersgd_start_iter"], cfg["seed"])
+        ddp.register_comm_hook(state, powersgd_module().powerSGD_hook if cuda
                                else _powersgd_one_bucket_at_a_time)
-        counter = _AllreduceCounter(P)
     elif hook == "sparse":
         comm = get_comm()
         state = _make_sparse_state(cfg, comm, spec["algorithm"], spec["mode"])
@@ -395,89 +335,41 @@ def _register_hook(ddp, spec: Dict[str, Any], cfg: Dict[str, Any], cuda: bool, g
         ddp.register_comm_hook(state, sparse_allreduce_hook)
     elif hook != "allreduce":
         raise ValueError(f"unknown hook {hook!r}")
-    return comm, state, counter
+    return comm, state, counted
 
 
-def _train_step(ddp, opt, x, y, F):
-    opt.zero_grad(set_to_none=True)
-    loss = F.mse_loss(ddp(x), y)
-    loss.backward()
-    opt.step()
-    return loss
+def _rank_main(rank: int, P: int, port: int, send, cfg: Dict[str, Any],
+               plan: List[Dict[str, Any]]) -> None:
+    """One rank (a :class:`~oktopk_triton.bench.ranks.Ranks` target): init the group, run every
+    planned hook, report each as it completes."""
+    import torch
+    import torch.distributed as dist
+    nccl = cfg["backend"] == "nccl"
+    dev = init_rank(rank, P, port, gpu=nccl, group=cfg["backend"], timeout=cfg["pg_timeout"],
+                    threads=cfg["threads"])
+    comm_box: Dict[str, Any] = {}
 
+    def get_comm():
+        if "comm" not in comm_box:
+            comm_box["comm"] = make_comm(cfg["comm"] if nccl else "torch", dev)
+        return comm_box["comm"]
 
-def rank_placement(rank: int, P: int, ngpu: int):
-    """(GPU index, NCCL_HOSTID or None) of ``rank``: GPUs round robin; when ranks share a GPU
-    each claims its own host id, since NCCL refuses two ranks of one host on one GPU and, seeing
-    P hosts, goes through loopback sockets instead."""
-    if ngpu < 1:
-        raise RuntimeError("nccl: no CUDA GPU")
-    return rank % ngpu, (f"oktopk-ddp-rank{rank}" if P > ngpu else None)
-
-
-def _rank_entry(rank: int, cfg: Dict[str, Any], plan: List[Dict[str, Any]], port: int, q) -> None:
-    """One rank: init the group, run every planned hook, report each as it completes."""
-    code = 0
-    try:
-        import torch
-        import torch.distributed as dist
-        backend = cfg["backend"]
-        if backend == "nccl":
-            index, hostid = rank_placement(rank, cfg["P"], torch.cuda.device_count())
-            if hostid is not None:
-                os.environ["NCCL_HOSTID"] = hostid
-            dev = torch.device("cuda", index)
-            torch.cuda.set_device(dev)
-        else:
-            dev = torch.device("cpu")
-            torch.set_num_threads(max(1, int(cfg["threads"])))
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=cfg["P"],
-                                timeout=datetime.timedelta(seconds=cfg["pg_timeout"]))
-        comm_box: Dict[str, Any] = {}
-
-        def get_comm():
-            if "comm" not in comm_box:
-                from ..comm import TorchCommunicator
-                if backend == "nccl" and cfg["comm"] == "cupy":
-                    from ..comm import NcclCommunicator
-                    comm_box["comm"] = NcclCommunicator.from_torch_distributed(device=dev)
-                else:
-                    comm_box["comm"] = TorchCommunicator()
-            return comm_box["comm"]
-
-        for i, spec in enumerate(plan):
-            try:
-                rec = _run_one(spec, cfg, rank, dev, get_comm)
-                q.put(("result", rank, i, rec))
-            except Exception:  # noqa: BLE001 - one failing hook does not stop the others
-                q.put(("error", rank, i, traceback.format_exc()))
-            # the ranks meet between hooks (a hook that failed on every rank is skipped cleanly)
-            if backend == "nccl":
-                torch.cuda.synchronize(dev)
-                dist.barrier(device_ids=[dev.index])
-            else:
-                dist.barrier()
-        q.put(("done", rank, -1, None))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        code = 1
+    for i, spec in enumerate(plan):
         try:
-            q.put(("fatal", rank, -1, traceback.format_exc()))
-        except Exception:  # noqa: BLE001
-            pass
-    finally:
-        exit_rank(q, code)
+            send("result", (i, _run_one(spec, cfg, rank, dev, get_comm)))
+        except Exception:  # noqa: BLE001 - one failing hook does not stop the others
+            send("error", (i, traceback.format_exc()))
+        # the ranks meet between hooks (a hook that failed on every rank is skipped cleanly)
+        if nccl:
+            torch.cuda.synchronize(dev)
+            dist.barrier(device_ids=[dev.index])
+        else:
+            dist.barrier()
 
 
 def _spawn_ranks(cfg: Dict[str, Any], plan: List[Dict[str, Any]], timeout: float,
                  log: Callable[..., None]):
     """Run the ranks; ``({plan index: [record per rank]}, {plan index: error}, [fatal])``."""
-    import queue as _queue
-
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
     P = cfg["P"]
     # the children read these when they import torch / the kernels: on CPU, the torch kernel
     # references unless the Triton interpreter is asked for (TRITON_INTERPRET is read at import)
@@ -488,78 +380,38 @@ def _spawn_ranks(cfg: Dict[str, Any], plan: List[Dict[str, Any]], timeout: float
             env["TRITON_INTERPRET"] = None
         elif cfg["kernel_backend"] == "triton":
             env["TRITON_INTERPRET"] = "1"
-    procs = []
-    with environ(env):
-        for r in range(P):
-            pr = ctx.Process(target=_rank_entry, args=(r, cfg, plan, port, q), daemon=True,
-                             name=f"ddp-bench-rank{r}")
-            pr.start()
-            procs.append(pr)
-
+    ranks = Ranks(P, _rank_main, (cfg, plan), name="ddp-bench-rank", env=env)
     recs: Dict[int, List[Any]] = {i: [None] * P for i in range(len(plan))}
     errors: Dict[int, str] = {}
     fatal: List[str] = []
-    done = [False] * P
     deadline = time.monotonic() + timeout
     stall_end = None   # set by an error: the ranks must show progress again before this
     try:
-        while not all(done):
-            now = time.monotonic()
-            if now > deadline:
-                fatal.append(f"timeout: ranks {[r for r in range(P) if not done[r]]} did not "
-                             f"finish within {timeout:g}s")
+        while ranks.pending():
+            rank, kind, payload = ranks.get(min(deadline, stall_end or deadline))
+            if kind == "timeout":
+                left = ranks.pending()
+                fatal.append(f"timeout: ranks {left} did not finish within {timeout:g}s"
+                             if stall_end is None or time.monotonic() > deadline else
+                             f"ranks {left} made no progress for {STALL_AFTER_ERROR_S:g}s after "
+                             f"an error (a rank left a collective the others wait in): stopped")
                 break
-            if stall_end is not None and now > stall_end:
-                fatal.append(f"ranks {[r for r in range(P) if not done[r]]} made no progress "
-                             f"for {STALL_AFTER_ERROR_S:g}s after an error (a rank left a "
-                             f"collective the others wait in): stopped")
-                break
-            try:
-                kind, rank, i, payload = q.get(timeout=0.5)
-                stall_end = now + STALL_AFTER_ERROR_S if (kind == "error" or errors) else None
-            except _queue.Empty:
-                dead = [r for r, pr in enumerate(procs)
-                        if not done[r] and pr.exitcode is not None]
-                if dead:
-                    try:   # it may have reported just before exiting
-                        while True:
-                            kind, rank, i, payload = q.get(timeout=0.5)
-                            _take(kind, rank, i, payload, recs, errors, fatal, done, plan, log)
-                    except _queue.Empty:
-                        pass
-                    for r in dead:
-                        if not done[r]:
-                            done[r] = True
-                            fatal.append(f"rank {r} exited with code {procs[r].exitcode} "
-                                         f"without finishing")
-                continue
-            _take(kind, rank, i, payload, recs, errors, fatal, done, plan, log)
-            if fatal and not all(done):
+            if kind in ("result", "error"):
+                i, body = payload
+                if kind == "result":
+                    recs[i][rank] = body
+                    if all(r is not None for r in recs[i]):
+                        log(f"  done: {_label(plan[i])}")
+                else:
+                    errors.setdefault(i, f"rank {rank}: {body}")
+            elif kind in ("fatal", "died"):
+                fatal.append(f"rank {rank}: {payload[1] if kind == 'fatal' else payload}")
                 # a rank died: the others wait for it in a collective until the group timeout
                 deadline = min(deadline, time.monotonic() + 10.0)
+            stall_end = time.monotonic() + STALL_AFTER_ERROR_S if errors else None
     finally:
-        for pr in procs:
-            pr.join(timeout=5.0 if not fatal else 0.5)
-        for pr in procs:
-            if pr.is_alive():
-                pr.kill()
-                pr.join(timeout=5.0)
-        q.close()
+        ranks.stop(5.0 if not fatal else 0.5)
     return recs, errors, fatal
-
-
-def _take(kind, rank, i, payload, recs, errors, fatal, done, plan, log) -> None:
-    if kind == "result":
-        recs[i][rank] = payload
-        if all(r is not None for r in recs[i]):
-            log(f"  done: {_label(plan[i])}")
-    elif kind == "error":
-        errors.setdefault(i, f"rank {rank}: {payload}")
-    elif kind == "fatal":
-        done[rank] = True
-        fatal.append(f"rank {rank}: {payload}")
-    elif kind == "done":
-        done[rank] = True
 
 
 def _label(spec: Dict[str, Any]) -> str:
@@ -570,10 +422,9 @@ def _label(spec: Dict[str, Any]) -> str:
 
 def _summary(spec: Dict[str, Any], per_rank: List[Dict[str, Any]],
              cfg: Dict[str, Any]) -> Dict[str, Any]:
-    w = cfg["warmup"]
     steps = len(per_rank[0]["time_s"])
-    timed = list(range(w, steps))
-    step_s = [max(r["time_s"][t] for r in per_rank) for t in range(steps)]   # slowest rank
+    timed = list(range(cfg["warmup"], steps))
+    st = step_stats([r["time_s"] for r in per_rank], timed)
     mb = sum(r["bytes"][t] for r in per_rank for t in timed) / (len(per_rank) * len(timed)) / 1e6
     source = {"sparse": "comm.bytes_sent", "fp16": "dist.all_reduce calls, ring model",
               "powersgd": "dist.all_reduce calls, ring model",
@@ -583,9 +434,9 @@ def _summary(spec: Dict[str, Any], per_rank: List[Dict[str, Any]],
         "algorithm": spec["algorithm"],
         "mode": (spec["mode"] or "bucket") if spec["hook"] == "sparse" else None,
         "density": cfg["density"] if spec["hook"] == "sparse" else None,
-        "step_ms_mean": 1e3 * sum(step_s[t] for t in timed) / len(timed),
-        "step_ms_min": 1e3 * min(step_s[t] for t in timed),
-        "step_ms_per_step": [1e3 * s for s in step_s],
+        "step_ms_mean": st["ms_mean"],
+        "step_ms_min": st["ms_min"],
+        "step_ms_per_step": [1e3 * s for s in st["step_s"]],
         "mb_sent_per_rank_per_step": mb,
         "bytes_source": source,
         "ratio_to_allreduce": None,
@@ -600,15 +451,6 @@ def _summary(spec: Dict[str, Any], per_rank: List[Dict[str, Any]],
     if "buckets" in per_rank[0]:
         out["buckets"] = per_rank[0]["buckets"]
     return out
-
-
-def _cupy_nccl_importable() -> bool:
-    try:
-        import cupy  # noqa: F401
-        from cupy.cuda import nccl  # noqa: F401
-    except Exception:  # noqa: BLE001 - missing, or a broken CUDA install
-        return False
-    return True
 
 
 def _resolve_config(args) -> Dict[str, Any]:
@@ -633,7 +475,7 @@ def _resolve_config(args) -> Dict[str, Any]:
                          f"sparse hook's dense and first (calibration) iterations are not timed")
     comm = args.comm
     if backend == "nccl" and comm == "auto":
-        comm = "cupy" if _cupy_nccl_importable() else "torch"
+        comm = "cupy" if _cupy_available() else "torch"
     elif backend == "gloo":
         comm = "torch"
     kb = args.kernel_backend or ("auto" if on_gpu else "torch")
@@ -652,13 +494,12 @@ def _resolve_config(args) -> Dict[str, Any]:
 
 
 def run_benchmark(args, log: Callable[..., None] = print) -> Dict[str, Any]:
-    import torch
     cfg = _resolve_config(args)
     plan = _plan(args)
     on_gpu = cfg["backend"] == "nccl"
-    mps = _mps_active() if on_gpu else None
+    mps = detect_mps() if on_gpu else None
     warnings: List[str] = []
-    if on_gpu and cfg["ranks_per_gpu"] > 1 and not mps:
+    if on_gpu and cfg["ranks_per_gpu"] > 1 and not mps["active"]:
         msg = (f"WARNING: {cfg['P']} ranks share {cfg['gpus_used']} GPU(s) and the MPS daemon is "
                f"NOT active: the ranks are time-sliced and every step time below is inflated "
                f"(a 4-byte allreduce costs ~18 ms). Start MPS first (nvidia-cuda-mps-control -d).")
@@ -687,18 +528,12 @@ def run_benchmark(args, log: Callable[..., None] = print) -> Dict[str, Any]:
             r["ratio_to_allreduce"] = r["step_ms_mean"] / base["step_ms_mean"]
     for f in fatal:
         errors.append({"hook": None, "algorithm": None, "mode": None, "error": f})
-    dev_name = torch.cuda.get_device_name(0) if on_gpu else (platform.processor()
-                                                             or platform.machine() or "cpu")
+    dev_name = records.device_name("cuda:0" if on_gpu else "cpu")
     return {
-        "benchmark": "ddp",
+        **records.header("ddp", args, device=dev_name, mps=mps),
         "backend": cfg["backend"],
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "git_commit": _git_commit(),
         "host": platform.node(),
-        "device": dev_name,
         "gpus": cfg["gpus_used"],
-        "mps": mps,
-        "versions": _versions(),
         "config": {"model": f"{cfg['layers']} x Linear({cfg['width']}, {cfg['width']}) + ReLU, "
                             f"MSE on random data, SGD momentum 0.9",
                    "W": cfg["width"], "layers": cfg["layers"],
@@ -740,6 +575,16 @@ def _hook_label(r: Dict[str, Any]) -> str:
     return _HOOK_NAMES.get(r["hook"], r["hook"])
 
 
+def _commit_text(report: Dict[str, Any]) -> str:
+    """The short commit of a record, ``-dirty`` when the tree differed from it."""
+    return str(report.get("commit") or "?")[:10] + ("-dirty" if report.get("dirty") else "")
+
+
+def _mps_on(mps: Any) -> bool:
+    """A record's ``mps``: detect_mps's answer, or a bool in files from before the header."""
+    return bool(mps.get("active") if isinstance(mps, dict) else mps)
+
+
 def _fmt_mb(mb: float) -> str:
     return f"{mb:.1f}" if mb >= 10 else (f"{mb:.3g}" if mb > 0 else "0")
 
@@ -757,14 +602,14 @@ def format_markdown(report: Dict[str, Any]) -> str:
     date = str(report["date"])[:10]
     if report["backend"] == "nccl":
         where = (f"{report['device']}, P={cfg['P']} ranks on {report['gpus']} GPU(s)"
-                 + (f", MPS {'on' if report['mps'] else 'OFF (time-sliced)'}"
+                 + (f", MPS {'on' if _mps_on(report['mps']) else 'OFF (time-sliced)'}"
                     if cfg.get("ranks_per_gpu", 1) > 1 else ""))
     else:
         where = f"CPU ({report['device']}), P={cfg['P']} gloo ranks"
     lines = [f"DDP, {cfg['layers']} x Linear({cfg['W']}, {cfg['W']}) ({cfg['params'] / 1e6:.1f}M "
              f"parameters), batch {cfg['batch']} per rank, {cfg['bucket_cap_mb']:g} MB buckets; "
              f"{where}; mean of {cfg['steps']} steps after {cfg['warmup']}; {date}, "
-             f"commit {str(report.get('git_commit') or '?')[:10]}.",
+             f"commit {_commit_text(report)}.",
              "",
              "| comm hook | ms per step (mean) | min | MB sent per rank per step | x allreduce "
              "| final loss | replicas identical |",

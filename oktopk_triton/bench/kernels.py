@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import sys
 import datetime
-import json
 import math
 import os
 import platform
@@ -43,7 +42,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from . import _args as A
-from ._common import git_commit
+from . import records
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CPU_DEFAULT_SIZES = [1 << 16]
@@ -409,7 +408,7 @@ def format_goals(goals: List[Dict]) -> str:
 
 
 def default_json_path(date: str) -> str:
-    return os.path.join("bench", "results", f"gpu-kernels-{date}.json")
+    return records.results_path(f"gpu-kernels-{date}.json")
 
 
 def main(args) -> int:
@@ -420,23 +419,19 @@ def main(args) -> int:
     if cuda and repeats < MIN_CUDA_REPEATS:
         print(f"--repeats {repeats} raised to {MIN_CUDA_REPEATS} on CUDA (median of >= 10)")
         repeats = MIN_CUDA_REPEATS
-    now = datetime.datetime.now(datetime.timezone.utc)
-    path = args.json or (default_json_path(now.date().isoformat()) if cuda else None)
+    head = records.header("kernels", args, device=device_name(dev))
+    path = args.json or (default_json_path(head["date"][:10]) if cuda else None)
     import triton
-    report = {"benchmark": "kernels", "date": now.isoformat(timespec="seconds"),
-              "device": device_name(dev), "device_type": dev.type,
-              "torch": torch.__version__, "triton": triton.__version__, "git_commit": git_commit(),
+    report = {**head, "device_type": dev.type,
+              "torch": torch.__version__, "triton": triton.__version__,
               "density": args.density, "regions": args.regions, "grad_dtypes": list(args.dtype),
               "repeats": repeats, "warmup": args.warmup, "sizes": list(sizes),
               "timing": "CUDA events after warm-up, median" if cuda else "perf_counter, median",
               "runs": [], "entries": [], "goals": []}
 
     def save():
-        if not path:
-            return
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(report, f, indent=1)
+        if path:
+            records.write(path, report)
 
     for n in sizes:
         res = run(n, args.density, list(args.dtype), args.regions, repeats, args.warmup, str(dev),

@@ -1,6 +1,6 @@
 """Run the comparison's ranks: ONE torchrun for every (seed, algorithm) run, relaunched after
 a failure (:func:`launch`), and the worker each rank runs (:func:`worker_main`, started as
-``python -m oktopk_triton.bench.train --worker CONFIG.json OUT.jsonl``).
+``python -m oktopk_triton.bench.launcher --worker CONFIG.json OUT.jsonl``).
 
 The workers loop over the runs, re-seeding the model, optimizer and data order for each, so every
 algorithm sees exactly the same initial weights and batches. One launch pays interpreter
@@ -18,12 +18,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from ._common import fmt_bytes as _fmt_bytes
 from .digits import load_data
 from .lm_loop import train_one_lm
 from .loops import train_one
+from .ranks import init_rank
 
 
 def launch(config: Dict[str, Any], timeout: float = 1800.0):
@@ -51,7 +52,7 @@ def launch(config: Dict[str, Any], timeout: float = 1800.0):
                 json.dump(cfg, f)
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    "--nproc_per_node", str(config["world_size"]),
-                   "-m", "oktopk_triton.bench.train", "--worker", cfg_path, out_path]
+                   "-m", "oktopk_triton.bench.launcher", "--worker", cfg_path, out_path]
             try:
                 rc = subprocess.run(cmd, env=env, timeout=timeout).returncode
             except subprocess.TimeoutExpired:
@@ -90,34 +91,25 @@ def _read_jsonl(path: str) -> List[dict]:
     return out
 
 
-def _comm_and_device(cfg):
+def uses_cuda(cfg, world: Optional[int] = None) -> bool:
+    """Whether the ranks train on GPUs: ``--device cuda``, or ``auto`` with a GPU per rank."""
     import torch
-    import torch.distributed as dist
+    world = cfg["world_size"] if world is None else world
+    return (cfg.get("device", "auto") == "cuda" or
+            (cfg.get("device", "auto") == "auto" and torch.cuda.is_available()
+             and torch.cuda.device_count() >= world))
+
+
+def _comm_and_device(cfg):
+    """This torchrun worker's communicator and device: NCCL on its GPU (:func:`ranks.init_rank`
+    places it) when asked for, or by default when every rank has a GPU of its own; else gloo."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = (cfg.get("device", "auto") == "cuda" or
-                (cfg.get("device", "auto") == "auto" and torch.cuda.is_available()
-                 and torch.cuda.device_count() >= world))
-    import datetime
-    if use_cuda:
-        n_gpu = torch.cuda.device_count()
-        if n_gpu == 0:
-            raise RuntimeError("--device cuda: no CUDA device is visible")
-        device = torch.device("cuda", local_rank % n_gpu)
-        if n_gpu < world:
-            # ranks share a GPU: NCCL refuses two ranks on one device of one host, so every rank
-            # claims its own host (NCCL then talks over loopback sockets; start MPS first, see
-            # docs/gpu-measurements.md)
-            os.environ.setdefault("NCCL_HOSTID", f"oktopk-train-rank{local_rank}")
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=300),
-                                device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    use_cuda = uses_cuda(cfg, world)
+    device = init_rank(local_rank, world, None, gpu=use_cuda, group="nccl" if use_cuda else "gloo",
+                       timeout=300.0, bind_device=True)
     from ..comm import default_communicator
-    comm = default_communicator(device)
-    return comm, device
+    return default_communicator(device), device
 
 
 def worker_main(cfg_path: str, out_path: str) -> int:
@@ -170,3 +162,11 @@ def worker_main(cfg_path: str, out_path: str) -> int:
     from ..teardown import shutdown
     shutdown(exit_code=0)
     return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 4 and sys.argv[1] == "--worker":
+        sys.exit(worker_main(sys.argv[2], sys.argv[3]))
+    print("usage: torchrun ... -m oktopk_triton.bench.launcher --worker CONFIG.json OUT.jsonl\n"
+          "       (use `oktopk-bench train` to run the comparison)", file=sys.stderr)
+    sys.exit(2)

@@ -8,7 +8,8 @@ import math
 import time
 from typing import Any, Dict, List
 
-from .loops import RunLog, _make_optimizer, replicas_identical, sparse_setup, takes_local_steps
+from .loops import RunLog, _make_optimizer, sparse_setup, takes_local_steps
+from .measure import replicas_identical
 
 
 def _lm_eval(model, val, starts, length: int, device, batch: int = 64) -> float:

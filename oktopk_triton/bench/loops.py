@@ -1,6 +1,6 @@
 """The digits training loop (:func:`train_one`, ``--model cnn|mlp``) and what every training
-loop of ``oktopk-bench train`` shares: the optimizer, the per-step stats record and the bitwise
-check that the replicas agree. The language-model loop is :mod:`oktopk_triton.bench.lm_loop`."""
+loop of ``oktopk-bench train`` shares: the optimizer and the per-step stats record. The
+language-model loop is :mod:`oktopk_triton.bench.lm_loop`."""
 from __future__ import annotations
 
 import math
@@ -9,27 +9,7 @@ from typing import Any, Dict, List
 
 from ._common import fmt_bytes as _fmt_bytes
 from .digits import evaluate, make_model
-
-
-def _param_checksum(model):
-    """Exact checksum of the fp32 bit patterns (int64 sum of the int32 views, and of them times a
-    position weight so a permutation is caught too)."""
-    import torch
-    flat = torch.cat([p.detach().reshape(-1).float().cpu() for p in model.parameters()])
-    bits = flat.view(torch.int32).to(torch.int64)
-    w = torch.arange(1, bits.numel() + 1, dtype=torch.int64) % 1000003
-    return torch.stack([bits.sum(), (bits * w).sum()])
-
-
-def replicas_identical(model) -> bool:
-    import torch
-    import torch.distributed as dist
-    cs = _param_checksum(model)
-    dev = next(model.parameters()).device
-    cs = cs.to(dev)
-    out = [torch.zeros_like(cs) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, cs)
-    return all(torch.equal(o, out[0]) for o in out)
+from .measure import replicas_identical
 
 
 class RunLog:

@@ -6,36 +6,25 @@ every algorithm, from P = 2 to 1024 GPUs, for a model size, a density and a netw
     oktopk-bench project --validate GPU_COLLECTIVES.json ...  (predicted against measured)
 
 The model (what is projected, how each part is priced, what is not modeled, and how it is
-validated) is :mod:`oktopk_triton.bench.cost_model`; this module is its command line and
-re-exports its names.
+validated) and the time to a loss are the library module :mod:`oktopk_triton.planning`; this
+module is its command line: arguments, tables, plot and JSON.
 """
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import os
 import sys
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
+from ..planning import (ALGORITHMS, MODEL_PRESETS, NET_PRESETS, PASSES, _k, describe_ranges,
+                        fastest_ranges, parse_net, project, ratios_from_train, resolve_kernels,
+                        step_time, time_to_loss, validate)
 from . import _args as A
-from . import time_to_loss as TL
-from ._common import git_commit as _git_commit
-from .cost_model import (ALGORITHMS, DEFAULT_KERNELS, MODEL_PRESETS, NET_PRESETS, PASSES,
-                         KernelCosts, Network, algorithm_schedule, comm_time, describe_ranges,
-                         entry_work, fastest_ranges, find_kernels_json, fit_network, format_table,
-                         format_validation, load_kernels, parse_net, plot, project,
-                         resolve_kernels, selection_time, spec_time, step_time,
-                         synthetic_collectives, topkdsa_fill_factor, topkdsa_state, validate, _k)
+from . import records
 
-__all__ = ["Network", "KernelCosts", "parse_net", "NET_PRESETS", "MODEL_PRESETS",
-           "DEFAULT_KERNELS", "PASSES", "spec_time", "comm_time", "selection_time",
-           "step_time", "project", "fastest_ranges", "load_kernels", "find_kernels_json",
-           "fit_network", "validate", "synthetic_collectives", "format_table",
-           "format_validation", "topkdsa_state", "add_arguments", "main",
-           # the rest of the cost model's names, re-exported (bench/cost_model.py)
-           "ALGORITHMS", "algorithm_schedule", "describe_ranges", "entry_work", "plot",
-           "resolve_kernels", "topkdsa_fill_factor"]
+__all__ = ["add_arguments", "main", "format_table", "format_validation", "format_time_to_loss",
+           "load_ratios", "plot", "merge_collectives", "run_validation", "baseline_rows"]
 
 
 # -- CLI ------------------------------------------------------------------------------------------
@@ -52,7 +41,7 @@ def _net_arg(text: str) -> str:
 def _ratio_arg(text: str) -> str:
     import argparse
     try:
-        TL.load_ratios([], [text])
+        load_ratios([], [text])
     except SystemExit as e:
         raise argparse.ArgumentTypeError(str(e).replace("--steps-ratio: ", ""))
     return text
@@ -146,11 +135,13 @@ def run_validation(paths, kernels_spec: Optional[str] = None,
             docs.append(json.load(f))
     d = merge_collectives(docs)
     path = ", ".join(paths)
-    kernels, note = resolve_kernels(kernels_spec)
+    kernels, note = resolve_kernels(kernels_spec, records.results_dir())
     if note:
         print("note:", note)
     v = validate(d, kernels, ranks_per_gpu=ranks_per_gpu, fit=fit)
-    v["input"] = path
+    v = {**records.header("project-validation", {"validate": paths, "kernels": kernels_spec,
+                                                 "ranks_per_gpu": ranks_per_gpu, "fit": fit}),
+         **v, "input": path}
     print(format_validation(v))
     if json_out:
         _write_json(json_out, v)
@@ -158,10 +149,7 @@ def run_validation(paths, kernels_spec: Optional[str] = None,
 
 
 def _write_json(path: str, obj: Any) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1)
+    records.write(path, obj)
     print(f"wrote {path}")
 
 
@@ -191,8 +179,8 @@ def _print_time_to_loss(rows, ratios: Dict[str, float], compute_ms: float,
     missing = sorted(a for a in ratios if a not in algs and a not in ("bf16", "powersgd"))
     if "powersgd" in ratios and "oktopk" not in algs:
         missing.append("powersgd (priced at Ok-Topk's bytes: needs oktopk among --algorithms)")
-    ttl = TL.time_to_loss(rows, ratios, compute_ms)
-    print(TL.format_time_to_loss(
+    ttl = time_to_loss(rows, ratios, compute_ms)
+    print(format_time_to_loss(
         ttl, f"time to a loss: (step{f' + {compute_ms:g} ms compute' if compute_ms else ''}) x "
              f"steps ratio, ms per dense step of progress; * = first"))
     if missing:
@@ -216,9 +204,9 @@ def main(args) -> int:
         models = [(f"n={n}", n) for n in args.n]
     else:
         models = [(m, MODEL_PRESETS[m]) for m in (args.model or ["bert-large"])]
-    kernels, note = resolve_kernels(args.kernels)
+    kernels, note = resolve_kernels(args.kernels, records.results_dir())
     Ps = sorted(set(args.world_sizes))
-    ratios = (TL.load_ratios(args.from_train, args.steps_ratio, args.density)
+    ratios = (load_ratios(args.from_train, args.steps_ratio, args.density)
               if args.from_train or args.steps_ratio else None)
     print("PROJECTED (a cost model, not a measurement): one steady step = communication + "
           "selection kernels; dense compute (forward/backward) excluded")
@@ -250,13 +238,9 @@ def main(args) -> int:
                                   "latency_s": net.latency, "describe": net.describe()},
                           "rows": rows, "fastest": ranges, "time_to_loss": ttl,
                           "steps_ratios": ratios, "compute_ms": args.compute_ms})
-    report = {"benchmark": "project", "projected": True,
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "git": _git_commit(),
-              "versions": {"python": sys.version.split()[0],
-                           "oktopk_triton": __import__("oktopk_triton").__version__},
-              "device": "none: a projection on " + (os.uname().machine if hasattr(os, "uname")
-                                                      else "this machine") + " CPU",
+    device = "none: a projection on " + (os.uname().machine if hasattr(os, "uname")
+                                         else "this machine") + " CPU"
+    report = {**records.header("project", args, device=device), "projected": True,
               "model_of": "one steady step: communication (schedules priced on alpha/beta) + "
                           "selection kernels; dense compute excluded",
               "kernels": dataclasses.asdict(kernels), "dtype": args.dtype,
@@ -268,6 +252,162 @@ def main(args) -> int:
         plot(report, args.plot)
         print(f"wrote {args.plot}")
     return 0
+
+
+# -- output ---------------------------------------------------------------------------------------
+def _fmt_ms(x: float) -> str:
+    if x >= 100:
+        return f"{x:.0f}"
+    if x >= 10:
+        return f"{x:.1f}"
+    return f"{x:.2f}"
+
+
+def format_table(rows: List[Dict[str, Any]], title: str = "") -> str:
+    algs = list(dict.fromkeys(r["algorithm"] for r in rows))
+    Ps = sorted({r["P"] for r in rows})
+    by = {(r["P"], r["algorithm"]): r for r in rows}
+    hdr = ["P"] + algs + ["fastest", "vs dense"]
+    table = [hdr]
+    for P in Ps:
+        here = [by[(P, a)] for a in algs if (P, a) in by]
+        best = min(here, key=lambda r: r["step_ms"])
+        cells = [str(P)]
+        for a in algs:
+            r = by.get((P, a))
+            cells.append("-" if r is None else _fmt_ms(r["step_ms"]) + ("*" if r is best else ""))
+        d = by.get((P, "dense"))
+        cells += [best["algorithm"], f"{d['step_ms'] / best['step_ms']:.1f}x" if d else "-"]
+        table.append(cells)
+    w = [max(len(r[i]) for r in table) for i in range(len(hdr))]
+    lines = [title] if title else []
+    lines += ["  ".join(c.rjust(w[i]) for i, c in enumerate(r)) for r in table]
+    lines.insert(2 if title else 1, "  ".join("-" * x for x in w))
+    return "\n".join(lines)
+
+
+def plot(report: Dict[str, Any], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cases = report["cases"]
+    ncols = min(len(cases), 2 if len(cases) == 4 else 3)
+    nrows = -(-len(cases) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6.2 * ncols, 4.6 * nrows), squeeze=False)
+    for ax in axes.flat[len(cases):]:
+        ax.axis("off")
+    for ax, case in zip(axes.flat, cases):
+        rows = case["rows"]
+        for a in dict.fromkeys(r["algorithm"] for r in rows):
+            rs = sorted((r for r in rows if r["algorithm"] == a), key=lambda r: r["P"])
+            ax.plot([r["P"] for r in rs], [r["step_ms"] for r in rs], marker="o", ms=3,
+                    label=a, lw=2.2 if a in ("dense", "oktopk") else 1.4)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("GPUs P")
+        ax.set_title(f"{case['model']} (n={case['n']:.3g}), density {case['density']:g}\n"
+                     f"{case['net']['describe']}", fontsize=9)
+        ax.set_ylabel("step ms (communication + selection)", fontsize=8)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"PROJECTED, not measured (oktopk-bench project, kernels: "
+                 f"{os.path.basename(report['kernels']['source'])}); dense compute excluded",
+                 fontsize=10)
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def format_validation(v: Dict[str, Any]) -> str:
+    lines = []
+    banner = "*** SYNTHETIC INPUT: generated from a known network, NOT a measurement ***"
+    if v["synthetic"]:
+        src = v.get("synthetic_from") or {}
+        lines += [banner, f"    (generated with beta={src.get('bandwidth_Bps', 0) / 1e9:.4g} GB/s, "
+                          f"alpha={src.get('latency_s', 0) * 1e6:.4g} us, noise "
+                          f"{100 * src.get('noise', 0):g}%)"]
+    elif v.get("note"):
+        lines.append(f"input note: {v['note']}")
+    for net in v["networks"]:
+        if v["fit"] == "per-P" and net["P"] is None:
+            continue
+        which = "all P" if net["P"] is None else f"P={net['P']}"
+        fb = " (too few points at this P: the global fit)" if net["fallback_to_global"] else ""
+        lines.append(f"fitted for {which}: beta = {net['bandwidth_Bps'] / 1e9:.4g} GB/s per rank, "
+                     f"alpha = {net['latency_s'] * 1e6:.4g} us per message{fb}")
+        for p in net["points"]:
+            lines.append(f"  fit point P={p['P']:<3d} {p['what']:<28s} measured "
+                         f"{p['measured_ms']:9.3f} ms  model {p['fitted_ms']:9.3f} ms  "
+                         f"({p['error_pct']:+.1f}%)")
+    lines.append(f"kernels: {v['kernels']['source']} ({v['kernels']['device']})")
+    hdr = ("algorithm", "P", "n", "measured ms", "predicted ms", "error", "comm ms", "select ms",
+           "MB sched", "MB meas")
+    table = [hdr]
+    for r in sorted(v["rows"], key=lambda r: (r["P"], r["algorithm"])):
+        mm = r["measured_mb"]
+        table.append((r["algorithm"], str(r["P"]), str(r["n"]), f"{r['measured_ms']:.2f}",
+                      f"{r['predicted_ms']:.2f}", f"{r['error_pct']:+.1f}%", f"{r['comm_ms']:.2f}",
+                      f"{r['select_ms']:.2f}", f"{r['schedule_mb']:.3f}",
+                      "-" if mm is None else f"{float(mm):.3f}"))
+    w = [max(len(t[i]) for t in table) for i in range(len(hdr))]
+    lines += ["  ".join(c.rjust(w[i]) for i, c in enumerate(t)) for t in table]
+    lines.insert(len(lines) - len(table) + 1, "  ".join("-" * x for x in w))
+    ok = "all within" if v["all_within_target"] else "NOT all within"
+    lines.append(f"{ok} {v['target_pct']:g}% of the measurement")
+    if v["synthetic"]:
+        lines.append(banner)
+    return "\n".join(lines)
+
+
+def load_ratios(paths: List[str], pairs: List[str],
+                density: Optional[float] = None) -> Dict[str, float]:
+    """``--from-train`` reports (their runs at ``density``), then ``--steps-ratio NAME=R``
+    pairs (later ones win)."""
+    ratios: Dict[str, float] = {}
+    for p in paths:
+        try:
+            with open(p) as f:
+                report = json.load(f)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"--from-train {p}: cannot read a train report ({e})")
+        try:
+            ratios.update({a: r["ratio"]
+                           for a, r in ratios_from_train(report, density).items()})
+        except ValueError as e:
+            raise SystemExit(f"--from-train {p}: {e}")
+    for pair in pairs:
+        name, sep, val = pair.partition("=")
+        try:
+            r = float(val)
+        except ValueError:
+            r = -1.0
+        if not sep or not name or not r > 0:
+            raise SystemExit(f"--steps-ratio: expected NAME=RATIO with RATIO > 0 (e.g. "
+                             f"oktopk=1.98), got {pair!r}")
+        ratios[name.lower()] = r
+    ratios.setdefault("dense", 1.0)
+    return ratios
+
+
+def format_time_to_loss(rows: List[Dict[str, Any]], title: str) -> str:
+    algs = list(dict.fromkeys(r["algorithm"] for r in rows))
+    Ps = sorted({r["P"] for r in rows})
+    by = {(r["P"], r["algorithm"]): r for r in rows}
+    table = [["P"] + [f"{a} (x{by[(Ps[0], a)]['ratio']:.2f})" for a in algs] + ["first"]]
+    for P in Ps:
+        cells = [str(P)]
+        first = "-"
+        for a in algs:
+            r = by[(P, a)]
+            cells.append(f"{r['time_ms']:.1f}" + ("*" if r["first"] else ""))
+            first = a if r["first"] else first
+        table.append(cells + [first])
+    w = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    lines = [title] + ["  ".join(c.rjust(w[i]) for i, c in enumerate(r)) for r in table]
+    lines.insert(2, "  ".join("-" * x for x in w))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":  # python -m oktopk_triton.bench.project: the CLI's checked path

@@ -48,7 +48,7 @@ Where the pieces live: this module is the command line (:func:`add_arguments`, :
 :func:`build_config`) and the worker's entry point; :mod:`.launcher` starts the ranks and runs
 the worker, :mod:`.digits` holds the digits data and model, :mod:`.loops` the digits training
 loop (and what both loops share), :mod:`.lm_loop` the language-model loop and :mod:`.report`
-the summary, table and plot. Their names used to live here and are re-exported.
+the summary, table and plot.
 """
 from __future__ import annotations
 
@@ -61,29 +61,9 @@ import time
 from typing import Any, Dict, List
 
 from . import _args as A
-from ._common import fmt_bytes as _fmt_bytes
-from ._common import git_commit as _git_describe
-from ._common import versions
-# the pieces of the comparison, re-exported: this module is the command line and the worker's
-# entry point (``python -m oktopk_triton.bench.train --worker CONFIG.json OUT.jsonl``)
-from .digits import evaluate, load_data, make_model
-from .launcher import _comm_and_device, _read_jsonl, launch, worker_main
-from .lm_loop import (_autocast, _LayerCounter, _lm_eval, _LMReducer, _oktopk_bytes,
-                      resolve_reduce, train_one_lm)
-from .loops import (_make_optimizer, _param_checksum, _record_stats, replicas_identical,
-                    train_one)
-from .report import _table, format_table, plot, summarize
-
-__all__ = [
-    "DEFAULTS", "GPT_DEFAULTS", "RESULTS_DIR", "add_arguments", "add_demo_arguments", "demo_main",
-    "main", "build_config", "resolve_algorithms",
-    "launch", "worker_main", "_comm_and_device", "_read_jsonl",
-    "summarize", "format_table", "plot", "_table", "_fmt_bytes",
-    "make_model", "load_data", "evaluate",
-    "train_one", "replicas_identical", "_param_checksum", "_make_optimizer", "_record_stats",
-    "train_one_lm", "resolve_reduce", "_LMReducer", "_LayerCounter", "_lm_eval", "_autocast",
-    "_oktopk_bytes",
-]
+from . import records
+from .launcher import launch, uses_cuda
+from .report import format_table, plot, summarize
 
 # 30 epochs of 21 steps (1347 training images, 4 ranks x 16 per step): the sparse methods with
 # error feedback need more steps than dense to catch up; at 15 epochs the gaps were ~2x larger.
@@ -97,7 +77,6 @@ DEFAULTS = dict(world_size=4, density=0.01, epochs=30, model="cnn", seeds=[0], b
 # Warm-up: 20% of the steps (with 5% the 1m model stalled near 2.8 nats/byte for 100+ steps).
 GPT_DEFAULTS = dict(size="1m", optimizer="adamw", betas=(0.9, 0.95), warmup_fraction=0.2,
                     val_fraction=0.1, eval_times=5)
-RESULTS_DIR = os.path.join("bench", "results")
 
 
 # ------------------------------------------------------------------------------------------
@@ -233,7 +212,7 @@ def main(args) -> int:
         return 2
     tag = args.tag or (f"lm-{config['size']}-d{args.density:g}" if lm else
                        f"digits-d{args.density:g}")
-    json_path = args.json or os.path.join(RESULTS_DIR, f"train-{tag}.json")
+    json_path = args.json or records.results_path(f"train-{tag}.json")
     plot_path = None if args.no_plot else (args.plot or os.path.splitext(json_path)[0] + ".png")
     length = (f"size {config['size']}, {config['steps']} steps of {config['batch_size']} x "
               f"{config['gpt']['context']} bytes per rank, {config['optimizer']}, reduce "
@@ -245,17 +224,14 @@ def main(args) -> int:
     runs, failures = launch(config, timeout=args.timeout)
     summary = summarize(runs, algos, failures)
     wall = time.time() - t0
-    report = {"config": config, "git": _git_describe(),
+    device = records.device_name("cuda:0" if uses_cuda(config) else "cpu")
+    report = {**records.header("train", args, device=device), "config": config,
               "skipped": [{"algorithm": n, "why": w} for n, w in skipped],
               "failures": failures, "summary": summary, "runs": runs, "wall_s": wall,
-              "date": time.strftime("%Y-%m-%d"),
-              "versions": versions(("torch", "triton", "oktopk_triton")),
               "host": {"cpus": os.cpu_count(), "platform": sys.platform}}
     if corpus is not None:
         report["corpus"] = corpus
-    os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
-    with open(json_path, "w") as f:
-        json.dump(report, f, separators=(",", ":"))
+    records.write(json_path, report, compact=True)
     print()
     print(format_table(summary, config))
     for fl in failures:
@@ -410,11 +386,3 @@ def resolve_algorithms(names: List[str]):
     rest = [x for x in lowered if x not in BASELINES]
     run, skipped = resolve(rest, "train") if rest else ([], [])
     return run + [x for x in dict.fromkeys(extra)], skipped
-
-
-if __name__ == "__main__":
-    if len(sys.argv) >= 4 and sys.argv[1] == "--worker":
-        sys.exit(worker_main(sys.argv[2], sys.argv[3]))
-    print("usage: torchrun ... -m oktopk_triton.bench.train --worker CONFIG.json OUT.jsonl\n"
-          "       (use `oktopk-bench train` to run the comparison)", file=sys.stderr)
-    sys.exit(2)

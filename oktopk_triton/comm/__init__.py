@@ -3,9 +3,11 @@
 ``LocalCluster`` (threads in one process), ``TorchCommunicator`` (torch.distributed: gloo, nccl)
 and ``NcclCommunicator`` (CuPy NCCL on the current torch stream; cupy imported only when used).
 """
-from .base import CommAborted, CommError, CommTimeout, Communicator, tensor_bytes
+from .base import (CommAborted, CommError, CommTimeout, Communicator, ring_allreduce_bytes,
+                   tensor_bytes)
 
 __all__ = ["Communicator", "CommError", "CommAborted", "CommTimeout", "tensor_bytes",
+           "ring_allreduce_bytes",
            "LocalCluster", "LocalCommunicator", "SingleCommunicator", "TorchCommunicator",
            "NcclCommunicator",
            "default_communicator"]

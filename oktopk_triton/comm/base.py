@@ -26,7 +26,8 @@ from typing import Sequence, Tuple
 
 import torch
 
-__all__ = ["Communicator", "CommError", "CommAborted", "CommTimeout", "tensor_bytes"]
+__all__ = ["Communicator", "CommError", "CommAborted", "CommTimeout", "tensor_bytes",
+           "ring_allreduce_bytes"]
 
 
 class CommError(RuntimeError):
@@ -55,6 +56,12 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 
 _PRIMITIVES = ("send_recv", "allgather", "allreduce", "alltoall", "broadcast")
+
+
+def ring_allreduce_bytes(nbytes: int, P: int) -> int:
+    """Bytes one rank sends in a ring allreduce of ``nbytes``: ``2(P-1)/P`` of them (what
+    ``allreduce`` adds to ``bytes_sent``)."""
+    return 2 * (P - 1) * int(nbytes) // P
 
 
 def _counted(primitive):
@@ -151,7 +158,7 @@ class Communicator(abc.ABC):
 
     def _count_allreduce(self, t: torch.Tensor) -> None:
         P = self.world_size
-        self.bytes_sent += 2 * (P - 1) * tensor_bytes(t) // P
+        self.bytes_sent += ring_allreduce_bytes(tensor_bytes(t), P)
 
     def _count_alltoall(self, input: torch.Tensor) -> None:
         P = self.world_size

@@ -1,6 +1,11 @@
-"""The cost model behind ``oktopk-bench project`` (the command line is
-:mod:`oktopk_triton.bench.project`): one steady step of every algorithm, from P = 2 to 1024
-GPUs, for a model size, a density and a network, and its validation against measured steps.
+"""Planning a run: which algorithm on my cluster, and how soon does it reach a loss.
+
+A cost model of one steady step of every algorithm, from P = 2 to 1024 GPUs, for a model size, a
+density and a network (:func:`project`, :func:`step_time`), its validation against measured
+steps (:func:`validate`), and the time to dense's loss: a projected step time times a *steps
+ratio*, how many times dense's steps an algorithm needs to reach the loss it ends at
+(:func:`ratios_from_train`, :func:`time_to_loss`). ``oktopk-bench project`` is its command line
+(:mod:`oktopk_triton.bench.project`).
 
 **What is projected.** step time = communication + selection kernels, per rank, for one steady
 step (after calibration and warm-up). The forward and backward passes (dense compute) are
@@ -67,10 +72,9 @@ import json
 import math
 import os
 import re
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from ..algorithms._sparse import _log2ceil
-from ._common import REPO
+from .algorithms._sparse import _log2ceil
 
 ALGORITHMS = ("dense", "oktopk", "topka", "gtopk", "spardl", "topkdsa", "gaussiank")
 
@@ -190,14 +194,11 @@ PASSES = {
 }
 
 
-def find_kernels_json() -> Optional[str]:
-    """The newest ``bench/results/gpu-kernels-*.json`` (of this checkout, else of the cwd)."""
-    for root in (REPO, os.getcwd()):
-        paths = sorted(glob.glob(os.path.join(root, "bench", "results", "gpu-kernels-*.json")),
-                       key=lambda p: (os.path.getmtime(p), p))
-        if paths:
-            return paths[-1]
-    return None
+def find_kernels_json(folder: str = os.path.join("bench", "results")) -> Optional[str]:
+    """The newest ``gpu-kernels-*.json`` in ``folder``."""
+    paths = sorted(glob.glob(os.path.join(folder, "gpu-kernels-*.json")),
+                   key=lambda p: (os.path.getmtime(p), p))
+    return paths[-1] if paths else None
 
 
 def load_kernels(path: str) -> KernelCosts:
@@ -254,12 +255,13 @@ def load_kernels(path: str) -> KernelCosts:
                        source=path, device=device)
 
 
-def resolve_kernels(spec: Optional[str]) -> Tuple[KernelCosts, Optional[str]]:
-    """``spec``: a path, ``none`` (the defaults) or None (newest gpu-kernels JSON, else the
-    defaults). Returns (costs, a note when a found file could not be used)."""
+def resolve_kernels(spec: Optional[str], folder: str = os.path.join("bench", "results")
+                    ) -> Tuple[KernelCosts, Optional[str]]:
+    """``spec``: a path, ``none`` (the defaults) or None (newest gpu-kernels JSON in ``folder``,
+    else the defaults). Returns (costs, a note when a found file could not be used)."""
     if spec is not None and spec.lower() in ("none", "default", "defaults"):
         return DEFAULT_KERNELS, None
-    path = spec or find_kernels_json()
+    path = spec or find_kernels_json(folder)
     if path is None:
         return DEFAULT_KERNELS, None
     try:
@@ -384,7 +386,7 @@ def algorithm_schedule(name: str, n: int, k: int, P: int, check_finite: str = "s
     """The schedule the projection prices. TopkDSA: its gather from the fill model, or (when
     ``topkdsa_bytes``, a measured total per step, is given) the cap2 that reproduces it (both
     in fp32 words). ``wire_format``: the sparse algorithms' (dense ignores it)."""
-    from ..algorithms.schedule import schedule_of
+    from .algorithms.schedule import schedule_of
     opts: Dict[str, Any] = {"check_finite": check_finite}
     if name == "dense":
         opts["dtype"] = dtype
@@ -459,70 +461,6 @@ def describe_ranges(ranges: List[Dict[str, Any]]) -> str:
     return "; ".join(parts)
 
 
-# -- output ---------------------------------------------------------------------------------------
-def _fmt_ms(x: float) -> str:
-    if x >= 100:
-        return f"{x:.0f}"
-    if x >= 10:
-        return f"{x:.1f}"
-    return f"{x:.2f}"
-
-
-def format_table(rows: List[Dict[str, Any]], title: str = "") -> str:
-    algs = list(dict.fromkeys(r["algorithm"] for r in rows))
-    Ps = sorted({r["P"] for r in rows})
-    by = {(r["P"], r["algorithm"]): r for r in rows}
-    hdr = ["P"] + algs + ["fastest", "vs dense"]
-    table = [hdr]
-    for P in Ps:
-        here = [by[(P, a)] for a in algs if (P, a) in by]
-        best = min(here, key=lambda r: r["step_ms"])
-        cells = [str(P)]
-        for a in algs:
-            r = by.get((P, a))
-            cells.append("-" if r is None else _fmt_ms(r["step_ms"]) + ("*" if r is best else ""))
-        d = by.get((P, "dense"))
-        cells += [best["algorithm"], f"{d['step_ms'] / best['step_ms']:.1f}x" if d else "-"]
-        table.append(cells)
-    w = [max(len(r[i]) for r in table) for i in range(len(hdr))]
-    lines = [title] if title else []
-    lines += ["  ".join(c.rjust(w[i]) for i, c in enumerate(r)) for r in table]
-    lines.insert(2 if title else 1, "  ".join("-" * x for x in w))
-    return "\n".join(lines)
-
-
-def plot(report: Dict[str, Any], path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    cases = report["cases"]
-    ncols = min(len(cases), 2 if len(cases) == 4 else 3)
-    nrows = -(-len(cases) // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(6.2 * ncols, 4.6 * nrows), squeeze=False)
-    for ax in axes.flat[len(cases):]:
-        ax.axis("off")
-    for ax, case in zip(axes.flat, cases):
-        rows = case["rows"]
-        for a in dict.fromkeys(r["algorithm"] for r in rows):
-            rs = sorted((r for r in rows if r["algorithm"] == a), key=lambda r: r["P"])
-            ax.plot([r["P"] for r in rs], [r["step_ms"] for r in rs], marker="o", ms=3,
-                    label=a, lw=2.2 if a in ("dense", "oktopk") else 1.4)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("GPUs P")
-        ax.set_title(f"{case['model']} (n={case['n']:.3g}), density {case['density']:g}\n"
-                     f"{case['net']['describe']}", fontsize=9)
-        ax.set_ylabel("step ms (communication + selection)", fontsize=8)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(f"PROJECTED, not measured (oktopk-bench project, kernels: "
-                 f"{os.path.basename(report['kernels']['source'])}); dense compute excluded",
-                 fontsize=10)
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 # -- validation -----------------------------------------------------------------------------------
@@ -568,7 +506,7 @@ def fit_network(d: Dict[str, Any], use_dense: bool = True, kernels: KernelCosts 
     JSON (only those at ``only_P`` when given), under the same model the projection uses (the
     ring/tree branch of each point is re-chosen with the current α, β until it no longer
     changes). Relative least squares: every point weighs the same, small or large."""
-    from ..algorithms.schedule import allreduce
+    from .algorithms.schedule import allreduce
     points = []          # (P, [specs], measured seconds, what, fixed seconds)
     for p in d.get("probes", []):
         if str(p.get("op", "")).lower() != "allreduce" or p.get(stat) is None:
@@ -695,7 +633,7 @@ def synthetic_collectives(net: Network, kernels: KernelCosts = DEFAULT_KERNELS,
     results), generated from the model with a known α, β (``net``) and P ranks on one GPU, with
     optional multiplicative noise (uniform in ±noise). Marked ``"synthetic": true``."""
     import random
-    from ..algorithms.schedule import allreduce
+    from .algorithms.schedule import allreduce
     rnd = random.Random(seed)
     n_of = n_of or {4: 1 << 26, 8: 1 << 25}
 
@@ -726,44 +664,91 @@ def synthetic_collectives(net: Network, kernels: KernelCosts = DEFAULT_KERNELS,
             "probes": probes, "results": results}
 
 
-def format_validation(v: Dict[str, Any]) -> str:
-    lines = []
-    banner = "*** SYNTHETIC INPUT: generated from a known network, NOT a measurement ***"
-    if v["synthetic"]:
-        src = v.get("synthetic_from") or {}
-        lines += [banner, f"    (generated with beta={src.get('bandwidth_Bps', 0) / 1e9:.4g} GB/s, "
-                          f"alpha={src.get('latency_s', 0) * 1e6:.4g} us, noise "
-                          f"{100 * src.get('noise', 0):g}%)"]
-    elif v.get("note"):
-        lines.append(f"input note: {v['note']}")
-    for net in v["networks"]:
-        if v["fit"] == "per-P" and net["P"] is None:
-            continue
-        which = "all P" if net["P"] is None else f"P={net['P']}"
-        fb = " (too few points at this P: the global fit)" if net["fallback_to_global"] else ""
-        lines.append(f"fitted for {which}: beta = {net['bandwidth_Bps'] / 1e9:.4g} GB/s per rank, "
-                     f"alpha = {net['latency_s'] * 1e6:.4g} us per message{fb}")
-        for p in net["points"]:
-            lines.append(f"  fit point P={p['P']:<3d} {p['what']:<28s} measured "
-                         f"{p['measured_ms']:9.3f} ms  model {p['fitted_ms']:9.3f} ms  "
-                         f"({p['error_pct']:+.1f}%)")
-    lines.append(f"kernels: {v['kernels']['source']} ({v['kernels']['device']})")
-    hdr = ("algorithm", "P", "n", "measured ms", "predicted ms", "error", "comm ms", "select ms",
-           "MB sched", "MB meas")
-    table = [hdr]
-    for r in sorted(v["rows"], key=lambda r: (r["P"], r["algorithm"])):
-        mm = r["measured_mb"]
-        table.append((r["algorithm"], str(r["P"]), str(r["n"]), f"{r['measured_ms']:.2f}",
-                      f"{r['predicted_ms']:.2f}", f"{r['error_pct']:+.1f}%", f"{r['comm_ms']:.2f}",
-                      f"{r['select_ms']:.2f}", f"{r['schedule_mb']:.3f}",
-                      "-" if mm is None else f"{float(mm):.3f}"))
-    w = [max(len(t[i]) for t in table) for i in range(len(hdr))]
-    lines += ["  ".join(c.rjust(w[i]) for i, c in enumerate(t)) for t in table]
-    lines.insert(len(lines) - len(table) + 1, "  ".join("-" * x for x in w))
-    ok = "all within" if v["all_within_target"] else "NOT all within"
-    lines.append(f"{ok} {v['target_pct']:g}% of the measurement")
-    if v["synthetic"]:
-        lines.append(banner)
-    return "\n".join(lines)
+# -- time to a loss -------------------------------------------------------------------------------
+
+
+def steps_ratio(dense_steps: List[float], dense_loss: List[float], run_steps: float,
+                final_loss: float) -> Dict[str, Any]:
+    """How many times dense's steps this run needed to reach its final loss.
+
+    ``run_steps`` divided by the step at which dense's (mean) validation curve first reaches
+    ``final_loss``, linearly interpolated between evaluations. 1.0 = no slower than dense. When
+    dense never gets that low the ratio is clamped to run_steps / dense's last step (a lower bound
+    on how much faster dense is: reported as ``clamped: "never"``); when dense's first evaluation
+    is already at or below it, the crossing is clamped to that first step (``clamped: "first"``).
+    """
+    if len(dense_steps) != len(dense_loss) or not dense_steps:
+        raise ValueError(f"steps_ratio: expected equal, non-empty step and loss lists, got "
+                         f"{len(dense_steps)} and {len(dense_loss)}")
+    if dense_loss[0] <= final_loss:
+        return {"ratio": run_steps / dense_steps[0], "dense_step": dense_steps[0],
+                "clamped": "first"}
+    for i in range(1, len(dense_steps)):
+        lo, hi = dense_loss[i - 1], dense_loss[i]
+        if hi <= final_loss:   # first crossing: interpolate between evaluations i-1 and i
+            t = (lo - final_loss) / (lo - hi)
+            step = dense_steps[i - 1] + t * (dense_steps[i] - dense_steps[i - 1])
+            return {"ratio": run_steps / step, "dense_step": step, "clamped": None}
+    return {"ratio": run_steps / dense_steps[-1], "dense_step": dense_steps[-1],
+            "clamped": "never"}
+
+
+def mean_curve(runs: Iterable[dict]) -> Optional[tuple]:
+    """(steps, mean validation loss) over runs evaluated at the same steps, or None."""
+    curves = [r["val_curve"] for r in runs]
+    if not curves:
+        return None
+    steps = [s for s, _ in curves[0]]
+    if any([s for s, _ in c] != steps for c in curves):
+        raise ValueError("the runs were evaluated at different steps; cannot average them")
+    return steps, [sum(c[i][1] for c in curves) / len(curves) for i in range(len(steps))]
+
+
+def ratios_from_train(report: Dict[str, Any],
+                      density: Optional[float] = None) -> Dict[str, Dict[str, Any]]:
+    """Per algorithm of a ``oktopk-bench train --model gpt`` report (its ``runs``): the steps
+    ratio of its mean final validation loss against dense's mean curve, and its mean bytes per
+    step. Needs dense among the runs. ``density``: only the runs at that density (and dense);
+    without it, a report that holds an algorithm at two densities is refused."""
+    runs = [r for r in report.get("runs", []) if "val_curve" in r]
+    if density is not None:
+        runs = [r for r in runs if r["algorithm"] == "dense"
+                or math.isclose(float(r.get("density", -1)), density)]
+    else:
+        for alg in {r["algorithm"] for r in runs} - {"dense"}:
+            ds = sorted({r.get("density") for r in runs if r["algorithm"] == alg})
+            if len(ds) > 1:
+                raise ValueError(f"{alg} ran at densities {ds}: expected one density, or the "
+                                 f"projection's --density to choose")
+    dense = mean_curve(r for r in runs if r["algorithm"] == "dense")
+    if dense is None:
+        raise ValueError("the train report has no dense run with a validation curve: its "
+                         "steps ratios need dense's curve")
+    out: Dict[str, Dict[str, Any]] = {}
+    for alg in dict.fromkeys(r["algorithm"] for r in runs):
+        rs = [r for r in runs if r["algorithm"] == alg]
+        final = sum(r["final_val_loss"] for r in rs) / len(rs)
+        res = steps_ratio(dense[0], dense[1], rs[0]["steps"], final)
+        res.update(final_val_loss=final, seeds=[r["seed"] for r in rs],
+                   bytes_per_step=sum(r["bytes_per_step"] for r in rs) / len(rs))
+        out[alg] = res
+    return out
+
+
+def time_to_loss(rows: List[Dict[str, Any]], ratios: Dict[str, float],
+                 compute_ms: float = 0.0) -> List[Dict[str, Any]]:
+    """Per (P, algorithm) with a ratio: ``(step_ms + compute_ms) × ratio``, the projected time to
+    reach the loss the algorithm ends at, in units of dense steps' time, and whether it is first
+    at its P."""
+    out = [{"P": r["P"], "algorithm": r["algorithm"], "ratio": ratios[r["algorithm"]],
+            "step_ms": r["step_ms"] + compute_ms,
+            "time_ms": (r["step_ms"] + compute_ms) * ratios[r["algorithm"]]}
+           for r in rows if r["algorithm"] in ratios]
+    for P in {r["P"] for r in out}:
+        here = [r for r in out if r["P"] == P]
+        best = min(here, key=lambda r: r["time_ms"])
+        for r in here:
+            r["first"] = r is best
+    return out
 
 
