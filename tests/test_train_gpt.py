@@ -78,7 +78,7 @@ def test_tiny_lm_learns_on_two_ranks_with_identical_replicas(monkeypatch):
 
 def _local_steps_body(comm, cfg):
     from oktopk_triton.bench import gpt as g
-    from oktopk_triton.bench import train as t
+    from oktopk_triton.bench import lm_loop as t
     corpus = g.load_corpus(cfg["val_fraction"], max_train_bytes=1 << 20)
     return {alg: t.train_one_lm(cfg, alg, 0, comm, torch.device("cpu"),
                                 (corpus.train, corpus.val), log=False)

@@ -231,7 +231,7 @@ def test_benchmarks_price_the_compact_wire():
     """The projection's schedules and the byte target PowerSGD is matched to in the LM
     benchmark follow the run's wire format."""
     from oktopk_triton.algorithms.schedule import total_bytes
-    from oktopk_triton.bench.cost_model import algorithm_schedule
+    from oktopk_triton.planning import algorithm_schedule
     from oktopk_triton.bench.lm_loop import _oktopk_bytes
     n, P = 1 << 20, 8
     assert _oktopk_bytes(n, 0.01, P, "compact") < 0.52 * _oktopk_bytes(n, 0.01, P)
