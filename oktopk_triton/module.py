@@ -74,7 +74,8 @@ class SparseAllreduce(torch.nn.Module):
             reducer keeps the velocity ``u = m·u + grad`` and sparsifies it; use the optimizer
             without momentum then) and ``momentum_masking`` (default: on for sparse
             algorithms, off for ``dense``; zeroes the velocity of the entries a step
-            delivered, as Deep Gradient Compression does). ``SparseAllreduce`` also takes
+            delivered, as Deep Gradient Compression does).
+        density_schedule, adam, cuda_graph: keyword-only options of ``SparseAllreduce`` itself:
             ``density_schedule`` (see :class:`~oktopk_triton.techniques.DensitySchedule`),
             ``adam="frozen"`` (for :meth:`reduce_adam`) and ``cuda_graph=True`` (CUDA, NCCL or
             one rank: steady steps are replayed from a captured CUDA graph,
@@ -94,7 +95,8 @@ class SparseAllreduce(torch.nn.Module):
                  algorithm: str = "oktopk", *, device: Optional[Union[str, torch.device]] = None,
                  check_finite: str = "skip", sync_every: int = 1, outer_lr: float = 1.0,
                  outer_momentum: float = 0.0, residual_decay: float = 1.0,
-                 **options: Any) -> None:
+                 density_schedule: Any = None, adam: Optional[str] = None,
+                 cuda_graph: bool = False, **options: Any) -> None:
         super().__init__()
         # local_steps.LocalSteps: None with the defaults (every call syncs)
         self.local_steps = LocalSteps.build(sync_every, outer_lr, outer_momentum, residual_decay)
@@ -138,12 +140,11 @@ class SparseAllreduce(torch.nn.Module):
         if device is None:
             device = comm.device
         self.comm = comm
-        adam = options.pop("adam", None)             # techniques.FrozenAdam (reduce_adam)
-        cuda_graph = options.pop("cuda_graph", False)  # graph.GraphedStep
+        # adam: techniques.FrozenAdam (reduce_adam); cuda_graph: graph.GraphedStep
         if cuda_graph not in (True, False):
             raise TypeError(f"SparseAllreduce: cuda_graph must be True or False, "
                             f"got {cuda_graph!r}")
-        if cuda_graph and (adam is not None or options.get("density_schedule") is not None):
+        if cuda_graph and (adam is not None or density_schedule is not None):
             raise ValueError("SparseAllreduce: cuda_graph=True replays one fixed step; it cannot "
                              "follow a density_schedule or adam='frozen'")
         if self.local_steps is not None and (cuda_graph or adam is not None or params is None):
@@ -152,7 +153,7 @@ class SparseAllreduce(torch.nn.Module):
                              "parameters, used with reduce_updates; not with cuda_graph=True or "
                              "adam='frozen'")
         # techniques.DensitySchedule: one reducer per stage, each taking over the last's state
-        self._schedule = DensitySchedule.build(options.pop("density_schedule", None), density)
+        self._schedule = DensitySchedule.build(density_schedule, density)
         self._cls = cls
         self._build = dict(device=resolve_device(device), check_finite=check_finite, **options)
         first = self._schedule.density_at(0) if self._schedule else density
