@@ -69,10 +69,13 @@ How DDP is driven, and what the hook does about it (each case is tested, in
   error at its first call naming the alternatives.
 """
 import warnings
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from .comm.base import Communicator
 
 from .comm.base import ring_allreduce_bytes
 
@@ -189,8 +192,10 @@ class SparseAllreduceState:
     FLAT = -1   # the reducers key of the flat reducer
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, density: float = 0.01,
-                 algorithm: str = "oktopk", start_iter: int = 1, comm: Any = None,
-                 mode: str = "flat", scaler: Any = None, **options: Any) -> None:
+                 algorithm: str = "oktopk", start_iter: int = 1,
+                 comm: Optional["Communicator"] = None, mode: str = "flat",
+                 scaler: Optional["torch.amp.GradScaler"] = None,
+                 **options: Any) -> None:
         if mode not in self.MODES:
             raise ValueError(f"mode must be one of {self.MODES}, got {mode!r}")
         from .algorithms import get_algorithm

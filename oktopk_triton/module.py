@@ -32,7 +32,7 @@ from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Union
 import torch
 
 from .algorithms import get_algorithm
-from .algorithms.base import FLOAT_DTYPES, Algorithm
+from .algorithms.base import FLOAT_DTYPES, Algorithm, LossScale
 from .comm.base import Communicator, resolve_device
 from .graph import GraphedStep
 from .local_steps import LocalSteps
@@ -179,7 +179,7 @@ class SparseAllreduce(torch.nn.Module):
                 off += p.numel()
 
     # -- the reduction ---------------------------------------------------------------------------
-    def forward(self, flat_grad: torch.Tensor, scale: Any = None) -> torch.Tensor:
+    def forward(self, flat_grad: torch.Tensor, scale: LossScale = None) -> torch.Tensor:
         """Reduce ``flat_grad`` (``numel`` elements, any shape); returns ``out`` of the same shape,
         dtype and device, bitwise identical on every rank. ``scale``: the loss scale the
         gradient carries (a ``torch.amp.GradScaler``, a tensor or a number; see
@@ -193,7 +193,7 @@ class SparseAllreduce(torch.nn.Module):
             raise RuntimeError(f"SparseAllreduce: {what} cannot take local steps (built with "
                                f"{self.local_steps.describe()}); use reduce_updates(optimizer)")
 
-    def _reduce(self, flat: torch.Tensor, scale: Any) -> torch.Tensor:
+    def _reduce(self, flat: torch.Tensor, scale: LossScale) -> torch.Tensor:
         """One step of the algorithm, replayed from its CUDA graph with ``cuda_graph=True``."""
         if self._graphed is not None:
             return self._graphed(flat, scale=scale)
@@ -215,7 +215,7 @@ class SparseAllreduce(torch.nn.Module):
         self.algorithm = new
 
     @torch.no_grad()
-    def reduce_gradients(self, scale: Any = None) -> torch.Tensor:
+    def reduce_gradients(self, scale: LossScale = None) -> torch.Tensor:
         """Flatten the parameters' ``.grad`` (``None`` → zeros), reduce, and write the result back
         to ``.grad``: afterwards each ``.grad`` is a view of one persistent flat buffer (the copy
         in is skipped for grads that already are). Returns the flat reduced gradient.
@@ -226,7 +226,7 @@ class SparseAllreduce(torch.nn.Module):
         self._refuse_local_steps("reduce_gradients()")
         return self._reduce_grads(scale)
 
-    def _reduce_grads(self, scale: Any = None) -> torch.Tensor:
+    def _reduce_grads(self, scale: LossScale = None) -> torch.Tensor:
         """reduce_gradients without the local-steps refusal (reduce_updates reduces through it)."""
         if self._params is None:
             raise RuntimeError("reduce_gradients needs a SparseAllreduce built from parameters")
@@ -255,7 +255,8 @@ class SparseAllreduce(torch.nn.Module):
         return flat
 
     @torch.no_grad()
-    def reduce_updates(self, optimizer: torch.optim.Optimizer, scaler: Any = None) -> torch.Tensor:
+    def reduce_updates(self, optimizer: torch.optim.Optimizer,
+                       scaler: Optional[torch.amp.GradScaler] = None) -> torch.Tensor:
         """Error feedback in update space, for adaptive optimizers (Adam, AdamW, ...).
 
         Runs ``optimizer.step()`` on this rank's own ``.grad`` (its state stays local to the
@@ -321,7 +322,8 @@ class SparseAllreduce(torch.nn.Module):
                                      "local and the replicas would drift apart)")
 
     @staticmethod
-    def _optimizer_step(optimizer: torch.optim.Optimizer, scaler: Any) -> None:
+    def _optimizer_step(optimizer: torch.optim.Optimizer,
+                        scaler: Optional[torch.amp.GradScaler]) -> None:
         if scaler is not None:
             scaler.step(optimizer)
         else:
