@@ -74,9 +74,10 @@ import os
 import re
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from .algorithms import REGISTRY
 from .algorithms._sparse import _log2ceil
 
-ALGORITHMS = ("dense", "oktopk", "topka", "gtopk", "spardl", "topkdsa", "gaussiank")
+ALGORITHMS = tuple(REGISTRY)  # every registered algorithm is priced, dense first
 
 # -- networks -------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)

@@ -82,10 +82,14 @@ def test_baselines_refuse_a_model_other_than_gpt(capsys):
 
 
 def test_baselines_are_named_not_in_all():
-    run, _ = train.resolve_algorithms(["all"])
+    from oktopk_triton.bench._common import resolve_algorithms
+    run, _ = resolve_algorithms(["all"], "train", extra=B.BASELINES)
     assert not set(run) & set(B.BASELINES)
-    run, _ = train.resolve_algorithms(["dense", "PowerSGD", "bf16", "powersgd"])
+    run, _ = resolve_algorithms(["dense", "PowerSGD", "bf16", "powersgd"], "train",
+                                extra=B.BASELINES)
     assert run == ["dense", "powersgd", "bf16"]
+    run, _ = resolve_algorithms(["powersgd", "all"], "train", extra=B.BASELINES)
+    assert run[0] == "dense" and run[-1] == "powersgd" and "oktopk" in run
     with pytest.raises(ValueError, match="baseline must be one of"):
         B.HookBaseline(torch.nn.Linear(2, 2), "fp8")
 

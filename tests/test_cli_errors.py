@@ -63,3 +63,17 @@ def test_demo_help_shows_a_plain_percent(capsys):
         main(["--help"])
     assert "1%%" not in capsys.readouterr().out
     assert os.environ.get("PYTEST_CURRENT_TEST")
+
+
+@pytest.mark.parametrize("line", ["train --algorithms nope", "collectives --algorithms nope",
+                                  "project --algorithms nope", "ddp --algorithms dense nope",
+                                  "train --model gpt --algorithms powersgd nope"])
+def test_unknown_algorithm_is_one_line_naming_the_choices(line):
+    """Every benchmark resolves --algorithms in one place: one line naming the command, the name
+    and the choices, before anything is launched."""
+    with pytest.raises(SystemExit) as e:
+        main(line.split())
+    msg = str(e.value)
+    assert len(msg.splitlines()) == 1 and "unknown algorithm 'nope'" in msg, msg
+    assert msg.startswith(f"oktopk-bench {line.split()[0]}:") and "'oktopk'" in msg, msg
+    assert ("'powersgd'" in msg) == line.startswith("train"), msg

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 # git is asked from the package's own folder: inside a checkout it answers for that checkout,
 # outside one (an installed wheel) it does not answer and the commit is None
@@ -40,26 +40,36 @@ def versions(modules=("torch", "triton", "numpy", "cupy", "oktopk_triton")
     return out
 
 
-def resolve_algorithms(names: List[str], command: str) -> Tuple[List[str], List[Tuple[str, str]]]:
-    """(algorithms to run, [(skipped, why)]): ``all`` is dense and every sparse algorithm; an
-    unknown name exits with one line naming the choices."""
+def resolve_algorithms(names: Sequence[str], command: str, *,
+                       everything: Optional[Sequence[str]] = None, extra: Sequence[str] = (),
+                       implemented: bool = True) -> Tuple[List[str], List[Tuple[str, str]]]:
+    """(algorithms to run, [(skipped, why)]) from a command line's ``--algorithms``: lowered,
+    in order, once each. The one home of algorithm names for every benchmark.
+
+    1. ``all`` stands for ``everything`` (default: every registered algorithm, dense first).
+    2. ``extra``: names a command runs besides the registry's (train's baselines), only when
+       named (never in ``all``), after the registry's.
+    3. ``implemented``: a registered algorithm whose module does not import is skipped with why;
+       False keeps every registered name (the cost model prices algorithms, it does not run them).
+
+    An unknown name exits with one line naming the choices."""
     from ..algorithms import REGISTRY, available_algorithms
-    avail = available_algorithms()
-    if any(x.lower() == "all" for x in names):
-        wanted = list(REGISTRY)
-    else:
-        wanted = [x.lower() for x in names]
+    lowered = [x.lower() for x in names]
+    if "all" in lowered:
+        lowered = [*(everything if everything is not None else REGISTRY),
+                   *(x for x in lowered if x in extra)]
+    avail = available_algorithms() if implemented else list(REGISTRY)
     run: List[str] = []
     skipped: List[Tuple[str, str]] = []
-    for a in wanted:
-        if a not in REGISTRY:
+    for a in lowered:
+        if a not in REGISTRY and a not in extra:
             raise SystemExit(f"oktopk-bench {command}: unknown algorithm {a!r}; choose from "
-                             f"{sorted(REGISTRY)} or 'all'")
-        if a not in avail:
+                             f"{sorted(REGISTRY) + list(extra)} or 'all'")
+        if a in REGISTRY and a not in avail:
             skipped.append((a, "not implemented yet (its module did not import)"))
         elif a not in run:
             run.append(a)
-    return run, skipped
+    return [a for a in run if a not in extra] + [a for a in run if a in extra], skipped
 
 
 def fmt_bytes(b: float, digits: int = 1) -> str:

@@ -63,7 +63,7 @@ from ..algorithms._sparse import volume_formula_range
 from . import _args as A
 from . import records
 from ._common import fmt_bytes
-from ._common import resolve_algorithms as _resolve
+from ._common import resolve_algorithms
 from .collectives_rank import _rank_main, _run_local, _run_local_probes
 from .measure import step_stats
 from .ranks import Ranks, detect_mps, mps_warning, placement, ranks_share_gpu, warn_loudly
@@ -319,7 +319,8 @@ def _gpu_count() -> int:
 
 def run_benchmark(args, log=print) -> Dict[str, Any]:
     import torch
-    algs, skipped = resolve_algorithms(args.algorithms)
+    algs, skipped_names = resolve_algorithms(args.algorithms, "collectives")
+    skipped: List[Dict[str, Any]] = [{"algorithm": a, "reason": why} for a, why in skipped_names]
     for s in skipped:
         log(f"note: skipping {s['algorithm']}: {s['reason']}")
     backend = args.backend
@@ -564,12 +565,6 @@ def main(args) -> int:
         plot(report, args.plot)
         print(f"wrote {args.plot}", flush=True)
     return 1 if report["errors"] else 0
-
-
-def resolve_algorithms(names: List[str]):
-    """(to run, skipped notes as dicts) for ``collectives``."""
-    run, skipped = _resolve(names, "collectives")
-    return run, [{"algorithm": a, "reason": why} for a, why in skipped]
 
 
 if __name__ == "__main__":  # python -m oktopk_triton.bench.collectives: the CLI's checked path

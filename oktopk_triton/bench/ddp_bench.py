@@ -68,6 +68,7 @@ from ..comm.base import ring_allreduce_bytes
 from ..comm.select import _cupy_available
 from .baselines import count_hook_bytes, powersgd_module, powersgd_state
 from . import records
+from ._common import resolve_algorithms
 from .measure import params_checksum, step_stats
 from .ranks import Ranks, detect_mps, init_rank, make_comm
 
@@ -173,7 +174,7 @@ def default_json_path(backend: str, date: Optional[str] = None,
 # -- the runs --------------------------------------------------------------------------------------
 def _plan(args) -> List[Dict[str, Any]]:
     """One entry per (hook, algorithm, mode) to run, in the order they run."""
-    from ..algorithms import SPARSE_ALGORITHMS, available_algorithms, get_algorithm
+    from ..algorithms import SPARSE_ALGORITHMS
     hooks = list(HOOKS) if any(h.lower() == "all" for h in args.hooks) else \
         [h.lower() for h in args.hooks]
     for h in hooks:
@@ -186,15 +187,9 @@ def _plan(args) -> List[Dict[str, Any]]:
         if h != "sparse":
             plan.append({"hook": h, "algorithm": None, "mode": None})
             continue
-        if any(a.lower() == "all" for a in args.algorithms):
-            avail = set(available_algorithms())
-            algs = [a for a in SPARSE_ALGORITHMS if a in avail]
-        else:
-            algs = []
-            for a in args.algorithms:
-                get_algorithm(a.lower())   # ValueError for an unknown name
-                if a.lower() not in algs:
-                    algs.append(a.lower())
+        algs, skipped = resolve_algorithms(args.algorithms, "ddp", everything=SPARSE_ALGORITHMS)
+        for a, why in skipped:
+            print(f"note: skipping {a}: {why}", flush=True)
         accepted = sparse_modes()
         if any(m.lower() == "auto" for m in args.modes):
             modes = accepted

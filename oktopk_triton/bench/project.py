@@ -12,16 +12,16 @@ module is its command line: arguments, tables, plot and JSON.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
-from ..planning import (ALGORITHMS, MODEL_PRESETS, NET_PRESETS, PASSES, _k, describe_ranges,
+from ..planning import (MODEL_PRESETS, NET_PRESETS, _k, describe_ranges,
                         fastest_ranges, parse_net, project, ratios_from_train, resolve_kernels,
                         step_time, time_to_loss, validate)
 from . import _args as A
 from . import records
+from ._common import resolve_algorithms
 
 __all__ = ["add_arguments", "main", "format_table", "format_validation", "format_time_to_loss",
            "load_ratios", "plot", "merge_collectives", "run_validation", "baseline_rows"]
@@ -99,17 +99,6 @@ def add_arguments(p) -> None:
                    help="validation: one (alpha, beta) per world size (default) or one for all")
 
 
-def _resolve_algorithms(names: Iterable[str]) -> List[str]:
-    names = [x.lower() for x in names]
-    if "all" in names:
-        return list(ALGORITHMS)
-    bad = [x for x in names if x not in PASSES]
-    if bad:
-        raise SystemExit(f"oktopk-bench project: unknown algorithm(s) {bad}; choose from "
-                         f"{list(ALGORITHMS)} or all")
-    return names
-
-
 def merge_collectives(docs: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     """One collectives document from several runs (``tools/gpu_check.py`` writes one JSON per
     world size): probes and results concatenated, the rest from the first; synthetic if any is."""
@@ -131,8 +120,7 @@ def run_validation(paths, kernels_spec: Optional[str] = None,
     paths = [paths] if isinstance(paths, str) else list(paths)
     docs = []
     for path in paths:
-        with open(path) as f:
-            docs.append(json.load(f))
+        docs.append(records.read(path))
     d = merge_collectives(docs)
     path = ", ".join(paths)
     kernels, note = resolve_kernels(kernels_spec, records.results_dir())
@@ -198,7 +186,7 @@ def main(args) -> int:
         raise SystemExit("--density must be in (0, 1]")
     if any(P < 2 for P in args.world_sizes):
         raise SystemExit("--world-sizes: every P must be >= 2")
-    algs = _resolve_algorithms(args.algorithms)
+    algs, _ = resolve_algorithms(args.algorithms, "project", implemented=False)
     nets = [parse_net(x) for x in args.net]
     if args.n:
         models = [(f"n={n}", n) for n in args.n]
@@ -368,8 +356,7 @@ def load_ratios(paths: List[str], pairs: List[str],
     ratios: Dict[str, float] = {}
     for p in paths:
         try:
-            with open(p) as f:
-                report = json.load(f)
+            report = records.read(p)
         except (OSError, ValueError) as e:
             raise SystemExit(f"--from-train {p}: cannot read a train report ({e})")
         try:

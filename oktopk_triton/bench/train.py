@@ -58,10 +58,11 @@ import math
 import os
 import sys
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 from . import _args as A
 from . import records
+from ._common import resolve_algorithms
 from .launcher import launch, uses_cuda
 from .report import format_table, plot, summarize
 
@@ -197,7 +198,8 @@ def demo_main(args) -> int:
 
 def main(args) -> int:
     t0 = time.time()
-    algos, skipped = resolve_algorithms(args.algorithms)
+    from .baselines import BASELINES
+    algos, skipped = resolve_algorithms(args.algorithms, "train", extra=BASELINES)
     for name, why in skipped:
         print(f"note: skipping {name}: {why}", flush=True)
     if not algos:
@@ -205,7 +207,6 @@ def main(args) -> int:
         return 2
     config = build_config(args, algos)
     lm = config["model"] == "gpt"
-    from .baselines import BASELINES
     if not lm and any(a in BASELINES for a in algos):
         print(f"oktopk-bench train: {'/'.join(BASELINES)} run with --model gpt only, got "
               f"--model {config['model']}", file=sys.stderr)
@@ -319,7 +320,7 @@ def check_args(args) -> str:
     """Called by the CLI once the line is parsed: the first problem with ``--option`` for the
     algorithms asked for, before any rank is launched, or ``""``."""
     from .baselines import BASELINES
-    algos, _ = resolve_algorithms(args.algorithms)
+    algos, _ = resolve_algorithms(args.algorithms, "train", extra=BASELINES)
     bad = (check_local_steps(args, algos, BASELINES)
            or check_options(dict(getattr(args, "option", None) or []), algos, args.density,
                             BASELINES))
@@ -374,15 +375,3 @@ def build_config(args, algos) -> Dict[str, Any]:
                    betas=list(GPT_DEFAULTS["betas"]), epochs=None, width=None, test_fraction=None,
                    train_subset=None)
     return cfg
-
-
-def resolve_algorithms(names: List[str]):
-    """(algorithms to run, [(skipped, why)]) for ``train``: the library's algorithms and the
-    baselines of bench/baselines.py (``powersgd``, ``bf16``; named explicitly, not in ``all``)."""
-    from ._common import resolve_algorithms as resolve
-    from .baselines import BASELINES
-    lowered = [x.lower() for x in names]
-    extra = [x for x in lowered if x in BASELINES]
-    rest = [x for x in lowered if x not in BASELINES]
-    run, skipped = resolve(rest, "train") if rest else ([], [])
-    return run + [x for x in dict.fromkeys(extra)], skipped
