@@ -315,9 +315,7 @@ def _tail(path: str, n: int = 15) -> str:
 
 
 def write_summary(summary: Dict[str, object], out_dir: str, date: str) -> str:
-    path = os.path.join(out_dir, f"gpu-check-{date}.json")
-    with open(path, "w") as f:
-        json.dump(summary, f, indent=1)
+    _records().write(os.path.join(out_dir, f"gpu-check-{date}.json"), summary)
     rows = [f"{'stage':16s} {'status':8s} {'rc':>4s} {'wall s':>8s} {'limit s':>8s}"]
     for r in summary["stages"]:
         rows.append(f"{r['name']:16s} {r['status']:8s} {str(r.get('rc', '')):>4s} "
@@ -329,13 +327,14 @@ def write_summary(summary: Dict[str, object], out_dir: str, date: str) -> str:
     return "\n".join(rows)
 
 
-def _header(args) -> Dict[str, object]:
-    """The result header every JSON of the project carries (oktopk_triton.bench.records, from
-    this checkout: the commit with its -dirty marker, versions, MPS/NCCL settings, arguments)."""
+def _records():
+    """oktopk_triton.bench.records from this checkout (installed or not): the one header and
+    writer of every JSON of the project (the commit with its -dirty marker, versions, MPS/NCCL
+    settings, arguments)."""
     if REPO not in sys.path:
         sys.path.insert(0, REPO)
     from oktopk_triton.bench import records
-    return records.header("gpu-check", args)
+    return records
 
 
 def main(argv=None) -> int:
@@ -391,7 +390,7 @@ def main(argv=None) -> int:
 
     t_start = time.monotonic()
     summary: Dict[str, object] = {
-        **_header(args), "file_date": date, "host": os.uname().nodename,
+        **_records().header("gpu-check", args), "file_date": date, "host": os.uname().nodename,
         "out": out_dir, "limits_sum_s": limits,
         "budget_s": BUDGET_S, "mps": None, "stages": [], "wall_s": 0.0}
     started_mps = False

@@ -17,7 +17,6 @@ density with the relative gap to dense, and where Ok-Topk spends its entries lay
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -282,8 +281,7 @@ def ablation(out_path: str, labelled: List[str]) -> str:
         label, _, spec = item.partition("=")
         path, _, sel = spec.partition(":")
         alg, _, seed = sel.partition(":")
-        with open(path) as f:
-            d = json.load(f)
+        d = records.read(path)
         cfg = d["config"]
         same = {k: cfg.get(k) for k in SAME if k not in ABLATION_KEYS}
         if base is None:
@@ -307,8 +305,8 @@ def ablation(out_path: str, labelled: List[str]) -> str:
                          "moved": (math.sqrt(sum(L["moved_sq"] for L in r["layers"].values()))
                                    if all("moved_sq" in L for L in r["layers"].values())
                                    else None)})
-    with open(out_path, "w") as f:
-        json.dump({"config": base, "runs": rows}, f, indent=1)
+    records.write(out_path, {**records.header("lm-ablation", {"runs": labelled}),
+                             "config": base, "runs": rows})
     lines = ["| run | algorithm | reduce | density | lr | seed | val loss nats/byte | "
              "bytes/rank/step | applied/step | ‖w_end − w_0‖ |", "|---" * 10 + "|"]
     for r in rows:
@@ -328,8 +326,7 @@ def plot(out_png: str, merged: str, extra: List[str] = ()) -> None:
     import matplotlib.pyplot as plt
 
     from oktopk_triton.planning import mean_curve
-    with open(merged) as f:
-        d = json.load(f)
+    d = records.read(merged)
     runs = d.get("runs", [])
     dens = sorted({float(x) for x in d["summary"]}, reverse=True)
     fig, axes = plt.subplots(1, len(dens), figsize=(6.5 * len(dens), 5.5), squeeze=False)
@@ -347,8 +344,7 @@ def plot(out_png: str, merged: str, extra: List[str] = ()) -> None:
         for item in extra:
             label, spec = item.split("=", 1)
             path, alg = spec.rsplit(":", 1)
-            with open(path) as f:
-                part = json.load(f)
+            part = records.read(path)
             sel = [r for r in part.get("runs", []) if r["algorithm"] == alg
                    and abs(part["config"]["density"] - de) < 1e-12]
             curve = mean_curve(sel)

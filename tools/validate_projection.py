@@ -22,7 +22,6 @@ plumbing, not the model.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -68,8 +67,7 @@ def main(argv=None) -> int:
     else:
         docs = []
         for path in a.json_in:
-            with open(path) as f:
-                docs.append(json.load(f))
+            docs.append(records.read(path))
         d = pj.merge_collectives(docs)
     v = pl.validate(d, kernels, ranks_per_gpu=a.ranks_per_gpu, target_pct=a.target, fit=a.fit)
     v["input"] = a.json_in or "generated"

@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import datetime
 import inspect
-import json
 import os
 import platform
 import sys
@@ -658,7 +657,7 @@ def main(args) -> int:
     for e in report["errors"]:
         print(f"error: {e['hook']} {e['algorithm'] or ''}: {_error_line(e['error'])}", flush=True)
     if args.json:
-        _write(args.json, json.dumps(report, indent=1))
+        records.write(args.json, report)
         print(f"wrote {args.json}", flush=True)
     if args.markdown:
         _write(args.markdown, format_markdown(report) + "\n")

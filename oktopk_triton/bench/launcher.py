@@ -48,6 +48,9 @@ def launch(config: Dict[str, Any], timeout: float = 1800.0):
             cfg = dict(config, jobs=[list(j) for j in todo])
             cfg_path = os.path.join(tmp, f"config{attempt}.json")
             out_path = os.path.join(tmp, f"results{attempt}.jsonl")
+            # the config and the per-rank JSONL lines are an internal stream between this
+            # process and its ranks (in a temporary folder), not results: records.write writes
+            # the report train.py builds from them
             with open(cfg_path, "w") as f:
                 json.dump(cfg, f)
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
