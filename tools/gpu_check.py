@@ -314,14 +314,18 @@ def _tail(path: str, n: int = 15) -> str:
         return ""
 
 
+_STAGE_COLUMNS = [("stage", lambda r: r["name"]), ("status", lambda r: r["status"]),
+                  ("rc", lambda r: r.get("rc", "")),
+                  ("wall s", lambda r: f"{r.get('wall_s', 0):.1f}"),
+                  ("limit s", lambda r: f"{r['timeout_s']:.1f}")]
+
+
 def write_summary(summary: Dict[str, object], out_dir: str, date: str) -> str:
-    _records().write(os.path.join(out_dir, f"gpu-check-{date}.json"), summary)
-    rows = [f"{'stage':16s} {'status':8s} {'rc':>4s} {'wall s':>8s} {'limit s':>8s}"]
-    for r in summary["stages"]:
-        rows.append(f"{r['name']:16s} {r['status']:8s} {str(r.get('rc', '')):>4s} "
-                    f"{r.get('wall_s', 0):8.1f} {r['timeout_s']:8.1f}")
-    rows.append(f"total {summary['wall_s']:.1f} s (limits sum to {summary['limits_sum_s']:.0f} s); "
-                f"MPS: {summary['mps']}")
+    records = _records()
+    records.write(os.path.join(out_dir, f"gpu-check-{date}.json"), summary)
+    rows = [records.table(summary["stages"], _STAGE_COLUMNS, left=2, sep="  "),
+            f"total {summary['wall_s']:.1f} s (limits sum to {summary['limits_sum_s']:.0f} s); "
+            f"MPS: {summary['mps']}"]
     with open(os.path.join(out_dir, f"gpu-check-{date}.txt"), "w") as f:
         f.write("\n".join(rows) + "\n")
     return "\n".join(rows)

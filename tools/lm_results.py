@@ -182,31 +182,38 @@ def tables(path: str) -> str:
         goals = ([f"within {goal['pct']:g}% of dense"] if goal.get("pct") else []) + \
             ([f"steps ratio at most {goal['ratio']:g}"] if goal.get("ratio") else [])
         goal_text = f"; goal: Ok-Topk {' and '.join(goals)}" if goals else ""
-        lines += [f"Density {float(dens) * 100:g}% (k = {k:,} per step){goal_text}:", "",
-                  "| algorithm | seeds | val loss nats/byte (mean ± sd) | bits/byte | vs dense | "
-                  "vs dense per seed | applied/step | bytes/rank/step | vs dense bytes | "
-                  "time/step ms | steps ratio |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"Density {float(dens) * 100:g}% (k = {k:,} per step){goal_text}:", ""]
         sel = [x for x in d.get("runs", []) if x.get("density") in (float(dens), 1.0)]
         try:
             ratios = ratios_from_train({"runs": sel})
         except ValueError:
             ratios = {}
-        for r in rows:
-            if r.get("status") != "ok":
-                lines.append(f"| {r['algorithm']} | 0 | failed | | | | | | | | |")
-                continue
-            ratio = ratios.get(r["algorithm"], {}).get("ratio")
-            per = ", ".join(f"{x:+.1f}" for x in r.get("loss_vs_dense_pct_per_seed", []))
-            lines.append(f"| {r['algorithm']} | {r['n_seeds']} | {r['final_val_loss']:.4f} ± "
-                         f"{r['final_val_loss_std']:.4f} | {r['final_val_bpb']:.3f} | "
-                         f"{r.get('loss_vs_dense_pct', 0.0):+.2f}% | {per} | "
-                         f"{r['applied_per_step']:,.0f} | {r['bytes_per_step'] / 1e3:,.1f} kB | "
-                         f"{r.get('bytes_vs_dense', float('nan')):.4f} | "
-                         f"{r['time_per_step_ms']:.0f} | "
-                         f"{'-' if ratio is None else f'{ratio:.2f}'} |")
-        lines.append("")
+        lines += [records.table(rows, _summary_columns(ratios), markdown=True), ""]
     lines += layer_markdown(d)
     return "\n".join(lines)
+
+
+def _summary_columns(ratios: Dict[str, Any]):
+    """The columns of a density's summary table; a failed run: 0 seeds, ``failed``, no more."""
+    def ok(cell):
+        return lambda r: cell(r) if r.get("status") == "ok" else ""
+
+    def ratio(r):
+        x = ratios.get(r["algorithm"], {}).get("ratio")
+        return "-" if x is None else f"{x:.2f}"
+    return [("algorithm", lambda r: r["algorithm"]),
+            ("seeds", lambda r: r["n_seeds"] if r.get("status") == "ok" else 0),
+            ("val loss nats/byte (mean ± sd)", lambda r: f"{r['final_val_loss']:.4f} ± "
+             f"{r['final_val_loss_std']:.4f}" if r.get("status") == "ok" else "failed"),
+            ("bits/byte", ok(lambda r: f"{r['final_val_bpb']:.3f}")),
+            ("vs dense", ok(lambda r: f"{r.get('loss_vs_dense_pct', 0.0):+.2f}%")),
+            ("vs dense per seed", ok(lambda r: ", ".join(
+                f"{x:+.1f}" for x in r.get("loss_vs_dense_pct_per_seed", [])))),
+            ("applied/step", ok(lambda r: f"{r['applied_per_step']:,.0f}")),
+            ("bytes/rank/step", ok(lambda r: f"{r['bytes_per_step'] / 1e3:,.1f} kB")),
+            ("vs dense bytes", ok(lambda r: f"{r.get('bytes_vs_dense', float('nan')):.4f}")),
+            ("time/step ms", ok(lambda r: f"{r['time_per_step_ms']:.0f}")),
+            ("steps ratio", ok(ratio))]
 
 
 def layer_markdown(d: Dict[str, Any], algs=("dense", "oktopk")) -> List[str]:
@@ -219,20 +226,20 @@ def layer_markdown(d: Dict[str, Any], algs=("dense", "oktopk")) -> List[str]:
             out += [f"Where {alg} spends its entries at density {float(dens) * 100:g}% (mean over "
                     "seeds; applied = entries of the reduced gradient that are nonzero; starved = "
                     "tensor-steps with none; energy = ‖reduced‖² / ‖local gradient‖², summed "
-                    "over steps):", "",
-                    "| tensor kind | params | share of params | share of applied | applied "
-                    "per step / numel | starved steps | energy through |",
-                    "|---|---|---|---|---|---|---|"]
+                    "over steps):", ""]
             dense = per_alg.get("dense", {})
-            for kind, v in sorted(L.items(), key=lambda kv: -kv[1]["numel"]):
-                de = dense.get(kind, {}).get("reduced_over_local")
-                energy = f"{v['reduced_over_local']:.3f}"
-                if de:
-                    energy += f" (dense {de:.3f})"
-                out.append(f"| {kind} | {v['numel']:,} | {100 * v['share_of_params']:.1f}% | "
-                           f"{100 * v['share_of_applied']:.1f}% | {v['applied_fraction']:.5f} | "
-                           f"{100 * v['starved_fraction']:.0f}% | {energy} |")
-            out.append("")
+
+            def energy(kv):
+                de = dense.get(kv[0], {}).get("reduced_over_local")
+                return f"{kv[1]['reduced_over_local']:.3f}" + (f" (dense {de:.3f})" if de else "")
+            cols = [("tensor kind", lambda kv: kv[0]), ("params", lambda kv: f"{kv[1]['numel']:,}"),
+                    ("share of params", lambda kv: f"{100 * kv[1]['share_of_params']:.1f}%"),
+                    ("share of applied", lambda kv: f"{100 * kv[1]['share_of_applied']:.1f}%"),
+                    ("applied per step / numel", lambda kv: f"{kv[1]['applied_fraction']:.5f}"),
+                    ("starved steps", lambda kv: f"{100 * kv[1]['starved_fraction']:.0f}%"),
+                    ("energy through", energy)]
+            kinds = sorted(L.items(), key=lambda kv: -kv[1]["numel"])
+            out += [records.table(kinds, cols, markdown=True), ""]
     return out
 
 
@@ -307,14 +314,14 @@ def ablation(out_path: str, labelled: List[str]) -> str:
                                    else None)})
     records.write(out_path, {**records.header("lm-ablation", {"runs": labelled}),
                              "config": base, "runs": rows})
-    lines = ["| run | algorithm | reduce | density | lr | seed | val loss nats/byte | "
-             "bytes/rank/step | applied/step | ‖w_end − w_0‖ |", "|---" * 10 + "|"]
-    for r in rows:
-        lines.append(f"| {r['label']} | {r['algorithm']} | {r['reduce']} | {r['density']:g} | "
-                     f"{r['lr']:g} | {r['seed']} | {r['final_val_loss']:.4f} | "
-                     f"{r['bytes_per_step'] / 1e3:,.1f} kB | {r['applied_per_step']:,.0f} | "
-                     f"{'n/a' if r['moved'] is None else format(r['moved'], '.2f')} |")
-    return "\n".join(lines)
+    cols = [("run", lambda r: r["label"]), ("algorithm", lambda r: r["algorithm"]),
+            ("reduce", lambda r: r["reduce"]), ("density", lambda r: f"{r['density']:g}"),
+            ("lr", lambda r: f"{r['lr']:g}"), ("seed", lambda r: r["seed"]),
+            ("val loss nats/byte", lambda r: f"{r['final_val_loss']:.4f}"),
+            ("bytes/rank/step", lambda r: f"{r['bytes_per_step'] / 1e3:,.1f} kB"),
+            ("applied/step", lambda r: f"{r['applied_per_step']:,.0f}"),
+            ("‖w_end − w_0‖", lambda r: "n/a" if r["moved"] is None else f"{r['moved']:.2f}")]
+    return records.table(rows, cols, markdown=True)
 
 
 def plot(out_png: str, merged: str, extra: List[str] = ()) -> None:

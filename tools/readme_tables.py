@@ -48,6 +48,9 @@ def train_table(name: str) -> str:
     return head + records.table(d["summary"], cols, markdown=True) + "\n"
 
 
+LOWER_BOUND = "lower bound 2k(P−1)/P"
+
+
 def collectives_table(name: str) -> str:
     d = _load(name)
     if d is None:
@@ -61,21 +64,19 @@ def collectives_table(name: str) -> str:
     c = d["config"]
     out = [f"`{name}`: n = {c['n']}, density {c['density']}, backend {c['backend']}, "
            f"{c['steps']} steps, {d['date'][:10]}. MB sent per rank per step (mean after the "
-           "first step); in brackets: measured / §6 formula (upper end for ranges).\n",
-           "| algorithm | " + " | ".join(f"P={p}" for p in Ps) + " |",
-           "|---|" + "---|" * len(Ps)]
-    for a in algs:
-        cells = []
-        for p in Ps:
-            r = [x for x in rows if x["algorithm"] == a and x["P"] == p]
-            if not r:
-                cells.append("—")
-                continue
-            r = r[0]
-            cells.append(f"{r['bytes_mean'] / 1e6:.3f} ({r['ratio_to_formula_high']:.2f})")
-        out.append(f"| {a} | " + " | ".join(cells) + " |")
-    lb = [2 * c["density"] * c["n"] * (p - 1) / p * 4 / 1e6 for p in Ps]
-    out.append("| lower bound 2k(P−1)/P | " + " | ".join(f"{x:.3f}" for x in lb) + " |")
+           "first step); in brackets: measured / §6 formula (upper end for ranges).\n"]
+    by = {(x["algorithm"], x["P"]): x for x in reversed(rows)}   # the first of each
+
+    def cell(p):
+        def f(a):
+            if a == LOWER_BOUND:
+                return f"{2 * c['density'] * c['n'] * (p - 1) / p * 4 / 1e6:.3f}"
+            r = by.get((a, p))
+            return "—" if r is None else \
+                f"{r['bytes_mean'] / 1e6:.3f} ({r['ratio_to_formula_high']:.2f})"
+        return f
+    cols = [("algorithm", str)] + [(f"P={p}", cell(p)) for p in Ps]
+    out.append(records.table(algs + [LOWER_BOUND], cols, markdown=True))
     return "\n".join(out) + "\n"
 
 
@@ -88,32 +89,31 @@ def kernels_table(path: str) -> str:
     name = os.path.basename(path)
     out = [f"`{name}`: {d['device']}, {d['date'][:10]}, density {d['density']}, "
            f"P = {d['regions']}, median of {d['repeats']} ({d.get('timing', '')}), "
-           f"commit {str(d.get('commit'))[:10]}{'-dirty' if d.get('dirty') else ''}\n",
-           "| kernel | " + " | ".join(f"n = 2^{r['n'].bit_length() - 1}"
-                                      if r["n"] & (r["n"] - 1) == 0 else f"n = {r['n']}"
-                                      for r in runs) + " |",
-           "|---|" + "---|" * len(runs)]
-    names = [r["name"] for r in runs[0]["results"]]
-    for nm in names:
-        cells = []
-        for run in runs:
+           f"commit {str(d.get('commit'))[:10]}{'-dirty' if d.get('dirty') else ''}\n"]
+
+    def cell(run):
+        def f(nm):
             r = next((x for x in run["results"] if x["name"] == nm), None)
             if r is None:
-                cells.append("–")
-                continue
-            cell = f"{r['ms']:.3f} ms ({r['pct_copy_bw']:.0f}%)"
+                return "–"
+            text = f"{r['ms']:.3f} ms ({r['pct_copy_bw']:.0f}%)"
             if r["kernel"] in ("magnitude_threshold", "hist_threshold"):
-                cell += f", {r['speedup_vs_topk']:.2f}x topk"
+                text += f", {r['speedup_vs_topk']:.2f}x topk"
             if "speedup_vs_topk_gather" in r:
-                cell += f", {r['speedup_vs_topk_gather']:.2f}x topk + gather"
-            cells.append(cell)
-        out.append(f"| {nm} | " + " | ".join(cells) + " |")
+                text += f", {r['speedup_vs_topk_gather']:.2f}x topk + gather"
+            return text
+        return f
+    cols = [("kernel", str)] + [(f"n = 2^{r['n'].bit_length() - 1}" if r["n"] & (r["n"] - 1) == 0
+                                 else f"n = {r['n']}", cell(r)) for r in runs]
+    out.append(records.table([r["name"] for r in runs[0]["results"]], cols, markdown=True))
     if d.get("goals"):
-        out += ["", "| goal | n | target | measured | met |", "|---|---|---|---|---|"]
-        for g in d["goals"]:
-            met = {True: "yes", False: "**no**", None: "not evaluated"}[g["met"]]
-            out.append(f"| {g['name']}: {g['goal']} | 2^{g['n'].bit_length() - 1} | "
-                       f"{g['target']:g} | {g['value']:.3g} | {met} |")
+        met = {True: "yes", False: "**no**", None: "not evaluated"}
+        out += ["", records.table(d["goals"], [
+            ("goal", lambda g: f"{g['name']}: {g['goal']}"),
+            ("n", lambda g: f"2^{g['n'].bit_length() - 1}"),
+            ("target", lambda g: f"{g['target']:g}"),
+            ("measured", lambda g: f"{g['value']:.3g}"), ("met", lambda g: met[g["met"]])],
+            markdown=True)]
     return "\n".join(out) + "\n"
 
 

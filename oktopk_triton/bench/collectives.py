@@ -465,37 +465,41 @@ def _report(args, algs, backend, comm_kind, comm_timeout, warmup, probe_reps, ng
     }
 
 
+def _formula_cells(s: Dict[str, Any]):
+    """(formula §6 bytes, measured/formula) of a result: a range shows both ends."""
+    lo, hi = s["formula_bytes_low"], s["formula_bytes_high"]
+    form = fmt_bytes(hi, 3) if lo == hi else f"{fmt_bytes(lo, 3)}..{fmt_bytes(hi, 3)}"
+    r1 = s["ratio_to_formula_high"]
+    if lo != hi and s.get("ratio_to_formula_low") is not None:
+        return form, f"{s['ratio_to_formula_low']:.3f} lo/{r1:.3f} hi"
+    return form, "-" if r1 is None else f"{r1:.3f}"
+
+
+def _opt(fmt: str, key: str):
+    """A cell of an optional number: ``-`` where the result has none."""
+    return lambda s: "-" if s.get(key) is None else format(s[key], fmt)
+
+
+_COLUMNS = [
+    ("algorithm", lambda s: s["algorithm"]), ("P", lambda s: s["P"]),
+    ("bytes/rank/step (mean)", lambda s: fmt_bytes(s["bytes_mean"], 3)),
+    ("max", lambda s: fmt_bytes(s["bytes_max"], 3)),
+    ("formula §6", lambda s: _formula_cells(s)[0]),
+    ("meas/formula", lambda s: _formula_cells(s)[1]),
+    ("lower bound", lambda s: fmt_bytes(s["lower_bound_bytes"], 3)),
+    ("meas/LB", _opt(".2f", "ratio_to_lower_bound")),
+    ("step ms mean", lambda s: f"{s['step_ms_mean']:.2f}"),
+    ("min", lambda s: f"{s['step_ms_min']:.2f}"), ("vs dense", _opt(".3f", "ratio_to_dense")),
+    ("syncs", _opt("", "host_syncs")),
+    ("bitwise", lambda s: "yes" if s.get("out_bitwise_equal") else "NO"),
+    ("colls", _opt("", "collectives_per_step")), ("nnz(out)", lambda s: f"{s['nnz_mean']:.0f}"),
+    ("state/n", lambda s: f"{s.get('persistent_words_per_n', 0):.3f}"),
+    ("peak/n", _opt(".2f", "peak_transient_words_per_n")),
+]
+
+
 def format_table(report: Dict[str, Any]) -> str:
-    hdr = ("algorithm", "P", "bytes/rank/step (mean)", "max", "formula §6", "meas/formula",
-           "lower bound", "meas/LB", "step ms mean", "min", "vs dense", "syncs", "bitwise",
-           "colls", "nnz(out)", "state/n", "peak/n")
-    rows = [hdr]
-    for s in report["results"]:
-        lo, hi = s["formula_bytes_low"], s["formula_bytes_high"]
-        form = fmt_bytes(hi, 3) if lo == hi else f"{fmt_bytes(lo, 3)}..{fmt_bytes(hi, 3)}"
-        r1 = s["ratio_to_formula_high"]
-        if lo != hi and s.get("ratio_to_formula_low") is not None:  # a range: show both ends
-            ratio = f"{s['ratio_to_formula_low']:.3f} lo/{r1:.3f} hi"
-        else:
-            ratio = "-" if r1 is None else f"{r1:.3f}"
-        r2 = s["ratio_to_lower_bound"]
-        rd = s.get("ratio_to_dense")
-        rows.append((s["algorithm"], str(s["P"]), fmt_bytes(s["bytes_mean"], 3),
-                     fmt_bytes(s["bytes_max"], 3), form,
-                     ratio, fmt_bytes(s["lower_bound_bytes"], 3),
-                     "-" if r2 is None else f"{r2:.2f}", f"{s['step_ms_mean']:.2f}",
-                     f"{s['step_ms_min']:.2f}", "-" if rd is None else f"{rd:.3f}",
-                     "-" if s.get("host_syncs") is None else str(s["host_syncs"]),
-                     "yes" if s.get("out_bitwise_equal") else "NO",
-                     "-" if s.get("collectives_per_step") is None
-                     else str(s["collectives_per_step"]),
-                     f"{s['nnz_mean']:.0f}", f"{s.get('persistent_words_per_n', 0):.3f}",
-                     "-" if s.get("peak_transient_words_per_n") is None
-                     else f"{s['peak_transient_words_per_n']:.2f}"))
-    w = [max(len(r[i]) for r in rows) for i in range(len(hdr))]
-    lines = [" | ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(r))
-             for r in rows]
-    lines.insert(1, "-+-".join("-" * x for x in w))
+    lines = [records.table(report["results"], _COLUMNS)]
     if report.get("probes"):
         lines.append("")
         lines.append("probes (allreduce, fp32):   P | bytes        | ms mean  | ms min")

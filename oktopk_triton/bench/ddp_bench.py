@@ -590,6 +590,40 @@ def _error_line(text: Any) -> str:
     return (named or lines or [""])[-1]
 
 
+def _ratio(r: Dict[str, Any], digits: int) -> str:
+    return "-" if r.get("ratio_to_allreduce") is None else f"{r['ratio_to_allreduce']:.{digits}f}"
+
+
+def _failed(cell):
+    """A cell of a result row; an error row (no step times) gets an empty one."""
+    return lambda r: cell(r) if "step_ms_mean" in r else ""
+
+
+def _error_label(e: Dict[str, Any]) -> str:
+    return (e["hook"] or "run") + (f"/{e['algorithm']}" if e.get("algorithm") else "")
+
+
+# the README table: one row per hook, then one per error (its label, its message, empty cells)
+_MARKDOWN_COLUMNS = [
+    ("comm hook", lambda r: _hook_label(r) if "step_ms_mean" in r else _error_label(r)),
+    ("ms per step (mean)", lambda r: f"{r['step_ms_mean']:.1f}" if "step_ms_mean" in r
+     else f"failed: {_error_line(r['error'])[:80]}"),
+    ("min", _failed(lambda r: f"{r['step_ms_min']:.1f}")),
+    ("MB sent per rank per step", _failed(lambda r: _fmt_mb(r["mb_sent_per_rank_per_step"]))),
+    ("x allreduce", _failed(lambda r: _ratio(r, 2))),
+    ("final loss", _failed(lambda r: f"{r['final_loss']:.4g}")),
+    ("replicas identical", _failed(lambda r: "yes" if r["replicas_identical"] else "no")),
+]
+_TEXT_COLUMNS = [
+    ("hook", lambda r: r["hook"]), ("algorithm", lambda r: r["algorithm"] or "-"),
+    ("mode", lambda r: r["mode"] or "-"), ("ms mean", lambda r: f"{r['step_ms_mean']:.2f}"),
+    ("ms min", lambda r: f"{r['step_ms_min']:.2f}"),
+    ("MB/rank/step", lambda r: f"{r['mb_sent_per_rank_per_step']:.3f}"),
+    ("x allreduce", lambda r: _ratio(r, 2)), ("final loss", lambda r: f"{r['final_loss']:.5g}"),
+    ("replicas equal", lambda r: "yes" if r["replicas_identical"] else "no"),
+]
+
+
 def format_markdown(report: Dict[str, Any]) -> str:
     """The README table of a report: one row per hook, with device, date and setup above it."""
     cfg = report["config"]
@@ -600,45 +634,17 @@ def format_markdown(report: Dict[str, Any]) -> str:
                     if cfg.get("ranks_per_gpu", 1) > 1 else ""))
     else:
         where = f"CPU ({report['device']}), P={cfg['P']} gloo ranks"
-    lines = [f"DDP, {cfg['layers']} x Linear({cfg['W']}, {cfg['W']}) ({cfg['params'] / 1e6:.1f}M "
-             f"parameters), batch {cfg['batch']} per rank, {cfg['bucket_cap_mb']:g} MB buckets; "
-             f"{where}; mean of {cfg['steps']} steps after {cfg['warmup']}; {date}, "
-             f"commit {_commit_text(report)}.",
-             "",
-             "| comm hook | ms per step (mean) | min | MB sent per rank per step | x allreduce "
-             "| final loss | replicas identical |",
-             "|---|---|---|---|---|---|---|"]
-    for r in report["results"]:
-        ratio = "-" if r["ratio_to_allreduce"] is None else f"{r['ratio_to_allreduce']:.2f}"
-        lines.append(f"| {_hook_label(r)} | {r['step_ms_mean']:.1f} | {r['step_ms_min']:.1f} | "
-                     f"{_fmt_mb(r['mb_sent_per_rank_per_step'])} | {ratio} | "
-                     f"{r['final_loss']:.4g} | "
-                     f"{'yes' if r['replicas_identical'] else 'no'} |")
-    for e in report.get("errors", []):
-        what = e["hook"] or "run"
-        if e.get("algorithm"):
-            what += f"/{e['algorithm']}"
-        lines.append(f"| {what} | failed: {_error_line(e['error'])[:80]} "
-                     f"| | | | | |")
-    return "\n".join(lines)
+    rows = list(report["results"]) + list(report.get("errors", []))
+    return (f"DDP, {cfg['layers']} x Linear({cfg['W']}, {cfg['W']}) ({cfg['params'] / 1e6:.1f}M "
+            f"parameters), batch {cfg['batch']} per rank, {cfg['bucket_cap_mb']:g} MB buckets; "
+            f"{where}; mean of {cfg['steps']} steps after {cfg['warmup']}; {date}, "
+            f"commit {_commit_text(report)}.\n\n"
+            + records.table(rows, _MARKDOWN_COLUMNS, markdown=True))
 
 
 def format_table(report: Dict[str, Any]) -> str:
     """A plain-text table for the terminal."""
-    hdr = ("hook", "algorithm", "mode", "ms mean", "ms min", "MB/rank/step", "x allreduce",
-           "final loss", "replicas equal")
-    rows = [hdr]
-    for r in report["results"]:
-        rows.append((r["hook"], r["algorithm"] or "-", r["mode"] or "-",
-                     f"{r['step_ms_mean']:.2f}", f"{r['step_ms_min']:.2f}",
-                     f"{r['mb_sent_per_rank_per_step']:.3f}",
-                     "-" if r["ratio_to_allreduce"] is None else f"{r['ratio_to_allreduce']:.2f}",
-                     f"{r['final_loss']:.5g}", "yes" if r["replicas_identical"] else "no"))
-    w = [max(len(row[i]) for row in rows) for i in range(len(hdr))]
-    lines = [" | ".join(c.ljust(w[i]) if i < 3 else c.rjust(w[i]) for i, c in enumerate(row))
-             for row in rows]
-    lines.insert(1, "-+-".join("-" * x for x in w))
-    return "\n".join(lines)
+    return records.table(report["results"], _TEXT_COLUMNS, left=3)
 
 
 def _write(path: str, text: str) -> None:

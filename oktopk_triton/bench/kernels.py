@@ -385,6 +385,8 @@ def format_table(res: Dict) -> str:
         if res.get("load_average") is not None:
             lines.append(f"NOTE: CPU load average {res['load_average']:.1f} over "
                          f"{os.cpu_count()} cores during the run (timings are noisy when > cores).")
+    # not records.table: fixed widths that line up across the runs of several n printed one
+    # under another, and a free-text last column (the byte formula and the gather speed-up)
     hdr = f"{'kernel':<42}{'median ms':>11}{'GB/s':>9}{'% copy':>9}{'vs topk':>9}   bytes"
     lines += [hdr, "-" * len(hdr)]
     for r in res["results"]:

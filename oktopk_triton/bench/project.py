@@ -255,23 +255,20 @@ def format_table(rows: List[Dict[str, Any]], title: str = "") -> str:
     algs = list(dict.fromkeys(r["algorithm"] for r in rows))
     Ps = sorted({r["P"] for r in rows})
     by = {(r["P"], r["algorithm"]): r for r in rows}
-    hdr = ["P"] + algs + ["fastest", "vs dense"]
-    table = [hdr]
-    for P in Ps:
-        here = [by[(P, a)] for a in algs if (P, a) in by]
-        best = min(here, key=lambda r: r["step_ms"])
-        cells = [str(P)]
-        for a in algs:
-            r = by.get((P, a))
-            cells.append("-" if r is None else _fmt_ms(r["step_ms"]) + ("*" if r is best else ""))
+    best = {P: min((by[(P, a)] for a in algs if (P, a) in by), key=lambda r: r["step_ms"])
+            for P in Ps}
+
+    def cell(a):
+        return lambda P: "-" if (P, a) not in by else \
+            _fmt_ms(by[(P, a)]["step_ms"]) + ("*" if by[(P, a)] is best[P] else "")
+
+    def vs_dense(P):
         d = by.get((P, "dense"))
-        cells += [best["algorithm"], f"{d['step_ms'] / best['step_ms']:.1f}x" if d else "-"]
-        table.append(cells)
-    w = [max(len(r[i]) for r in table) for i in range(len(hdr))]
-    lines = [title] if title else []
-    lines += ["  ".join(c.rjust(w[i]) for i, c in enumerate(r)) for r in table]
-    lines.insert(2 if title else 1, "  ".join("-" * x for x in w))
-    return "\n".join(lines)
+        return f"{d['step_ms'] / best[P]['step_ms']:.1f}x" if d else "-"
+    cols = ([("P", str)] + [(a, cell(a)) for a in algs]
+            + [("fastest", lambda P: best[P]["algorithm"]), ("vs dense", vs_dense)])
+    table = records.table(Ps, cols, left=0, sep="  ")
+    return f"{title}\n{table}" if title else table
 
 
 def plot(report: Dict[str, Any], path: str) -> None:
@@ -308,6 +305,16 @@ def plot(report: Dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
+_VALIDATION_COLUMNS = [
+    ("algorithm", lambda r: r["algorithm"]), ("P", lambda r: r["P"]), ("n", lambda r: r["n"]),
+    ("measured ms", lambda r: f"{r['measured_ms']:.2f}"),
+    ("predicted ms", lambda r: f"{r['predicted_ms']:.2f}"),
+    ("error", lambda r: f"{r['error_pct']:+.1f}%"), ("comm ms", lambda r: f"{r['comm_ms']:.2f}"),
+    ("select ms", lambda r: f"{r['select_ms']:.2f}"),
+    ("MB sched", lambda r: f"{r['schedule_mb']:.3f}"),
+    ("MB meas", lambda r: "-" if r["measured_mb"] is None else f"{float(r['measured_mb']):.3f}")]
+
+
 def format_validation(v: Dict[str, Any]) -> str:
     lines = []
     banner = "*** SYNTHETIC INPUT: generated from a known network, NOT a measurement ***"
@@ -330,18 +337,8 @@ def format_validation(v: Dict[str, Any]) -> str:
                          f"{p['measured_ms']:9.3f} ms  model {p['fitted_ms']:9.3f} ms  "
                          f"({p['error_pct']:+.1f}%)")
     lines.append(f"kernels: {v['kernels']['source']} ({v['kernels']['device']})")
-    hdr = ("algorithm", "P", "n", "measured ms", "predicted ms", "error", "comm ms", "select ms",
-           "MB sched", "MB meas")
-    table = [hdr]
-    for r in sorted(v["rows"], key=lambda r: (r["P"], r["algorithm"])):
-        mm = r["measured_mb"]
-        table.append((r["algorithm"], str(r["P"]), str(r["n"]), f"{r['measured_ms']:.2f}",
-                      f"{r['predicted_ms']:.2f}", f"{r['error_pct']:+.1f}%", f"{r['comm_ms']:.2f}",
-                      f"{r['select_ms']:.2f}", f"{r['schedule_mb']:.3f}",
-                      "-" if mm is None else f"{float(mm):.3f}"))
-    w = [max(len(t[i]) for t in table) for i in range(len(hdr))]
-    lines += ["  ".join(c.rjust(w[i]) for i, c in enumerate(t)) for t in table]
-    lines.insert(len(lines) - len(table) + 1, "  ".join("-" * x for x in w))
+    rows = sorted(v["rows"], key=lambda r: (r["P"], r["algorithm"]))
+    lines.append(records.table(rows, _VALIDATION_COLUMNS, left=0, sep="  "))
     ok = "all within" if v["all_within_target"] else "NOT all within"
     lines.append(f"{ok} {v['target_pct']:g}% of the measurement")
     if v["synthetic"]:
@@ -382,19 +379,14 @@ def format_time_to_loss(rows: List[Dict[str, Any]], title: str) -> str:
     algs = list(dict.fromkeys(r["algorithm"] for r in rows))
     Ps = sorted({r["P"] for r in rows})
     by = {(r["P"], r["algorithm"]): r for r in rows}
-    table = [["P"] + [f"{a} (x{by[(Ps[0], a)]['ratio']:.2f})" for a in algs] + ["first"]]
-    for P in Ps:
-        cells = [str(P)]
-        first = "-"
-        for a in algs:
-            r = by[(P, a)]
-            cells.append(f"{r['time_ms']:.1f}" + ("*" if r["first"] else ""))
-            first = a if r["first"] else first
-        table.append(cells + [first])
-    w = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
-    lines = [title] + ["  ".join(c.rjust(w[i]) for i, c in enumerate(r)) for r in table]
-    lines.insert(2, "  ".join("-" * x for x in w))
-    return "\n".join(lines)
+    def cell(a):
+        return lambda P: f"{by[(P, a)]['time_ms']:.1f}" + ("*" if by[(P, a)]["first"] else "")
+
+    def first(P):
+        return next((a for a in reversed(algs) if by[(P, a)]["first"]), "-")
+    cols = ([("P", str)] + [(f"{a} (x{by[(Ps[0], a)]['ratio']:.2f})", cell(a)) for a in algs]
+            + [("first", first)])
+    return f"{title}\n" + records.table(Ps, cols, left=0, sep="  ")
 
 
 if __name__ == "__main__":  # python -m oktopk_triton.bench.project: the CLI's checked path

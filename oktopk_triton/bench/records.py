@@ -174,7 +174,7 @@ def table(rows: Sequence[Any], columns: Sequence[Column], *, markdown: bool = Fa
           left: int = 1, sep: str = " | ") -> str:
     """Rows drawn as a table: one column per ``(header, cell of a row)``. Markdown, or plain
     text aligned in columns (the first ``left`` left-aligned, the rest right-aligned) with a
-    rule under the header."""
+    rule under the header (``-+-`` where ``sep`` is `` | ``, else dashes under each column)."""
     cells = [[h for h, _ in columns]] + [[str(cell(r)) for _, cell in columns] for r in rows]
     if markdown:
         lines = ["| " + " | ".join(c) + " |" for c in cells]
@@ -183,7 +183,8 @@ def table(rows: Sequence[Any], columns: Sequence[Column], *, markdown: bool = Fa
     w = [max(len(c[i]) for c in cells) for i in range(len(columns))]
     lines = [sep.join(c.ljust(w[i]) if i < left else c.rjust(w[i]) for i, c in enumerate(row))
              for row in cells]
-    lines.insert(1, sep.replace(" ", "-").replace("|", "+").join("-" * x for x in w))
+    rule = sep.replace(" ", "-").replace("|", "+") if "|" in sep else sep
+    lines.insert(1, rule.join("-" * x for x in w))
     return "\n".join(lines)
 
 

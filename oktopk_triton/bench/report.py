@@ -7,6 +7,7 @@ import math
 import os
 from typing import Any, Dict, List
 
+from . import records
 from ._common import fmt_bytes as _fmt_bytes
 
 
@@ -69,10 +70,10 @@ def format_table(summary: List[dict], config: Dict[str, Any]) -> str:
         title = (f"density {config['density']:g}, {config['world_size']} ranks, gpt "
                  f"{config['size']} (d {g['d_model']}, {g['n_layer']} layers, context "
                  f"{g['context']}), {config['steps']} steps, {config['optimizer']}")
-        columns = [("val nats/byte" + seeds, 32, loss),
-                   ("bits/byte", 9, lambda r: f"{r['final_val_bpb']:.3f}"),
-                   ("vs dense", 9, lambda r: f"{r.get('loss_vs_dense_pct', 0.0):+.2f}%"),
-                   ("applied/step", 12, lambda r: f"{r['applied_per_step']:.0f}")]
+        columns = [("val nats/byte" + seeds, loss),
+                   ("bits/byte", lambda r: f"{r['final_val_bpb']:.3f}"),
+                   ("vs dense", lambda r: f"{r.get('loss_vs_dense_pct', 0.0):+.2f}%"),
+                   ("applied/step", lambda r: f"{r['applied_per_step']:.0f}")]
         return _table(summary, config, title, columns,
                       "applied = nonzero entries of the reduced gradient; ")
 
@@ -82,35 +83,32 @@ def format_table(summary: List[dict], config: Dict[str, Any]) -> str:
 
     title = (f"density {config['density']:g}, {config['world_size']} ranks, {config['model']}, "
              f"{config['epochs']} epochs")
-    columns = [("test acc %" + seeds, 28, acc),
-               ("vs dense", 9, lambda r: f"{r.get('acc_vs_dense_points', 0.0):+.2f}")]
+    columns = [("test acc %" + seeds, acc),
+               ("vs dense", lambda r: f"{r.get('acc_vs_dense_points', 0.0):+.2f}")]
     return _table(summary, config, title, columns, "")
 
 
-# the columns every results table ends with: (header, width, cell of a summary row)
+# the columns every results table ends with: (header, cell of a summary row)
 _TABLE_TAIL = [
-    ("bytes/rank/step", 16, lambda r: _fmt_bytes(r["bytes_per_step"])),
-    ("x dense", 8, lambda r: f"{r.get('bytes_vs_dense', float('nan')):.4f}"),
-    ("time/step ms", 13, lambda r: f"{r['time_per_step_ms']:.1f}"),
-    ("reduce ms", 10, lambda r: f"{r['reduce_ms']:.2f}"),
-    ("replicas", 9, lambda r: "identical" if r["replicas_identical"] else "DIVERGED"),
+    ("bytes/rank/step", lambda r: _fmt_bytes(r["bytes_per_step"])),
+    ("x dense", lambda r: f"{r.get('bytes_vs_dense', float('nan')):.4f}"),
+    ("time/step ms", lambda r: f"{r['time_per_step_ms']:.1f}"),
+    ("reduce ms", lambda r: f"{r['reduce_ms']:.2f}"),
+    ("replicas", lambda r: "identical" if r["replicas_identical"] else "DIVERGED"),
 ]
 
 
 def _table(summary: List[dict], config: Dict[str, Any], title: str, columns, note: str) -> str:
-    """A results table: one row per algorithm, ``columns`` (the metric first) then the tail
-    columns, a FAILED row for a run that failed, and the model's size and k below."""
-    cols = list(columns) + _TABLE_TAIL
-    head = f"{'algorithm':<10} " + " ".join(f"{h:>{w}}" for h, w, _ in cols)
-    lines = [title, head, "-" * len(head)]
-    for r in summary:
-        if r["status"] != "ok":
-            lines.append(f"{r['algorithm']:<10} {'FAILED':>{cols[0][1]}}")
-            continue
-        lines.append(f"{r['algorithm']:<10} " + " ".join(f"{cell(r):>{w}}" for _, w, cell in cols))
-    ok = [r for r in summary if r.get("numel")]
-    if ok:
-        n = ok[0]["numel"]
+    """A results table (records.table): one row per algorithm, ``columns`` (the metric first)
+    then the tail columns, FAILED for a run that failed, and the model's size and k below."""
+    def ok(cell, failed=""):
+        return lambda r: cell(r) if r["status"] == "ok" else failed
+    cols = [("algorithm", lambda r: r["algorithm"]), (columns[0][0], ok(columns[0][1], "FAILED"))]
+    cols += [(h, ok(cell)) for h, cell in list(columns[1:]) + _TABLE_TAIL]
+    lines = [title, records.table(summary, cols, sep="  ")]
+    ok_rows = [r for r in summary if r.get("numel")]
+    if ok_rows:
+        n = ok_rows[0]["numel"]
         lines.append(f"(model: {n} parameters; sparse k = {max(1, round(config['density'] * n))} "
                      f"at density {config['density']:g}; {note}bytes counted by the communicator)")
     return "\n".join(lines)
