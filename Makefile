@@ -41,7 +41,7 @@ bench: install
 	$(PY) -m oktopk_triton.cli kernels
 
 gpu-check:
-	python3 tools/gpu_check.py --out $(or $(GPU_CHECK_OUT),bench/results)
+	python3 tools/gpu_check.py $(if $(GPU_CHECK_OUT),--out $(GPU_CHECK_OUT))
 
 clean:
 	rm -rf .venv build *.egg-info .pytest_cache

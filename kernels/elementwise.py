@@ -7,7 +7,7 @@ shows Inf; ``(~isfinite(g)).any()`` wrote and read an n-byte mask as well).  ``f
 normal step pays one launch and no traffic (``torch.where(flag, nan, out)`` read and wrote all of
 ``out`` every step).  ``dense_zeros`` is the output buffer (one memset).  The number: at
 n = 2^26 such a full read + write of ``out`` is a copy, 0.19 ms on an H100
-(bench/results/gpu-kernel-variants-call1.json), paid on every step for a flag that is almost
+(bench/results/kernels/gpu-kernel-variants-call1.json), paid on every step for a flag that is almost
 always 0; ``fill_if`` pays one launch.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ Why it is shaped so: clear_sent reads only the sent entries: each one binary-sea
 the sorted global indices of its region (a fixed number of steps) and zeroes the residual where
 found, so the cost is O(entries · log capacity) and independent of n (not measured on its
 own; a scan of the region would cost at least a read of it: 0.11 ms at n = 2^26, 0.37 ms at 2^28
-on an H100, bench/results/gpu-kernel-variants-call1.json).
+on an H100, bench/results/kernels/gpu-kernel-variants-call1.json).
 """
 from __future__ import annotations
 

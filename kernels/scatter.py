@@ -11,7 +11,7 @@ It replaced ``out.index_put_(..., accumulate=True)`` over every padded slot, whi
 them (padding at index 0 included): 40 ms per step at n = 2^26, P = 4 on an H100
 (docs/gpu-measurements.md).  On the same H100, one scatter of the selection rows at n = 2^26,
 P = 4, 1%: scatter_rows 0.155 ms against 0.544 ms for index_put_(accumulate=True)
-(bench/results/gpu-kernel-variants-call1.json).  Bytes: 12 per written entry (index, value,
+(bench/results/kernels/gpu-kernel-variants-call1.json).  Bytes: 12 per written entry (index, value,
 out).
 """
 from __future__ import annotations

@@ -22,14 +22,16 @@ ever needed; the tests force this path.  With fewer than k nonzero finite entrie
 is 0 (select every nonzero).  The torch path (CPU) computes the same exact value with
 ``torch.topk``.  Bytes: 4·len (fp32 x) plus the sample and the candidates.
 
-Measured on the H100 (bench/results/gpu-kernel-variants-call1.json): the window pass with ONE
-slot counter for the whole grid took 1.22 ms at 2^28 (30% of the read bandwidth; BLOCK 4096 /
-8 warps best, 8192 / 16 warps 1.68 ms), hence ``WINDOW_SEGMENTS`` counters (program p appends to
-segment p % 32); the candidate sort took ~0.12 ms.
+Measured on the H100 (bench/results/kernels/gpu-kernel-variants-call1.json): the window pass
+with ONE slot counter for the whole grid took 1.22 ms at 2^28 (30% of the read bandwidth;
+BLOCK 4096 / 8 warps best, 8192 / 16 warps 1.68 ms), hence ``WINDOW_SEGMENTS`` counters (program p
+appends to segment p % 32); the candidate sort took ~0.12 ms.
 
-Measured again on the H100 after the rewrite (2026-11-25, bench/results/gpu-kernels-2026-11-25.json
-and gpu-profile-threshold-2026-11-25.json): 1.34 / 2.17 / 2.11 ms at 2^24 / 2^26 / 2^28, i.e.
-0.30x / 0.72x / 2.8x torch.topk (goals: <= 0.8 ms and 7x at 2^28, 5x below).  Two causes:
+Measured again on the H100 after the rewrite (2026-11-25,
+bench/results/kernels/gpu-kernels-2026-11-25.json and
+bench/results/gpu-profile/gpu-profile-threshold-2026-11-25.json): 1.34 / 2.17 / 2.11 ms at
+2^24 / 2^26 / 2^28, i.e. 0.30x / 0.72x / 2.8x torch.topk (goals: <= 0.8 ms and 7x at 2^28, 5x
+below).  Two causes:
 * launches: one call is 102 launches (the sample sort, the candidate sort, the histogram
   fallback's gated passes and their small torch ops); at 2^24 the kernels are busy 0.33 ms of a
   1.66 ms call, at 2^26 0.61 of 1.69.  Fewer, fused launches (or a CUDA graph) are the fix;

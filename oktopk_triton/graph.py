@@ -2,9 +2,9 @@
 
 Why: on an H100 one steady Ok-Topk step is 275 kernel launches, and launching them is most of
 its time (n = 2^26, one rank: 5.59 ms a step with the kernels busy 1.91 ms; replayed from a graph,
-2.14 ms; ``bench/results/gpu-profile-graph-2026-11-25.json``). A steady step has static sizes, reads
-nothing on the host and updates its state in place, so it can be captured once and replayed as
-one launch.
+2.14 ms; ``bench/results/gpu-profile/gpu-profile-graph-2026-11-25.json``). A steady step has
+static sizes, reads nothing on the host and updates its state in place, so it can be captured
+once and replayed as one launch.
 
     step = GraphedStep(algorithm)          # after building it; CUDA tensors, NCCL or one rank
     for batch in loader:

@@ -40,11 +40,11 @@ step waits for is taken (``schedule(rank=None)``).
   :func:`entry_work`.
 
 The copy bandwidth and the two measured kernels come from the newest
-``bench/results/gpu-kernels-*.json`` when one exists (``oktopk-bench kernels`` on a GPU, at its
-largest n; or the ``tools/gpu_kernel_variants.py`` row format), else from the
+``bench/results/kernels/gpu-kernels-*.json`` when one exists (``oktopk-bench kernels`` on a GPU,
+at its largest n; or the ``tools/gpu_kernel_variants.py`` row format), else from the
 **defaults** (:data:`DEFAULT_KERNELS`), an H100's own measurements at n = 2^28
-(``bench/results/gpu-kernel-variants-call1.json``): copy bandwidth 2.94 TB/s, the fused select
-with its histogram 2.90 ms (32 bytes-equivalent per element at that bandwidth, for the 12 it
+(``bench/results/kernels/gpu-kernel-variants-call1.json``): copy bandwidth 2.94 TB/s, the fused
+select with its histogram 2.90 ms (32 bytes-equivalent per element at that bandwidth, for the 12 it
 moves), ``torch.topk`` 5.83 ms (64 bytes-equivalent: a multi-pass radix select).
 
 Not modeled: launch and Python overheads (tens of kernels a step, ~10 µs each); overlap of
@@ -155,9 +155,10 @@ class KernelCosts:
 
 
 _N28 = float(1 << 28)
-# An H100 80GB HBM3 at n = 2^28 (bench/results/gpu-kernel-variants-call1.json, 2026-11-23): copy
-# 0.731 ms (2.94 TB/s); fused select with the in-pass histogram at the launcher's configuration
-# (BLOCK 2048, 4 warps) 2.90 ms, i.e. 32 bytes-equivalent per element at that bandwidth for the
+# An H100 80GB HBM3 at n = 2^28 (bench/results/kernels/gpu-kernel-variants-call1.json,
+# 2026-11-23): copy 0.731 ms (2.94 TB/s); fused select with the in-pass histogram at the
+# launcher's configuration (BLOCK 2048, 4 warps) 2.90 ms, i.e. 32 bytes-equivalent per element at
+# that bandwidth for the
 # 12 it moves; torch.topk(acc.abs(), k) 5.83 ms (64 bytes-equivalent: a multi-pass radix select).
 DEFAULT_KERNELS = KernelCosts(copy_bandwidth=8 * _N28 / 0.731e-3, fused_select_s=2.90e-3 / _N28,
                               topk_s=5.83e-3 / _N28, source="default",
@@ -196,8 +197,8 @@ PASSES = {
 
 
 def find_kernels_json(folder: str = os.path.join("bench", "results")) -> Optional[str]:
-    """The newest ``gpu-kernels-*.json`` in ``folder``."""
-    paths = sorted(glob.glob(os.path.join(folder, "gpu-kernels-*.json")),
+    """The newest ``gpu-kernels-*.json`` in ``folder`` or below it (its ``kernels/`` folder)."""
+    paths = sorted(glob.glob(os.path.join(folder, "**", "gpu-kernels-*.json"), recursive=True),
                    key=lambda p: (os.path.getmtime(p), p))
     return paths[-1] if paths else None
 

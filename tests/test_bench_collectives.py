@@ -235,7 +235,7 @@ def test_default_json_path_names_date_and_device():
     path = C.default_json_path({"date": "2026-11-23T10:00:00+00:00",
                                 "device": "NVIDIA H100 80GB HBM3"})
     assert path.replace("\\", "/").endswith(
-        "bench/results/gpu-collectives-2026-11-23-nvidia-h100-80gb-hbm3.json")
+        "bench/results/collectives/gpu-collectives-2026-11-23-nvidia-h100-80gb-hbm3.json")
 
 
 def test_nccl_backend_plumbing_with_fakes(tmp_path, monkeypatch, capsys):

@@ -88,4 +88,5 @@ def test_goals_judged_on_cuda_rows():
     cpu["device_type"] = "cpu"
     assert all(g["met"] is None for g in bench.evaluate_goals([cpu]))
     assert "not evaluated" in bench.format_goals(bench.evaluate_goals([cpu]))
-    assert bench.default_json_path("2026-11-23") == "bench/results/gpu-kernels-2026-11-23.json"
+    assert bench.default_json_path("2026-11-23") == os.path.join(
+        "bench", "results", "kernels", "gpu-kernels-2026-11-23.json")

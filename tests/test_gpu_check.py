@@ -81,6 +81,15 @@ def test_ddp_stage_flags_parse(gc, tmp_path):
         assert args.command == name
 
 
+def test_default_out_puts_each_file_in_its_benchmark_folder(gc, tmp_path):
+    st = {s.name: s for s in gc.build_stages(str(tmp_path), "2026-11-23", by_benchmark=True)}
+    assert st["kernels"].outputs == [str(tmp_path / "kernels" / "gpu-kernels-2026-11-23.json")]
+    assert st["ddp"].outputs[0] == str(tmp_path / "ddp" / "ddp-nccl-2026-11-23.json")
+    assert all(os.path.dirname(o) == str(tmp_path / "collectives")
+               for s in st.values() if s.name.startswith("collectives") for o in s.outputs)
+    assert st["graph"].outputs[0].startswith(str(tmp_path / "gpu-profile") + os.sep)
+
+
 FAKE_MPS = r"""#!/bin/bash
 pipe="${CUDA_MPS_PIPE_DIRECTORY:-/tmp/nvidia-mps}"
 case "$1" in
@@ -103,8 +112,8 @@ def test_runner_limits_mps_and_summary(gc, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("CUDA_MPS_LOG_DIRECTORY", str(tmp_path / "log"))
     real = gc.build_stages
 
-    def stand_ins(out_dir, date, python=sys.executable, timeout_scale=1.0):
-        st = {s.name: s for s in real(out_dir, date, python, timeout_scale)}
+    def stand_ins(out_dir, date, python=sys.executable, timeout_scale=1.0, **kw):
+        st = {s.name: s for s in real(out_dir, date, python, timeout_scale, **kw)}
         py = [sys.executable, "-c"]
         # tests: fails; kernels: writes its JSON (and sees the MPS pipe directory); ddp: hangs
         st["tests"].argv = py + ["import sys; print('1 failed'); sys.exit(3)"]

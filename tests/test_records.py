@@ -32,7 +32,19 @@ def test_old_files_read_like_new_ones(tmp_path):
     assert records.read(str(tmp_path / "sub" / "k.json"))["rows"] == [1]
     idx = records.index(str(tmp_path))
     assert [(e["file"], e["benchmark"]) for e in idx] == [
-        ("ddp-y.json", "ddp"), ("lm-z.json", "lm-merge"), ("train-x.json", "train")]
+        ("ddp-y.json", "ddp"), ("lm-z.json", "lm-merge"), ("sub/k.json", "kernels"),
+        ("train-x.json", "train")]
+
+
+def test_one_folder_per_benchmark(monkeypatch, tmp_path):
+    monkeypatch.setenv(records.RESULTS_ENV, str(tmp_path))
+    assert records.results_path("gpu-kernels-x.json") == str(tmp_path / "kernels" /
+                                                              "gpu-kernels-x.json")
+    assert records.folder_of("gpu-kernel-variants-call1.json") == "kernels"
+    assert records.folder_of("a/gpu-collectives-P4.json") == "collectives"
+    assert (records.folder_of("lm-a.json"), records.folder_of("techniques-b.json")) == (
+        "lm", "techniques")
+    assert records.folder_of("notes.json") == ""
 
 
 def test_merge_by_key_keeps_the_later_in_the_earlier_place():

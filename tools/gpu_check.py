@@ -91,13 +91,14 @@ class Stage:
 
 
 def build_stages(out_dir: str, date: str, python: str = sys.executable,
-                 timeout_scale: float = 1.0) -> List[Stage]:
-    """Every stage, in order (install and mps-start are conditional at run time)."""
+                 timeout_scale: float = 1.0, by_benchmark: bool = False) -> List[Stage]:
+    """Every stage, in order (install and mps-start are conditional at run time); each file in
+    its benchmark's folder under ``out_dir`` with ``by_benchmark``, else in ``out_dir``."""
     def t(name: str) -> float:
         return round(TIMEOUTS[name] * timeout_scale, 1)
 
     def out(name: str) -> str:
-        return os.path.join(out_dir, name)
+        return os.path.join(out_dir, _records().folder_of(name) if by_benchmark else "", name)
 
     bench = [python, "-m", "oktopk_triton.cli"]
     stages = [
@@ -345,8 +346,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="gpu_check", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None,
-                    help="directory for every JSON, the logs and the summary (default: "
-                         "bench/results of this checkout)")
+                    help="directory for every JSON, the logs and the summary (default: each "
+                         "benchmark's folder under bench/results of this checkout)")
     ap.add_argument("--dry-run", action="store_true",
                     help="print the commands and check the tools; run nothing")
     ap.add_argument("--only", nargs="+", default=None, metavar="STAGE", help="run only these")
@@ -359,7 +360,9 @@ def main(argv=None) -> int:
     date = args.date or datetime.date.today().isoformat()
     out_dir = os.path.abspath(args.out) if args.out else os.path.join(REPO, "bench", "results")
     python = sys.executable
-    stages = build_stages(out_dir, date, python, args.timeout_scale)
+    stages = build_stages(out_dir, date, python, args.timeout_scale, by_benchmark=not args.out)
+    if not args.out:      # the summary and the logs: the gpu-check benchmark's own folder
+        out_dir = os.path.join(out_dir, _records().folder_of("gpu-check"))
     names = [s.name for s in stages]
     for n in (args.only or []) + args.skip:
         if n not in names:

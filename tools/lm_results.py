@@ -1,7 +1,7 @@
 """Merge ``oktopk-bench train --model gpt`` runs into one results file, and print its tables.
 
     python tools/lm_results.py merge OUT.json PART.json [PART.json ...]
-    python tools/lm_results.py tables bench/results/lm-cpu-2026-11-23.json
+    python tools/lm_results.py tables bench/results/lm/lm-cpu-2026-11-23.json
     python tools/lm_results.py movement dense=A.json:dense oktopk=B.json:oktopk ...
     python tools/lm_results.py ablation OUT.json LABEL=PART.json[:algorithm[:seed]] ...
     python tools/lm_results.py plot OUT.png MERGED.json [LABEL=PART.json:algorithm ...]

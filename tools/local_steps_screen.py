@@ -19,7 +19,7 @@ import sys
 from oktopk_triton.bench import records
 from oktopk_triton.planning import steps_ratio
 
-DENSE = "bench/results/lm-gpt1m-cpu-1200steps-2026-11-25.json"
+DENSE = "bench/results/lm/lm-gpt1m-cpu-1200steps-2026-11-25.json"
 
 
 def dense_run(path: str, seed: int) -> dict:

@@ -2,8 +2,9 @@
 
     python tools/readme_tables.py            # all tables
 The README quotes this output verbatim, so every number there comes from a recorded file. It
-first rewrites bench/results/index.json (one entry per result file: benchmark, date, commit,
-dirty, device; oktopk_triton.bench.records.index) and picks the files from that index.
+first rewrites bench/results/index.json (one entry per result file below bench/results: its
+path there, benchmark, date, commit, dirty, device; oktopk_triton.bench.records.index) and
+finds every file it draws through that index.
 """
 from __future__ import annotations
 
@@ -16,15 +17,23 @@ sys.path.insert(0, ROOT)
 from oktopk_triton.bench import records  # noqa: E402
 
 
+def _index():
+    """The entries of bench/results/index.json (main rewrites it first)."""
+    return records.read(os.path.join(RES, "index.json"))["files"]
+
+
 def _load(name):
-    p = os.path.join(RES, name)
-    return records.read(p) if os.path.exists(p) else None
+    """The record the index lists as ``name`` (its path under bench/results, or its file name);
+    None when it lists none."""
+    rel = next((e["file"] for e in _index() if name in (e["file"], os.path.basename(e["file"]))),
+               None)
+    return records.read(os.path.join(RES, rel)) if rel else None
 
 
 def _files(entries, benchmark: str, prefix: str = ""):
-    """The index's files of ``benchmark`` whose names start with ``prefix``, sorted."""
-    return sorted(e["file"] for e in entries
-                  if e["benchmark"] == benchmark and e["file"].startswith(prefix))
+    """The index's files of ``benchmark`` whose names start with ``prefix``, sorted by name."""
+    return sorted((e["file"] for e in entries if e["benchmark"] == benchmark
+                   and os.path.basename(e["file"]).startswith(prefix)), key=os.path.basename)
 
 
 def train_table(name: str) -> str:
@@ -55,6 +64,7 @@ def collectives_table(name: str) -> str:
     d = _load(name)
     if d is None:
         return f"(no {name})\n"
+    name = os.path.basename(name)
     rows = d["results"]
     Ps = sorted({r["P"] for r in rows})
     algs = []

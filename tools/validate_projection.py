@@ -45,8 +45,8 @@ def main(argv=None) -> int:
     ap.add_argument("--write-synthetic", default=None, metavar="PATH",
                     help="also write the generated JSON here")
     ap.add_argument("--kernels", default=None,
-                    help="kernels JSON (default: newest bench/results/gpu-kernels-*.json, else "
-                         "the built-in defaults; 'none': the defaults)")
+                    help="kernels JSON (default: newest bench/results/kernels/gpu-kernels-*.json, "
+                         "else the built-in defaults; 'none': the defaults)")
     ap.add_argument("--fit", choices=("per-P", "global"), default="per-P")
     ap.add_argument("--ranks-per-gpu", type=int, default=None)
     ap.add_argument("--target", type=float, default=25.0, help="goal in percent (25)")

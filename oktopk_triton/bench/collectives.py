@@ -19,7 +19,7 @@ Backends:
   detected and recorded (``mps``), and a loud warning goes to stderr when ranks share a GPU
   without it. ``--comm cupy`` (default): ``NcclCommunicator`` (CuPy NCCL, bootstrapped through a
   gloo group); ``--comm torch``: ``TorchCommunicator`` on an NCCL group. Without
-  ``--json`` the report goes to ``bench/results/gpu-collectives-<date>-<device>.json``.
+  ``--json`` the report goes to ``bench/results/collectives/gpu-collectives-<date>-<device>.json``.
 
 For the process backends, one group of P processes runs the probes and then every algorithm in
 turn (CUDA and NCCL start once per P); an algorithm that fails ends its group and the remaining
@@ -101,7 +101,7 @@ def add_arguments(p) -> None:
                         "(gloo group timeout, NcclCommunicator watchdog; default 300)")
     p.add_argument("--json", type=A.out_path, default=None,
                    help="write the results JSON here (nccl default: "
-                        "bench/results/gpu-collectives-<date>-<device>.json)")
+                        "bench/results/collectives/gpu-collectives-<date>-<device>.json)")
     p.add_argument("--plot", type=A.out_path, default=None,
                    help="write a bytes-vs-P plot (PNG) here")
     p.add_argument("--quiet", action="store_true", help="print only the final table")

@@ -164,10 +164,9 @@ def sparse_modes() -> List[Optional[str]]:
     return ["bucket", "flat"] if "mode" in params else [None]
 
 
-def default_json_path(backend: str, date: Optional[str] = None,
-                      out_dir: str = "bench/results") -> str:
+def default_json_path(backend: str, date: Optional[str] = None) -> str:
     date = date or datetime.date.today().isoformat()
-    return os.path.join(out_dir, f"ddp-{backend}-{date}.json")
+    return records.results_path(f"ddp-{backend}-{date}.json")
 
 
 # -- the runs --------------------------------------------------------------------------------------

@@ -23,10 +23,10 @@ grad, k = density * n, P regions), it times:
 
 Every row has ``kernel`` (a stable id), ``n``, ``ms`` (median), its bytes formula, GB/s and
 the % of the copy bandwidth of the same run.  CUDA: CUDA events after warm-up, median of >= 10
-repeats; JSON to ``bench/results/gpu-kernels-<date>.json`` unless ``--json`` says otherwise.  CPU:
-the torch path (or the Triton interpreter) at small n, a functionality check and no performance
-claim.  The kernel goals are printed (and stored under ``goals``) against the rows.
-"""
+repeats; JSON to ``bench/results/kernels/gpu-kernels-<date>.json`` unless ``--json`` says
+otherwise.  CPU: the torch path (or the Triton interpreter) at small n, a functionality check
+and no performance claim.  The kernel goals are printed (and stored under ``goals``) against the
+rows. """
 from __future__ import annotations
 
 import argparse
@@ -76,7 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=A.out_path, default=None, metavar="PATH",
                    help="write the results as JSON here (default on CUDA: "
-                        "bench/results/gpu-kernels-<date>.json; none on CPU)")
+                        "bench/results/kernels/gpu-kernels-<date>.json; none on CPU)")
 
 
 def _timer(device: torch.device, fn: Callable[[], object], repeats: int, warmup: int,

@@ -67,8 +67,8 @@ def add_arguments(p) -> None:
     p.add_argument("--check-finite", choices=("skip", "off"), default="skip",
                    help="skip (default): every step allreduces a 4-byte non-finite flag")
     p.add_argument("--kernels", default=None,
-                   help="kernels JSON (default: newest bench/results/gpu-kernels-*.json, else the "
-                        "built-in defaults); 'none' forces the defaults")
+                   help="kernels JSON (default: newest bench/results/kernels/gpu-kernels-*.json, "
+                        "else the built-in defaults); 'none' forces the defaults")
     p.add_argument("--topkdsa-fill", type=float, default=None,
                    help="TopkDSA's largest reduced region in units of its cap (default: the fit "
                         "0.74 + 0.465 log2 P)")

@@ -18,7 +18,8 @@ Header (top-level keys, :func:`header`):
 
 Files written before the header (``git`` or ``git_commit`` holding ``SHA[-dirty]``, no
 ``benchmark``) read the same through :func:`read`. Default output paths are relative to one
-base, :func:`results_dir`.
+base, :func:`results_dir`, with one folder per benchmark in it (:func:`results_path`);
+``index.json`` there lists every file by its path relative to the base (:func:`index`).
 """
 from __future__ import annotations
 
@@ -43,8 +44,26 @@ def results_dir() -> str:
     return os.environ.get(RESULTS_ENV) or os.path.join("bench", "results")
 
 
+# file-name prefix -> (its folder under results_dir, the benchmark of a file from before the
+# header); the longer prefix first
+_PLACES = (("gpu-kernel-variants", "kernels", "kernel-variants"),
+           ("gpu-kernels", "kernels", "kernels"), ("gpu-collectives", "collectives", "collectives"),
+           ("collectives", "collectives", "collectives"), ("ddp", "ddp", "ddp"),
+           ("gpu-check", "gpu-check", "gpu-check"), ("gpu-tests", "gpu-check", None),
+           ("gpu-profile", "gpu-profile", "gpu-profile"), ("train", "train", "train"),
+           ("techniques", "techniques", "train"), ("lm-", "lm", "lm-merge"),
+           ("project", "project", "project"), ("teardown", "teardown", "teardown-loop"))
+
+
+def folder_of(name: str) -> str:
+    """The benchmark folder a result file of this name belongs in (``""``: none known)."""
+    base = os.path.basename(name)
+    return next((folder for prefix, folder, _ in _PLACES if base.startswith(prefix)), "")
+
+
 def results_path(name: str) -> str:
-    return os.path.join(results_dir(), name)
+    """``name``'s default path: its benchmark's folder under :func:`results_dir`."""
+    return os.path.join(results_dir(), folder_of(name), name)
 
 
 def now() -> str:
@@ -116,14 +135,6 @@ def write(path: str, record: Dict[str, Any], *, compact: bool = False) -> str:
     return path
 
 
-# file-name prefixes of the files written before the header, and what wrote them
-_OLD_NAMES = (("gpu-kernel-variants", "kernel-variants"), ("gpu-kernels", "kernels"),
-              ("gpu-collectives", "collectives"), ("collectives", "collectives"),
-              ("ddp", "ddp"), ("gpu-check", "gpu-check"), ("gpu-profile", "gpu-profile"),
-              ("train", "train"), ("techniques", "train"), ("lm-", "lm-merge"),
-              ("project", "project"), ("teardown", "teardown-loop"))
-
-
 def read(path: str) -> Dict[str, Any]:
     """A result JSON with its header filled in: files from before the header get ``commit``
     and ``dirty`` from ``git`` / ``git_commit`` and ``benchmark`` from their name."""
@@ -141,7 +152,7 @@ def read(path: str) -> Dict[str, Any]:
             d["commit"], d["dirty"] = split_commit(old)
     if not d.get("benchmark"):
         name = os.path.basename(path)
-        d["benchmark"] = next((b for prefix, b in _OLD_NAMES if name.startswith(prefix)), None)
+        d["benchmark"] = next((b for prefix, _, b in _PLACES if name.startswith(prefix)), None)
     return d
 
 
@@ -155,13 +166,16 @@ def merge(items: Iterable[Dict[str, Any]], key: Callable[[Dict[str, Any]], Any]
 
 
 def index(folder: str) -> List[Dict[str, Any]]:
-    """One entry per result JSON in ``folder``: file, benchmark, date, commit, dirty, device."""
+    """One entry per result JSON in ``folder`` and its subfolders: file (its path relative to
+    ``folder``), benchmark, date, commit, dirty, device."""
     out = []
-    for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
-        if os.path.basename(path) == "index.json":
+    paths = glob.glob(os.path.join(folder, "**", "*.json"), recursive=True)
+    for path in sorted(paths, key=lambda p: os.path.relpath(p, folder)):
+        rel = os.path.relpath(path, folder).replace(os.sep, "/")
+        if rel == "index.json":
             continue
         d = read(path)
-        out.append({"file": os.path.basename(path), "benchmark": d.get("benchmark"),
+        out.append({"file": rel, "benchmark": d.get("benchmark"),
                     "date": str(d.get("date") or "")[:10] or None, "commit": d.get("commit"),
                     "dirty": d.get("dirty"), "device": d.get("device")})
     return out

@@ -173,7 +173,7 @@ def _add_output_arguments(p: argparse.ArgumentParser) -> None:
                         "residual_decay, given to dense too (dense pseudo-gradients)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: NCCL on GPUs when there are >= world-size of them, else gloo/CPU")
-    p.add_argument("--tag", default=None, help="results name: bench/results/train-<tag>.json")
+    p.add_argument("--tag", default=None, help="results name: bench/results/train/train-<tag>.json")
     p.add_argument("--json", type=A.out_path, default=None,
                    help="results JSON path (default from --tag)")
     p.add_argument("--plot", type=A.out_path, default=None,
@@ -187,7 +187,7 @@ def _add_output_arguments(p: argparse.ArgumentParser) -> None:
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     add_arguments(p)
     # the demo writes to the ignored out/ (a clone stays clean); the committed reference run is
-    # bench/results/train-digits-demo.json
+    # bench/results/train/train-digits-demo.json
     p.set_defaults(tag="digits-demo", json=os.path.join("out", "train-digits-demo.json"))
 
 
