@@ -35,6 +35,7 @@ from .algorithms import get_algorithm
 from .algorithms.base import FLOAT_DTYPES, Algorithm, LossScale
 from .comm.base import Communicator, resolve_device
 from .graph import GraphedStep
+from .ledger import ConservationLedger
 from .local_steps import LocalSteps
 from .techniques import DensitySchedule, FrozenAdam
 
@@ -167,6 +168,7 @@ class SparseAllreduce(torch.nn.Module):
         self._params = params
         self._flat: Optional[torch.Tensor] = None
         self._before: Optional[List[torch.Tensor]] = None   # reduce_updates' weight snapshot
+        self._ledger: Optional[ConservationLedger] = None    # audit(): the run-long check
         self._adam = FrozenAdam.build(adam, self.algorithm, params)
         self._graphed: Optional[GraphedStep] = GraphedStep(self.algorithm) if cuda_graph else None
         if params is not None:
@@ -195,9 +197,25 @@ class SparseAllreduce(torch.nn.Module):
 
     def _reduce(self, flat: torch.Tensor, scale: LossScale) -> torch.Tensor:
         """One step of the algorithm, replayed from its CUDA graph with ``cuda_graph=True``."""
+        ledger = self._ledger
+        if ledger is not None:
+            ledger.fed_in(flat, scale)
         if self._graphed is not None:
-            return self._graphed(flat, scale=scale)
-        return self.algorithm(flat, scale=scale)
+            out = self._graphed(flat, scale=scale)
+        else:
+            out = self.algorithm(flat, scale=scale)
+        if ledger is not None:
+            ledger.delivered(out)
+        return out
+
+    def audit(self) -> ConservationLedger:
+        """Start a run-long conservation audit (:mod:`oktopk_triton.ledger`): from now on every
+        reduction adds its input and output to two fp64 vectors on the device (no host read,
+        nothing sent). ``sar.audit().check()`` at the end, on every rank, allreduces once and
+        returns ``{"checked", "calls", "relative_error", "unchecked"}``. Calling it again
+        starts afresh."""
+        self._ledger = ConservationLedger(self)
+        return self._ledger
 
     def _advance(self) -> None:
         """With a density schedule: at a stage's first step, a reducer at the stage's density

@@ -410,23 +410,38 @@ def algorithm_schedule(name: str, n: int, k: int, P: int, check_finite: str = "s
 
 
 def step_time(name: str, n: int, density: float, P: int, net: Network, kernels: KernelCosts,
-              ranks_per_gpu: int = 1, **schedule_kw) -> Dict[str, Any]:
+              ranks_per_gpu: int = 1, sync_every: int = 1, overlap: bool = False,
+              **schedule_kw) -> Dict[str, Any]:
+    """One step of ``name`` priced: communication + selection, in ms.
+
+    ``sync_every=H`` (local steps; sparse algorithms only, dense is always priced per step):
+    the algorithm's step at ``density`` (the density of one sync) happens every H steps, so
+    its time and bytes per step are divided by H. ``overlap``: that sync could run behind the
+    next H steps' compute (recorded on the row; :func:`time_to_loss` then charges
+    ``max(compute, step)`` instead of ``compute + step``). The library's sync blocks: overlap
+    prices what a pipelined outer step would give, not what ships."""
+    H = 1 if name == "dense" else sync_every
+    if H < 1:
+        raise ValueError(f"sync_every: expected an integer >= 1, got {sync_every!r}")
     k = _k(n, density)
     specs = algorithm_schedule(name, n, k, P, **schedule_kw)
-    comm = comm_time(specs, P, net)
-    sel = selection_time(name, n, kernels, ranks_per_gpu, k, P)
+    comm = comm_time(specs, P, net) / H
+    sel = selection_time(name, n, kernels, ranks_per_gpu, k, P) / H
     return {"algorithm": name, "P": P, "n": n, "k": k, "comm_ms": 1e3 * comm,
             "select_ms": 1e3 * sel, "step_ms": 1e3 * (comm + sel),
-            "bytes_per_rank": sum(s.bytes_per_rank for s in specs),
+            "bytes_per_rank": sum(s.bytes_per_rank for s in specs) / H,
             "messages": sum(s.rounds for s in specs), "calls": len(specs),
+            "sync_every": H, "overlap": bool(overlap and H > 1),
             "collectives": [dataclasses.asdict(s) | {"algorithm_priced": spec_time(s, P, net)[1]}
                             for s in specs]}
 
 
 def project(n: int, density: float, world_sizes: Sequence[int], net: Network,
             kernels: KernelCosts, algorithms: Sequence[str] = ALGORITHMS,
+            sync_every: int = 1, overlap: bool = False,
             **schedule_kw) -> List[Dict[str, Any]]:
-    return [step_time(a, n, density, P, net, kernels, **schedule_kw)
+    return [step_time(a, n, density, P, net, kernels, sync_every=sync_every, overlap=overlap,
+                      **schedule_kw)
             for P in world_sizes for a in algorithms]
 
 
@@ -741,10 +756,13 @@ def time_to_loss(rows: List[Dict[str, Any]], ratios: Dict[str, float],
                  compute_ms: float = 0.0) -> List[Dict[str, Any]]:
     """Per (P, algorithm) with a ratio: ``(step_ms + compute_ms) × ratio``, the projected time to
     reach the loss the algorithm ends at, in units of dense steps' time, and whether it is first
-    at its P."""
+    at its P. A row with ``overlap`` (local steps whose sync runs behind the next steps'
+    compute) costs ``max(step_ms, compute_ms)`` a step instead of the sum."""
+    def total(r):
+        return (max(r["step_ms"], compute_ms) if r.get("overlap")
+                else r["step_ms"] + compute_ms)
     out = [{"P": r["P"], "algorithm": r["algorithm"], "ratio": ratios[r["algorithm"]],
-            "step_ms": r["step_ms"] + compute_ms,
-            "time_ms": (r["step_ms"] + compute_ms) * ratios[r["algorithm"]]}
+            "step_ms": total(r), "time_ms": total(r) * ratios[r["algorithm"]]}
            for r in rows if r["algorithm"] in ratios]
     for P in {r["P"] for r in out}:
         here = [r for r in out if r["P"] == P]

@@ -146,3 +146,54 @@ def test_baselines_are_priced_from_dense_and_oktopk():
     assert psgd["step_ms"] == pytest.approx(
         1e3 * (4 * (P - 1) * net.latency + ok["bytes_per_rank"] / net.bandwidth))
     assert project.baseline_rows(rows, {"oktopk": 2.0}, n, 0.01, net, DEFAULT_KERNELS) == []
+
+
+def test_local_steps_divide_a_sparse_step_by_h_and_leave_dense_per_step():
+    from oktopk_triton.planning import DEFAULT_KERNELS, parse_net
+    net = parse_net("100Gbps")
+    n, P, d = 1 << 24, 8, 0.08
+    per_step = {r["algorithm"]: r for r in lm.project(n, d, [P], net, DEFAULT_KERNELS,
+                                                       ["dense", "oktopk"])}
+    local = {r["algorithm"]: r for r in lm.project(n, d, [P], net, DEFAULT_KERNELS,
+                                                    ["dense", "oktopk"], sync_every=4)}
+    ok, ok4 = per_step["oktopk"], local["oktopk"]
+    assert ok4["step_ms"] == pytest.approx(ok["step_ms"] / 4)
+    assert ok4["bytes_per_rank"] == pytest.approx(ok["bytes_per_rank"] / 4)
+    assert ok4["sync_every"] == 4 and ok4["overlap"] is False
+    assert local["dense"]["step_ms"] == per_step["dense"]["step_ms"]   # dense: every step
+    assert local["dense"]["sync_every"] == 1
+    # the compact wire halves Ok-Topk's sparse bytes (4 bytes an entry instead of 8)
+    compact = lm.project(n, d, [P], net, DEFAULT_KERNELS, ["oktopk"], wire_format="compact")[0]
+    assert 0.4 < compact["bytes_per_rank"] / ok["bytes_per_rank"] < 0.6
+    with pytest.raises(ValueError, match="sync_every"):
+        lm.step_time("oktopk", n, d, P, net, DEFAULT_KERNELS, sync_every=0)
+
+
+def test_overlapped_sync_costs_the_larger_of_compute_and_sync():
+    rows = [{"P": 4, "algorithm": "oktopk", "step_ms": 30.0, "overlap": True},
+            {"P": 4, "algorithm": "gtopk", "step_ms": 30.0, "overlap": False}]
+    t = {r["algorithm"]: r for r in lm.time_to_loss(rows, {"oktopk": 2.0, "gtopk": 2.0},
+                                                     compute_ms=100.0)}
+    assert t["oktopk"]["time_ms"] == pytest.approx(200.0)      # max(100, 30) x 2
+    assert t["gtopk"]["time_ms"] == pytest.approx(260.0)       # (100 + 30) x 2
+    t = lm.time_to_loss(rows[:1], {"oktopk": 2.0}, compute_ms=10.0)
+    assert t[0]["time_ms"] == pytest.approx(60.0)              # the sync is the longer
+
+
+def test_project_cli_sync_every_and_its_errors(capsys, tmp_path):
+    import argparse
+    p = argparse.ArgumentParser()
+    project.add_arguments(p)
+    out = tmp_path / "p.json"
+    args = p.parse_args(["--n", "1000000", "--world-sizes", "4", "--net", "100Gbps",
+                         "--density", "0.08", "--wire-format", "compact", "--sync-every", "4",
+                         "--algorithms", "dense", "oktopk", "--json", str(out)])
+    assert project.main(args) == 0
+    assert "sparse syncing every 4 steps" in capsys.readouterr().out
+    rep = json.loads(out.read_text())
+    assert rep["sync_every"] == 4 and rep["wire_format"] == "compact"
+    ok = next(r for r in rep["cases"][0]["rows"] if r["algorithm"] == "oktopk")
+    assert ok["sync_every"] == 4
+    bad = p.parse_args(["--n", "1000000", "--world-sizes", "4", "--overlap"])
+    with pytest.raises(SystemExit, match="--overlap: expected --sync-every"):
+        project.main(bad)

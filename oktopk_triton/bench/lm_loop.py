@@ -258,6 +258,7 @@ def train_one_lm(cfg, algorithm: str, seed: int, comm, device, data, log) -> Dic
     model = GPT(gcfg).to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     red = _LMReducer(cfg, algorithm, model, params, comm, device)
+    ledger = red.sar.audit() if red.hook is None else None   # conservation, checked at the end
     init_identical = replicas_identical(model)
     counter = _LayerCounter(model, cfg["steps"], device)
     assert sum(counter.sizes) == red.numel
@@ -294,8 +295,11 @@ def train_one_lm(cfg, algorithm: str, seed: int, comm, device, data, log) -> Dic
                       f"({val_curve[-1][1] / math.log(2):.3f} bits/byte)  "
                       f"{run.recent(eval_every, 7)}", flush=True)
     identical = replicas_identical(model) and init_identical
-    return _lm_record(cfg, algorithm, seed, comm, device, red, run, counter.report(steps, params),
-                      val_curve, train_curve, identical, P)
+    rec = _lm_record(cfg, algorithm, seed, comm, device, red, run, counter.report(steps, params),
+                     val_curve, train_curve, identical, P)
+    rec["conservation"] = ledger.check() if ledger is not None else {
+        "checked": False, "unchecked": "a DDP compression hook (no residual of the library's)"}
+    return rec
 
 
 def _lm_record(cfg, algorithm, seed, comm, device, red, run, layer_report, val_curve,

@@ -132,6 +132,7 @@ def train_one(cfg, algorithm: str, seed: int, comm, device, data, log) -> Dict[s
     opt, options, density = sparse_setup(cfg, algorithm, model)
     sar = SparseAllreduce(model.parameters(), comm=comm, density=density, algorithm=algorithm,
                           **options)
+    ledger = sar.audit()       # conservation over the run, checked at the end
     numel = sum(p.numel() for p in model.parameters())
     init_identical = replicas_identical(model)
 
@@ -173,7 +174,7 @@ def train_one(cfg, algorithm: str, seed: int, comm, device, data, log) -> Dict[s
         **run.totals(),
         "replicas_identical": bool(identical), "device": str(device),
         "stats_curve": run.stats_curve,
-        "backend": type(comm).__name__,
+        "backend": type(comm).__name__, "conservation": ledger.check(),
     }
 
 

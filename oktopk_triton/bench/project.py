@@ -64,6 +64,17 @@ def add_arguments(p) -> None:
     p.add_argument("--algorithms", nargs="+", default=["all"], help="default: all")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                    help="gradient dtype: what dense allreduces (sparse values are fp32)")
+    p.add_argument("--wire-format", choices=("fp32", "compact"), default="fp32",
+                   help="the sparse messages: fp32 (8 bytes an entry) or compact (16-bit "
+                        "relative index + bf16 value, 4 bytes)")
+    p.add_argument("--sync-every", type=A.positive_int, default=1, metavar="H",
+                   help="local steps: the sparse algorithms sync every H steps at --density "
+                        "per sync, so their time and bytes per step divide by H (dense stays "
+                        "per step)")
+    p.add_argument("--overlap", action="store_true",
+                   help="with --sync-every > 1: price the sync as running behind the next H "
+                        "steps' compute, max(compute, sync/H) a step (the library's sync "
+                        "blocks: an upper bound on what pipelining the outer step would give)")
     p.add_argument("--check-finite", choices=("skip", "off"), default="skip",
                    help="skip (default): every step allreduces a 4-byte non-finite flag")
     p.add_argument("--kernels", default=None,
@@ -186,6 +197,9 @@ def main(args) -> int:
         raise SystemExit("--density must be in (0, 1]")
     if any(P < 2 for P in args.world_sizes):
         raise SystemExit("--world-sizes: every P must be >= 2")
+    if args.overlap and args.sync_every < 2:
+        raise SystemExit("--overlap: expected --sync-every H with H >= 2 (only a sync every H "
+                         "steps can run behind the next steps' compute)")
     algs, _ = resolve_algorithms(args.algorithms, "project", implemented=False)
     nets = [parse_net(x) for x in args.net]
     if args.n:
@@ -203,11 +217,16 @@ def main(args) -> int:
     for model, n in models:
         for net in nets:
             rows = project(n, args.density, Ps, net, kernels, algs,
+                           sync_every=args.sync_every, overlap=args.overlap,
                            check_finite=args.check_finite, dtype=args.dtype,
-                           topkdsa_fill=args.topkdsa_fill)
+                           topkdsa_fill=args.topkdsa_fill, wire_format=args.wire_format)
             ranges = fastest_ranges(rows)
+            local = (f", sparse syncing every {args.sync_every} steps"
+                     + (" (overlapped)" if args.overlap else "")
+                     if args.sync_every > 1 else "")
+            wire = ", compact wire" if args.wire_format == "compact" else ""
             title = (f"\n{model} (n = {n:,}), density {args.density:g} "
-                     f"(k = {_k(n, args.density):,}), "
+                     f"(k = {_k(n, args.density):,}){wire}{local}, "
                      f"{net.describe()}; step ms (* = fastest)")
             print(format_table(rows, title))
             print("fastest: " + describe_ranges(ranges))
@@ -233,6 +252,8 @@ def main(args) -> int:
                           "selection kernels; dense compute excluded",
               "kernels": dataclasses.asdict(kernels), "dtype": args.dtype,
               "check_finite": args.check_finite, "topkdsa_fill": args.topkdsa_fill,
+              "wire_format": args.wire_format, "sync_every": args.sync_every,
+              "overlap": args.overlap,
               "world_sizes": Ps, "cases": cases}
     if args.json:
         _write_json(args.json, report)

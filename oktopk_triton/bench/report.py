@@ -11,6 +11,15 @@ from . import records
 from ._common import fmt_bytes as _fmt_bytes
 
 
+def _conservation(rs: List[dict]) -> Dict[str, Any]:
+    """Over an algorithm's runs: how many had their conservation checked (ledger.py) and the
+    largest relative error among them (None when none was checked)."""
+    checked = [r["conservation"] for r in rs if (r.get("conservation") or {}).get("checked")]
+    return {"conservation_checked": len(checked),
+            "conservation_max_rel_error": max((c["relative_error"] for c in checked),
+                                              default=None)}
+
+
 def summarize(runs: List[dict], algos: List[str], failures: List[dict]) -> List[dict]:
     """One row per algorithm: mean and sample sd over seeds of the final metric (test accuracy
     for the digits, validation loss for the LM), bytes and time per step, and the comparison
@@ -34,7 +43,8 @@ def summarize(runs: List[dict], algos: List[str], failures: List[dict]) -> List[
                "time_per_step_ms": sum(r["time_per_step_ms"] for r in rs) / len(rs),
                "reduce_ms": sum(r["reduce_ms"] for r in rs) / len(rs),
                "numel": rs[0]["numel"], "k": rs[0]["k"],
-               "replicas_identical": all(r["replicas_identical"] for r in rs)}
+               "replicas_identical": all(r["replicas_identical"] for r in rs),
+               **_conservation(rs)}
         if lm:
             row["final_val_bpb"] = m / math.log(2)
             row["applied_per_step"] = (sum(sum(r["applied_curve"]) / len(r["applied_curve"])

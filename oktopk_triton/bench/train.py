@@ -79,6 +79,9 @@ DEFAULTS = dict(world_size=4, density=0.01, epochs=30, model="cnn", seeds=[0], b
 GPT_DEFAULTS = dict(size="1m", optimizer="adamw", betas=(0.9, 0.95), warmup_fraction=0.2,
                     val_fraction=0.1, eval_times=5)
 
+# a run's conservation (ledger.py) sums fp32 steps into fp64: rounding stays far below this
+CONSERVATION_TOL = 1e-4
+
 
 # ------------------------------------------------------------------------------------------
 # CLI
@@ -247,9 +250,19 @@ def main(args) -> int:
         except Exception as e:  # the plot is a convenience; never lose the results over it
             print(f"plot failed: {e!r}")
     print(f"wall time {wall:.1f} s", flush=True)
+    checked = [r["conservation"] for r in runs if (r.get("conservation") or {}).get("checked")]
+    if checked:
+        worst = max(c["relative_error"] for c in checked)
+        print(f"conservation: checked over the whole run in {len(checked)} of {len(runs)} "
+              f"run(s), largest relative error {worst:.2e}")
     bad = [r for r in runs if not r.get("replicas_identical", False)]
     if bad:
         print(f"ERROR: replicas diverged in {len(bad)} run(s)", file=sys.stderr)
+        return 1
+    lost = [c for c in checked if not c["relative_error"] <= CONSERVATION_TOL]
+    if lost:
+        print(f"ERROR: conservation broken in {len(lost)} run(s) (relative error above "
+              f"{CONSERVATION_TOL:g})", file=sys.stderr)
         return 1
     return 1 if failures else 0
 
