@@ -1,4 +1,5 @@
-"""tools/local_steps_screen.py: rows against dense of the same seed (synthetic records)."""
+"""tools/local_steps_screen.py: rows against dense of the same seed and steps, configurations
+averaged over seeds (synthetic records)."""
 import json
 import os
 import sys
@@ -9,26 +10,59 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 import local_steps_screen as screen  # noqa: E402
 
 
-def _run(alg, seed, final, bytes_per_step, curve, density=1.0):
-    return {"algorithm": alg, "seed": seed, "density": density, "steps": 1200,
+def _run(alg, seed, final, bytes_per_step, curve, density=1.0, steps=1200, conservation=None):
+    return {"algorithm": alg, "seed": seed, "density": density, "steps": steps,
             "final_val_loss": final, "bytes_per_step": bytes_per_step, "val_curve": curve,
-            "replicas_identical": True}
+            "replicas_identical": True, "conservation": conservation}
 
 
-def test_rows(tmp_path):
+def _write(path, runs, **opts):
+    path.write_text(json.dumps({"commit": "def", "dirty": False,
+                                "config": {"options": opts}, "runs": runs}))
+
+
+def test_rows_and_configurations(tmp_path):
     curve = [[0, 4.0], [600, 2.0], [1200, 1.0]]
     dense = tmp_path / "dense.json"
-    dense.write_text(json.dumps({"git": "abc", "runs": [_run("dense", 0, 1.0, 1000.0, curve)]}))
+    dense.write_text(json.dumps({"git": "abc", "runs": [
+        _run("dense", 0, 1.0, 1000.0, curve), _run("dense", 1, 1.0, 1000.0,
+                                                   [[0, 4.0], [600, 3.0], [1200, 1.0]])]}))
     d = tmp_path / "screen"
     d.mkdir()
-    (d / "oktopk-H4.json").write_text(json.dumps({
-        "commit": "def", "dirty": False, "config": {"options": {"sync_every": 4,
-                                                                "wire_format": "compact"}},
-        "runs": [_run("oktopk", 0, 2.0, 20.0, curve, density=0.08)]}))
-    (r,) = screen.rows(str(d), str(dense))
-    assert r["sync_every"] == 4 and r["wire_format"] == "compact"
+    ok = {"checked": True, "relative_error": 3e-8}
+    _write(d / "oktopk-H4.json", [_run("oktopk", 0, 2.0, 20.0, curve, 0.08, conservation=ok)],
+           sync_every=4, wire_format="compact")
+    _write(d / "oktopk-H4-s1.json", [_run("oktopk", 1, 2.0, 20.0, curve, 0.08)],
+           sync_every=4, wire_format="compact")
+    _write(d / "dense-H4-lr2.json", [_run("dense", 0, 1.5, 250.0, curve)],
+           sync_every=4, outer_lr=2.0)
+    rs = {r["tag"]: r for r in screen.rows(str(d), str(dense))}
+    r = rs["oktopk-H4"]
+    assert r["sync_every"] == 4 and r["wire_format"] == "compact" and r["outer"] == "-"
     assert r["bytes_vs_dense"] == pytest.approx(0.02)
     assert r["steps_ratio"] == pytest.approx(2.0)        # dense reached 2.0 at step 600
     assert r["loss_vs_dense_pct"] == pytest.approx(100.0)
-    with pytest.raises(SystemExit, match="seed 1"):
-        screen.dense_run(str(dense), 1)
+    assert r["conservation"] == 3e-8 and rs["oktopk-H4-s1"]["conservation"] is None
+    assert rs["oktopk-H4-s1"]["steps_ratio"] == pytest.approx(1200 / 900)   # seed 1's dense
+    assert rs["dense-H4-lr2"]["outer"] == "lr 2"
+    cs = {(c["algorithm"], c["outer"]): c for c in screen.configurations(list(rs.values()))}
+    c = cs[("oktopk", "-")]
+    assert c["seeds"] == [0, 1] and c["conservation_checked"] == 1
+    # the mean final loss (2.0) against dense's mean curve (4, 2.5, 1): crossed at step 800
+    assert c["steps_ratio"] == pytest.approx(1200 / 800)
+    with pytest.raises(SystemExit, match="seed 2 over 1200 steps"):
+        screen.dense_run(str(dense), 2)
+
+
+def test_a_dense_run_in_the_folder_is_the_reference_of_its_length(tmp_path, capsys):
+    curve = [[0, 4.0], [2400, 2.0], [4800, 1.0]]
+    d = tmp_path / "screen"
+    d.mkdir()
+    _write(d / "dense-4800.json", [_run("dense", 0, 1.0, 1000.0, curve, steps=4800)])
+    _write(d / "oktopk-4800.json", [_run("oktopk", 0, 2.0, 20.0, curve, 0.08, steps=4800)],
+           sync_every=4)
+    (r,) = screen.rows(str(d), None)                     # the dense run is not a row
+    assert r["steps_ratio"] == pytest.approx(2.0)
+    _write(d / "oktopk-600.json", [_run("oktopk", 0, 2.0, 20.0, curve, 0.08, steps=600)])
+    with pytest.raises(SystemExit, match="seed 0 over 600 steps"):
+        screen.rows(str(d), None)
