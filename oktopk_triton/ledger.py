@@ -14,11 +14,13 @@ end, and returns the relative error. Why run-long and not per step: a per-step c
 allreduce of n words a step, as much as dense's; this one costs 16 bytes an element of memory and
 one allreduce per run, so a benchmark can afford it on every recorded run.
 
-Where the sum above is not the invariant the ledger says so instead of checking
-(``checked: False`` and the reason): momentum correction (what is owed is the residual plus the
-velocity), a loss scale (the residual follows the scaler's backoffs), SparseLoCo's
-``residual_decay`` < 1 (what the decay drops is never delivered, on purpose), and a call whose
-output was not finite (its progress was dropped on every rank).
+With momentum correction a call accumulates the velocity ``u = m·u + grad``, not the gradient,
+so ``fed`` adds ``m·u`` (the velocity before the call, masked where the last step delivered)
+plus the gradient: what the call really accumulated. Where the sum above is not the invariant
+the ledger says so instead of checking (``checked: False`` and the reason): a loss scale (the
+residual follows the scaler's backoffs), ``adam="frozen"`` (its warm-up rescales the velocity),
+SparseLoCo's ``residual_decay`` < 1 (what the decay drops is never delivered, on purpose), and a
+call whose output was not finite (its progress was dropped on every rank).
 """
 from __future__ import annotations
 
@@ -43,8 +45,8 @@ class ConservationLedger:
     def _why_not(self) -> None:
         if self.unchecked is not None:
             return
-        if float(getattr(self._sar.algorithm, "momentum", 0.0) or 0.0) > 0.0:
-            self.unchecked = "momentum correction: what is owed includes the velocity"
+        if getattr(self._sar, "_adam", None) is not None:
+            self.unchecked = "adam='frozen' rescales the velocity at the end of its warm-up"
         ls = getattr(self._sar, "local_steps", None)
         if ls is not None and ls.residual_decay < 1.0:
             self.unchecked = "residual_decay < 1 drops what is owed on purpose"
@@ -53,6 +55,10 @@ class ConservationLedger:
         """Before a reduction: its input (``flat``, any dtype)."""
         if scale is not None and self.unchecked is None:
             self.unchecked = "a loss scale: the residual follows the scaler"
+        alg = self._sar.algorithm
+        m = float(getattr(alg, "momentum", 0.0) or 0.0)
+        if m > 0.0 and getattr(alg, "velocity", None) is not None:
+            self.fed.add_(alg.velocity.double(), alpha=m)    # u = m·u + grad: the m·u part
         self.fed.add_(flat.detach().reshape(-1).double())
 
     def delivered(self, out: torch.Tensor) -> None:
