@@ -59,7 +59,7 @@ def launch(config: Dict[str, Any], timeout: float = 1800.0):
             try:
                 rc = subprocess.run(cmd, env=env, timeout=timeout).returncode
             except subprocess.TimeoutExpired:
-                rc = "timeout"
+                rc = f"timeout (after --timeout {timeout:g} s: raise it for a longer run)"
             records = _read_jsonl(out_path)
             errors = {}
             for r in records:

@@ -183,7 +183,8 @@ def _add_output_arguments(p: argparse.ArgumentParser) -> None:
                    help="PNG path (default: the JSON path with .png)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--timeout", type=A.positive_float, default=1800.0,
-                   help="seconds before a launch is killed")
+                   help="seconds before a launch (all its seeds and algorithms) is killed "
+                        "(default 1800: a 4800-step GPT run on 2 CPU cores needs more)")
     p.add_argument("--quiet", action="store_true", help="no per-epoch progress lines")
 
 
