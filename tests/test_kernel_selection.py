@@ -62,6 +62,27 @@ def test_fused_select_matches_reference(n, P, dtype, mode):
     check_selection(outs["triton"][1], ref, full, acc, offsets, capacity, exact_order=not CUDA)
 
 
+
+@needs_triton
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_fused_select_at_benchmark_scale(dtype):
+    """On CUDA n = 2^24 + 7 (offset and slot arithmetic at the sizes the GPU benchmarks use,
+    which the small cases above never reach), 8 regions, the threshold from the histogram at
+    1%, with ample and with tight slots; on CPU the same check at 2^14 + 7."""
+    n, P = ((1 << 24) if CUDA else (1 << 14)) + 7, 8
+    grad, residual = make_grad(n, GRAD_DTYPES[dtype], seed=24)
+    offsets = region_layout(n, P, seed=24)
+    acc = residual + grad.float()
+    k = n // 100
+    thr = K.histogram_threshold(acc, k, backend="triton")
+    assert float(thr) == float(K.histogram_threshold(acc, k, backend="torch"))
+    full = fused_select(grad, residual.clone(), thr, offsets, n, backend="torch")
+    for capacity in (3 * k // P + 64, k // (4 * P)):         # ample, tight (overflows)
+        outs = run_pair(grad, residual, thr, offsets, capacity)
+        assert torch.equal(outs["triton"][0], acc)
+        check_selection(outs["triton"][1], outs["torch"][1], full, acc, offsets, capacity,
+                        exact_order=not CUDA)
+
 @needs_triton
 @pytest.mark.parametrize("capacity", [0, 1, 5])
 def test_fused_select_capacity_overflow(capacity):
