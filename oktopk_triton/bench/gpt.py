@@ -15,8 +15,8 @@ that every machine can train with no download:
   positions, output layer tied to the byte embedding, causal ``scaled_dot_product_attention``,
   GPT-2 initialisation (projections into the residual stream scaled by 1/sqrt(2·layers)).
 * **Sizes** (:data:`SIZES`): ``1m`` is the CPU default (4 gloo ranks on 2 shared cores finish a
-  run in a few minutes); ``25m`` and ``100m`` are for a GPU (``--device cuda``); ``tiny`` is for
-  tests.
+  run in a few minutes); ``4m`` is 1m at twice the width (size trends); ``25m`` and ``100m`` are
+  for a GPU (``--device cuda``); ``tiny`` is for tests.
 
 Everything here is plain torch; the training loop is in :mod:`oktopk_triton.bench.lm_loop`.
 """
@@ -71,6 +71,10 @@ SIZES: Dict[str, Tuple[GPTConfig, Dict[str, float]]] = {
     # 150 steps x 4 ranks x 1024 bytes (0.6M bytes seen) take dense from 5.5 (uniform) to ~2.5
     # nats/byte (unigram entropy 3.29) with 20% warm-up; with 5% it sat at ~2.8 (a plateau).
     "1m": (GPTConfig(d_model=128, n_layer=5, n_head=4, context=128),
+           dict(batch_size=8, steps=150, eval_sequences=256, lr=3e-3)),
+    # the 1m recipe at twice the width, 4.0M parameters (3.9x): the model-size trend of a
+    # campaign compares dense and sparse on it at 1m's tokens (same batch, steps and lr)
+    "4m": (GPTConfig(d_model=256, n_layer=5, n_head=4, context=128),
            dict(batch_size=8, steps=150, eval_sequences=256, lr=3e-3)),
     # GPU presets (--device cuda): GPT-2-like shapes
     "25m": (GPTConfig(d_model=512, n_layer=8, n_head=8, context=512),

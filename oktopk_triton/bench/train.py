@@ -5,18 +5,18 @@ Two models:
 
 * ``--model cnn`` (default; ``mlp`` too): a small CNN on scikit-learn's digits; the metric is
   test accuracy. ``make demo`` runs this one (a run is seconds).
-* ``--model gpt``: a byte-level decoder-only transformer (:mod:`oktopk_triton.bench.gpt`) trained
-  as a language model on the Python standard library's own ``.py`` files, split by file; the
-  metric is the validation loss in nats per byte (and bits per byte). ``--size`` picks the
-  model: ``1m`` (CPU default), ``25m`` and ``100m`` (GPU presets, ``--device cuda``; ranks may
-  share a GPU), ``tiny`` (tests). AdamW by default; the sparse algorithms then reduce the
+* ``--model gpt``: a byte-level decoder-only transformer (:mod:`oktopk_triton.bench.gpt`) trained as
+  a language model on the Python standard library's own ``.py`` files, split by file; the metric is
+  the validation loss in nats per byte (and bits per byte). ``--size`` picks the model: ``1m`` (CPU
+  default), ``4m`` (1m at twice the width), ``25m`` and ``100m`` (GPU presets, ``--device cuda``;
+  ranks may share a GPU), ``tiny`` (tests). AdamW by default; the sparse algorithms then reduce the
   optimizer's *updates* (``SparseAllreduce.reduce_updates``: each rank's AdamW steps on its own
-  gradient, error feedback in update space), because AdamW on an error-fed sparse gradient
-  divides a coordinate's summed owed gradient by its own scale and stalls (all sparse algorithms
-  at 3.32 nats/byte against dense 2.55 at 1%); ``--reduce gradients`` runs that setup. Every
-  run also counts, per parameter tensor, the entries of the reduced gradient that are nonzero
-  each step (what the algorithm applied) and the steps that applied none, so a gap to dense can
-  be traced to the layers that starve (``tools/lm_results.py`` tabulates it).
+  gradient, error feedback in update space), because AdamW on an error-fed sparse gradient divides a
+  coordinate's summed owed gradient by its own scale and stalls (all sparse algorithms at 3.32
+  nats/byte against dense 2.55 at 1%); ``--reduce gradients`` runs that setup. Every run also
+  counts, per parameter tensor, the entries of the reduced gradient that are nonzero each step (what
+  the algorithm applied) and the steps that applied none, so a gap to dense can be traced to the
+  layers that starve (``tools/lm_results.py`` tabulates it).
 
 The digits data is ``sklearn.datasets.load_digits`` (1797 8x8 images, bundled: no download),
 split once (fixed split seed) into a training and a held-out test set. ``world_size`` ranks are
@@ -133,8 +133,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _add_gpt_arguments(g) -> None:
     """The options of ``--model gpt`` (the byte-level LM)."""
     g.add_argument("--size", choices=sorted(_gpt_sizes()), default=GPT_DEFAULTS["size"],
-                   help="model preset: 1m (CPU default), 25m / 100m (GPU, --device cuda), tiny "
-                        "(tests)")
+                   help="model preset: 1m (CPU default), 4m (1m at twice the width), 25m / 100m "
+                        "(GPU, --device cuda), tiny (tests)")
     g.add_argument("--steps", type=A.positive_int, default=None,
                    help="training steps (default: preset's)")
     g.add_argument("--context", type=A.positive_int, default=None,
