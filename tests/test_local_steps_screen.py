@@ -16,9 +16,10 @@ def _run(alg, seed, final, bytes_per_step, curve, density=1.0, steps=1200, conse
             "replicas_identical": True, "conservation": conservation}
 
 
-def _write(path, runs, **opts):
-    path.write_text(json.dumps({"commit": "def", "dirty": False,
-                                "config": {"options": opts}, "runs": runs}))
+def _write(path, runs, size=None, **opts):
+    config = {"options": opts, **({"size": size} if size else {})}
+    path.write_text(json.dumps({"commit": "def", "dirty": False, "config": config,
+                                "runs": runs}))
 
 
 def test_rows_and_configurations(tmp_path):
@@ -50,7 +51,7 @@ def test_rows_and_configurations(tmp_path):
     assert c["seeds"] == [0, 1] and c["conservation_checked"] == 1
     # the mean final loss (2.0) against dense's mean curve (4, 2.5, 1): crossed at step 800
     assert c["steps_ratio"] == pytest.approx(1200 / 800)
-    with pytest.raises(SystemExit, match="seed 2 over 1200 steps"):
+    with pytest.raises(SystemExit, match="seed 2, over 1200 steps"):
         screen.dense_run(str(dense), 2)
 
 
@@ -64,5 +65,27 @@ def test_a_dense_run_in_the_folder_is_the_reference_of_its_length(tmp_path, caps
     (r,) = screen.rows(str(d), None)                     # the dense run is not a row
     assert r["steps_ratio"] == pytest.approx(2.0)
     _write(d / "oktopk-600.json", [_run("oktopk", 0, 2.0, 20.0, curve, 0.08, steps=600)])
-    with pytest.raises(SystemExit, match="seed 0 over 600 steps"):
+    with pytest.raises(SystemExit, match="seed 0, over 600 steps"):
+        screen.rows(str(d), None)
+
+
+def test_each_model_preset_has_its_own_dense_reference(tmp_path):
+    """A 4m run of seed 0 over 1200 steps is measured against the 4m dense run, not the 1m one
+    of the same seed and length (records without a preset are the 1m default)."""
+    d = tmp_path / "screen"
+    d.mkdir()
+    _write(d / "dense-1m.json", [_run("dense", 0, 1.0, 1000.0, [[0, 4.0], [1200, 1.0]])])
+    _write(d / "dense-4m.json", [_run("dense", 0, 0.5, 4000.0, [[0, 4.0], [1200, 0.5]])],
+           size="4m")
+    _write(d / "ok-1m.json", [_run("oktopk", 0, 2.0, 20.0, [], 0.08)], sync_every=4)
+    _write(d / "ok-4m.json", [_run("oktopk", 0, 2.0, 80.0, [], 0.08)], size="4m", sync_every=4)
+    rs = {r["tag"]: r for r in screen.rows(str(d), None)}
+    assert rs["ok-1m"]["model"] == "1m" and rs["ok-4m"]["model"] == "4m"
+    assert rs["ok-1m"]["bytes_vs_dense"] == pytest.approx(0.02)
+    assert rs["ok-4m"]["bytes_vs_dense"] == pytest.approx(0.02)
+    assert rs["ok-1m"]["steps_ratio"] == pytest.approx(1200 / 800)     # 1m dense: 2.0 at 800
+    assert rs["ok-4m"]["steps_ratio"] == pytest.approx(1200 / 685.714, rel=1e-4)  # 4m: at 686
+    assert {c["model"] for c in screen.configurations(list(rs.values()))} == {"1m", "4m"}
+    _write(d / "ok-25m.json", [_run("oktopk", 0, 2.0, 80.0, [], 0.08)], size="25m")
+    with pytest.raises(SystemExit, match="no dense run of the 25m model"):
         screen.rows(str(d), None)

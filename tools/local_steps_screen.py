@@ -4,8 +4,8 @@
     python tools/local_steps_screen.py DIR [--dense DENSE.json] [--json OUT.json]
 
 DIR holds one ``oktopk-bench train --model gpt`` JSON per run (the commands are in
-docs/techniques.md). Each run is compared with dense data-parallel AdamW of the same seed and
-the same number of steps, found in ``--dense`` (default: the committed 1200-step campaign, dense
+docs/techniques.md). Each run is compared with dense data-parallel AdamW of the same model
+preset, seed and number of steps, found in ``--dense`` (default: the committed 1200-step campaign, dense
 on seeds 0-2) or among DIR's own per-step dense runs (a 4800-step dense run, say): final
 validation loss against dense's, bytes per step as a fraction of dense's fp32 bytes, and the
 steps ratio (the run's steps over the step at which dense's validation curve reaches the run's
@@ -37,23 +37,28 @@ def _is_reference(run: dict, opts: dict) -> bool:
             and int(opts.get("sync_every", 1)) == 1)
 
 
-def dense_refs(paths: List[str]) -> Dict[Tuple[int, int], dict]:
-    """(seed, steps) -> dense's run, from every file given (later files win)."""
-    out: Dict[Tuple[int, int], dict] = {}
+def _size(rep: dict) -> str:
+    """The GPT preset a record trained (records before the field: the 1m default)."""
+    return rep.get("config", {}).get("size") or "1m"
+
+
+def dense_refs(paths: List[str]) -> Dict[Tuple[str, int, int], dict]:
+    """(preset, seed, steps) -> dense's run, from every file given (later files win)."""
+    out: Dict[Tuple[str, int, int], dict] = {}
     for path in paths:
         rep = records.read(path)
         for r in rep.get("runs", []):
             if _is_reference(r, _options(rep)):
-                out[(r["seed"], r["steps"])] = r
+                out[(_size(rep), r["seed"], r["steps"])] = r
     return out
 
 
-def dense_run(path: str, seed: int, steps: int = 1200) -> dict:
+def dense_run(path: str, seed: int, steps: int = 1200, size: str = "1m") -> dict:
     refs = dense_refs([path])
-    if (seed, steps) not in refs:
-        raise SystemExit(f"local_steps_screen: no dense run of seed {seed} over {steps} steps "
-                         f"in {path}")
-    return refs[(seed, steps)]
+    if (size, seed, steps) not in refs:
+        raise SystemExit(f"local_steps_screen: no dense run of the {size} model, seed {seed}, "
+                         f"over {steps} steps in {path}")
+    return refs[(size, seed, steps)]
 
 
 def _outer(opts: dict) -> str:
@@ -77,14 +82,15 @@ def rows(directory: str, dense_path: Optional[str] = DENSE) -> list:
         for r in rep.get("runs", []):
             if _is_reference(r, opts):
                 continue
-            d = refs.get((r["seed"], r["steps"]))
+            d = refs.get((_size(rep), r["seed"], r["steps"]))
             if d is None:
-                raise SystemExit(f"local_steps_screen: {path}: no dense run of seed {r['seed']} "
-                                 f"over {r['steps']} steps (give one with --dense or in DIR)")
+                raise SystemExit(f"local_steps_screen: {path}: no dense run of the {_size(rep)} "
+                                 f"model, seed {r['seed']}, over {r['steps']} steps (give one "
+                                 "with --dense or in DIR)")
             ratio = _ratio([d], r["steps"], r["final_val_loss"])
             cons = r.get("conservation") or {}
             out.append({"tag": os.path.basename(path)[:-5], "algorithm": r["algorithm"],
-                        "seed": r["seed"], "steps": r["steps"], "density": r["density"],
+                        "model": _size(rep), "seed": r["seed"], "steps": r["steps"], "density": r["density"],
                         "sync_every": int(opts.get("sync_every", 1)),
                         "wire_format": opts.get("wire_format", "fp32"), "outer": _outer(opts),
                         "final_val_loss": r["final_val_loss"],
@@ -105,16 +111,16 @@ def configurations(rs: list) -> list:
     dense's mean curve over the same seeds."""
     groups: Dict[tuple, list] = {}
     for r in rs:
-        key = (r["algorithm"], r["sync_every"], r["density"], r["wire_format"], r["outer"],
-               r["steps"])
+        key = (r["model"], r["algorithm"], r["sync_every"], r["density"], r["wire_format"],
+               r["outer"], r["steps"])
         groups.setdefault(key, []).append(r)
     out = []
-    for (alg, H, dens, wire, outer, steps), g in groups.items():
+    for (model, alg, H, dens, wire, outer, steps), g in groups.items():
         final = sum(r["final_val_loss"] for r in g) / len(g)
         dense_final = sum(r["dense_final_val_loss"] for r in g) / len(g)
         ratio = _ratio([r["_dense"] for r in g], steps, final)
         cons = [r["conservation"] for r in g if r["conservation"] is not None]
-        out.append({"algorithm": alg, "sync_every": H, "density": dens, "wire_format": wire,
+        out.append({"model": model, "algorithm": alg, "sync_every": H, "density": dens, "wire_format": wire,
                     "outer": outer, "steps": steps, "seeds": sorted(r["seed"] for r in g),
                     "final_val_loss": final, "loss_vs_dense_pct": 100 * (final / dense_final - 1),
                     "bytes_vs_dense": sum(r["bytes_vs_dense"] for r in g) / len(g),
@@ -122,7 +128,8 @@ def configurations(rs: list) -> list:
                     "ratio_per_seed": [r["steps_ratio"] for r in g],
                     "conservation_max": max(cons) if cons else None,
                     "conservation_checked": len(cons)})
-    return sorted(out, key=lambda c: (c["steps"], c["bytes_vs_dense"] > 0.1, c["steps_ratio"]))
+    return sorted(out, key=lambda c: (c["model"], c["steps"], c["bytes_vs_dense"] > 0.1,
+                                      c["steps_ratio"]))
 
 
 def _key(name: str):
@@ -130,7 +137,7 @@ def _key(name: str):
 
 
 _RUN_COLUMNS = [
-    ("run", _key("tag")), ("seed", _key("seed")), ("steps", _key("steps")),
+    ("run", _key("tag")), ("model", _key("model")), ("seed", _key("seed")), ("steps", _key("steps")),
     ("H", _key("sync_every")), ("density per sync", lambda r: f"{r['density']:g}"),
     ("wire", _key("wire_format")), ("outer", _key("outer")),
     ("bytes vs dense", lambda r: f"{r['bytes_vs_dense']:.4f}"),
@@ -139,7 +146,7 @@ _RUN_COLUMNS = [
     ("steps ratio", lambda r: f"{r['steps_ratio']:.2f}"),
     ("conservation", lambda r: "-" if r["conservation"] is None else f"{r['conservation']:.0e}")]
 _CONFIG_COLUMNS = [
-    ("algorithm", _key("algorithm")), ("steps", _key("steps")), ("H", _key("sync_every")),
+    ("model", _key("model")), ("algorithm", _key("algorithm")), ("steps", _key("steps")), ("H", _key("sync_every")),
     ("density per sync", lambda c: f"{c['density']:g}"), ("wire", _key("wire_format")),
     ("outer", _key("outer")), ("seeds", lambda c: len(c["seeds"])),
     ("bytes vs dense", lambda c: f"{c['bytes_vs_dense']:.4f}"),
@@ -156,7 +163,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     rs = rows(a.dir, a.dense)
-    rs.sort(key=lambda r: (r["steps"], r["algorithm"], r["sync_every"], r["density"], r["tag"]))
+    rs.sort(key=lambda r: (r["model"], r["steps"], r["algorithm"], r["sync_every"], r["density"], r["tag"]))
     print(records.table(rs, _RUN_COLUMNS, markdown=True))
     print()
     cs = configurations(rs)
