@@ -5,8 +5,8 @@
 
 DIR holds one ``oktopk-bench train --model gpt`` JSON per run (the commands are in
 docs/techniques.md). Each run is compared with dense data-parallel AdamW of the same model
-preset, seed and number of steps, found in ``--dense`` (default: the committed 1200-step campaign, dense
-on seeds 0-2) or among DIR's own per-step dense runs (a 4800-step dense run, say): final
+preset, seed and number of steps, found in ``--dense`` (default: the committed 1200-step campaign,
+dense on seeds 0-2) or among DIR's own per-step dense runs (a 4800-step dense run, say): final
 validation loss against dense's, bytes per step as a fraction of dense's fp32 bytes, and the
 steps ratio (the run's steps over the step at which dense's validation curve reaches the run's
 final loss; planning.steps_ratio). A configuration's ratio is its mean final loss against the
@@ -90,7 +90,8 @@ def rows(directory: str, dense_path: Optional[str] = DENSE) -> list:
             ratio = _ratio([d], r["steps"], r["final_val_loss"])
             cons = r.get("conservation") or {}
             out.append({"tag": os.path.basename(path)[:-5], "algorithm": r["algorithm"],
-                        "model": _size(rep), "seed": r["seed"], "steps": r["steps"], "density": r["density"],
+                        "model": _size(rep), "seed": r["seed"], "steps": r["steps"],
+                        "density": r["density"],
                         "sync_every": int(opts.get("sync_every", 1)),
                         "wire_format": opts.get("wire_format", "fp32"), "outer": _outer(opts),
                         "final_val_loss": r["final_val_loss"],
@@ -120,7 +121,8 @@ def configurations(rs: list) -> list:
         dense_final = sum(r["dense_final_val_loss"] for r in g) / len(g)
         ratio = _ratio([r["_dense"] for r in g], steps, final)
         cons = [r["conservation"] for r in g if r["conservation"] is not None]
-        out.append({"model": model, "algorithm": alg, "sync_every": H, "density": dens, "wire_format": wire,
+        out.append({"model": model, "algorithm": alg, "sync_every": H, "density": dens,
+                    "wire_format": wire,
                     "outer": outer, "steps": steps, "seeds": sorted(r["seed"] for r in g),
                     "final_val_loss": final, "loss_vs_dense_pct": 100 * (final / dense_final - 1),
                     "bytes_vs_dense": sum(r["bytes_vs_dense"] for r in g) / len(g),
@@ -137,7 +139,8 @@ def _key(name: str):
 
 
 _RUN_COLUMNS = [
-    ("run", _key("tag")), ("model", _key("model")), ("seed", _key("seed")), ("steps", _key("steps")),
+    ("run", _key("tag")), ("model", _key("model")), ("seed", _key("seed")),
+    ("steps", _key("steps")),
     ("H", _key("sync_every")), ("density per sync", lambda r: f"{r['density']:g}"),
     ("wire", _key("wire_format")), ("outer", _key("outer")),
     ("bytes vs dense", lambda r: f"{r['bytes_vs_dense']:.4f}"),
@@ -146,7 +149,8 @@ _RUN_COLUMNS = [
     ("steps ratio", lambda r: f"{r['steps_ratio']:.2f}"),
     ("conservation", lambda r: "-" if r["conservation"] is None else f"{r['conservation']:.0e}")]
 _CONFIG_COLUMNS = [
-    ("model", _key("model")), ("algorithm", _key("algorithm")), ("steps", _key("steps")), ("H", _key("sync_every")),
+    ("model", _key("model")), ("algorithm", _key("algorithm")), ("steps", _key("steps")),
+    ("H", _key("sync_every")),
     ("density per sync", lambda c: f"{c['density']:g}"), ("wire", _key("wire_format")),
     ("outer", _key("outer")), ("seeds", lambda c: len(c["seeds"])),
     ("bytes vs dense", lambda c: f"{c['bytes_vs_dense']:.4f}"),
@@ -163,7 +167,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     rs = rows(a.dir, a.dense)
-    rs.sort(key=lambda r: (r["model"], r["steps"], r["algorithm"], r["sync_every"], r["density"], r["tag"]))
+    rs.sort(key=lambda r: (r["model"], r["steps"], r["algorithm"], r["sync_every"], r["density"],
+                           r["tag"]))
     print(records.table(rs, _RUN_COLUMNS, markdown=True))
     print()
     cs = configurations(rs)
