@@ -62,7 +62,6 @@ def test_fused_select_matches_reference(n, P, dtype, mode):
     check_selection(outs["triton"][1], ref, full, acc, offsets, capacity, exact_order=not CUDA)
 
 
-
 @needs_triton
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_fused_select_at_benchmark_scale(dtype):
@@ -82,6 +81,7 @@ def test_fused_select_at_benchmark_scale(dtype):
         assert torch.equal(outs["triton"][0], acc)
         check_selection(outs["triton"][1], outs["torch"][1], full, acc, offsets, capacity,
                         exact_order=not CUDA)
+
 
 @needs_triton
 @pytest.mark.parametrize("capacity", [0, 1, 5])

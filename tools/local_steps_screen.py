@@ -78,19 +78,19 @@ def rows(directory: str, dense_path: Optional[str] = DENSE) -> list:
     out = []
     for path in files:
         rep = records.read(path)
-        opts = _options(rep)
+        opts, size = _options(rep), _size(rep)
         for r in rep.get("runs", []):
             if _is_reference(r, opts):
                 continue
-            d = refs.get((_size(rep), r["seed"], r["steps"]))
+            d = refs.get((size, r["seed"], r["steps"]))
             if d is None:
-                raise SystemExit(f"local_steps_screen: {path}: no dense run of the {_size(rep)} "
+                raise SystemExit(f"local_steps_screen: {path}: no dense run of the {size} "
                                  f"model, seed {r['seed']}, over {r['steps']} steps (give one "
                                  "with --dense or in DIR)")
             ratio = _ratio([d], r["steps"], r["final_val_loss"])
             cons = r.get("conservation") or {}
             out.append({"tag": os.path.basename(path)[:-5], "algorithm": r["algorithm"],
-                        "model": _size(rep), "seed": r["seed"], "steps": r["steps"],
+                        "model": size, "seed": r["seed"], "steps": r["steps"],
                         "density": r["density"],
                         "sync_every": int(opts.get("sync_every", 1)),
                         "wire_format": opts.get("wire_format", "fp32"), "outer": _outer(opts),

@@ -59,6 +59,9 @@ class GPTConfig:
         return self.vocab * d + self.context * d + self.n_layer * block + 2 * d
 
 
+# the 1m preset's training defaults; 4m trains on the same tokens with a copy of them
+_1M_TRAINING = dict(batch_size=8, steps=150, eval_sequences=256, lr=3e-3)
+
 # name -> (model, training defaults). The training defaults are what ``--size`` sets unless the
 # command line overrides them (batch per rank, steps, eval sequences, lr).
 SIZES: Dict[str, Tuple[GPTConfig, Dict[str, float]]] = {
@@ -70,12 +73,10 @@ SIZES: Dict[str, Tuple[GPTConfig, Dict[str, float]]] = {
     # min there, an Ok-Topk run ~2.5x that (its CPU reduce is torch ops over the whole vector).
     # 150 steps x 4 ranks x 1024 bytes (0.6M bytes seen) take dense from 5.5 (uniform) to ~2.5
     # nats/byte (unigram entropy 3.29) with 20% warm-up; with 5% it sat at ~2.8 (a plateau).
-    "1m": (GPTConfig(d_model=128, n_layer=5, n_head=4, context=128),
-           dict(batch_size=8, steps=150, eval_sequences=256, lr=3e-3)),
+    "1m": (GPTConfig(d_model=128, n_layer=5, n_head=4, context=128), _1M_TRAINING),
     # the 1m recipe at twice the width, 4.0M parameters (3.9x): the model-size trend of a
     # campaign compares dense and sparse on it at 1m's tokens (same batch, steps and lr)
-    "4m": (GPTConfig(d_model=256, n_layer=5, n_head=4, context=128),
-           dict(batch_size=8, steps=150, eval_sequences=256, lr=3e-3)),
+    "4m": (GPTConfig(d_model=256, n_layer=5, n_head=4, context=128), dict(_1M_TRAINING)),
     # GPU presets (--device cuda): GPT-2-like shapes
     "25m": (GPTConfig(d_model=512, n_layer=8, n_head=8, context=512),
             dict(batch_size=32, steps=3000, eval_sequences=512, lr=1e-3)),
