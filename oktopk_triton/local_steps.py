@@ -12,10 +12,14 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from .moments import OPTIONS as MOMENT_OPTIONS
+from .moments import MomentSync
+
 __all__ = ["LocalSteps", "OPTIONS"]
 
-# the SparseAllreduce keyword arguments this component owns (one home for the names)
-OPTIONS = ("sync_every", "outer_lr", "outer_momentum", "residual_decay")
+# the SparseAllreduce keyword arguments this component owns (one home for the names), with
+# moments.MomentSync's (optimizer moments averaged every K syncs)
+OPTIONS = ("sync_every", "outer_lr", "outer_momentum", "residual_decay") + MOMENT_OPTIONS
 
 
 class LocalSteps:
@@ -62,6 +66,10 @@ class LocalSteps:
        +42%) at its small step count; try it on long runs only.
     4. ``residual_decay`` (default 1.0, no decay): SparseLoCo decays what is owed each sync, so
        stale pseudo-gradient mass fades instead of arriving late; 0.9-0.95 are its values.
+    5. ``moment_sync_every`` (K, default 0: off), ``moment_sync``, ``moment_dtype``: every K-th
+       sync averages the optimizer's Adam moments over the ranks (DES-LOC;
+       :class:`~oktopk_triton.moments.MomentSync`); its bytes are in the sync's ``bytes_sent``
+       and, spread over K syncs, in ``bytes_per_step``.
 
     Costs: the anchor (one copy of the weights, their dtypes), and with ``outer_momentum`` an
     fp32 velocity of ``numel``; per call the optimizer step; per sync one subtraction, one
@@ -90,21 +98,27 @@ class LocalSteps:
         self.position = 0                                 # calls since the last sync
         self.anchor: Optional[List[torch.Tensor]] = None  # the weights at the last sync
         self.velocity: Optional[torch.Tensor] = None      # the outer Nesterov momentum (fp32)
+        self.moments: Optional[MomentSync] = None         # moments.MomentSync (build sets it)
         self.stats: Dict[str, Any] = {}
 
     @classmethod
     def build(cls, sync_every: int = 1, outer_lr: float = 1.0, outer_momentum: float = 0.0,
-              residual_decay: float = 1.0) -> Optional["LocalSteps"]:
-        """The validated component, or ``None`` for the defaults (plain ``reduce_updates``)."""
+              residual_decay: float = 1.0, **moments: Any) -> Optional["LocalSteps"]:
+        """The validated component, or ``None`` for the defaults (plain ``reduce_updates``).
+        ``moments``: :class:`~oktopk_triton.moments.MomentSync`'s options (``moment_sync_every``
+        > 0 turns local steps on even at ``sync_every=1``)."""
         ls = cls(sync_every, outer_lr, outer_momentum, residual_decay)
+        ls.moments = MomentSync.build(**moments)
         if (ls.sync_every, ls.outer_lr, ls.outer_momentum, ls.residual_decay) == (1, 1.0, 0.0,
-                                                                                   1.0):
+                                                                                   1.0) \
+                and ls.moments is None:
             return None
         return ls
 
     def describe(self) -> Dict[str, Any]:
+        ms = {} if self.moments is None else self.moments.describe()
         return dict(sync_every=self.sync_every, outer_lr=self.outer_lr,
-                    outer_momentum=self.outer_momentum, residual_decay=self.residual_decay)
+                    outer_momentum=self.outer_momentum, residual_decay=self.residual_decay, **ms)
 
     # -- one call of reduce_updates --------------------------------------------------------------
     @torch.no_grad()
@@ -138,7 +152,13 @@ class LocalSteps:
         sar._set_weights(self.anchor, self._outer_step(out))
         torch._foreach_copy_(self.anchor, params)
         sent = alg.stats.get("bytes_sent", 0)
-        self.stats = {**alg.stats, "synced": True, "bytes_per_step": sent / self.sync_every,
+        per_sync = sent
+        if self.moments is not None:       # Adam's moments averaged every K syncs (DES-LOC)
+            moment_bytes = self.moments.after_sync(sar.comm, optimizer, params)
+            per_sync = sent + self.moments.amortised(sar.comm, optimizer, params)
+            sent = sent + moment_bytes
+        self.stats = {**alg.stats, "synced": True, "bytes_sent": sent,
+                      "bytes_per_step": per_sync / self.sync_every,
                       "local_step": self.sync_every}
         return out
 
@@ -171,7 +191,8 @@ class LocalSteps:
     def state_dict(self) -> Dict[str, Any]:
         return {**self.describe(), "position": self.position,
                 "anchor": None if self.anchor is None else [a.clone() for a in self.anchor],
-                "velocity": None if self.velocity is None else self.velocity.clone()}
+                "velocity": None if self.velocity is None else self.velocity.clone(),
+                "moments": None if self.moments is None else self.moments.state_dict()}
 
     def load_state_dict(self, sd: Dict[str, Any], params: List[torch.Tensor]) -> None:
         position = int(sd["position"])
@@ -187,6 +208,8 @@ class LocalSteps:
             a.to(device=p.device, dtype=p.dtype).clone() for a, p in zip(anchor, params)]
         v = sd.get("velocity")
         self.velocity = None if v is None else v.to(params[0].device).clone()
+        if self.moments is not None:
+            self.moments.load_state_dict(sd.get("moments"))
 
 
 def _real(x: Any) -> bool:

@@ -89,6 +89,10 @@ class SparseAllreduce(torch.nn.Module):
             :meth:`reduce_updates`. Needs parameters; not with :meth:`reduce_gradients`,
             :meth:`reduce_adam`, ``forward`` or ``cuda_graph``. See
             :class:`~oktopk_triton.local_steps.LocalSteps` (update rule, invariant, advice).
+        moment_sync_every, moment_sync, moment_dtype: with local steps, average the optimizer's
+            Adam moments over the ranks every ``moment_sync_every``-th sync (default 0: off;
+            ``moment_sync="both"`` or ``"second"``, ``moment_dtype="fp32"`` or ``"bf16"`` on the
+            wire; DES-LOC). See :class:`~oktopk_triton.moments.MomentSync`.
     """
 
     def __init__(self, numel_or_params: Union[int, Iterable[torch.Tensor], torch.nn.Module],
@@ -96,11 +100,14 @@ class SparseAllreduce(torch.nn.Module):
                  algorithm: str = "oktopk", *, device: Optional[Union[str, torch.device]] = None,
                  check_finite: str = "skip", sync_every: int = 1, outer_lr: float = 1.0,
                  outer_momentum: float = 0.0, residual_decay: float = 1.0,
-                 density_schedule: Any = None, adam: Optional[str] = None,
-                 cuda_graph: bool = False, **options: Any) -> None:
+                 moment_sync_every: int = 0, moment_sync: str = "both",
+                 moment_dtype: str = "fp32", density_schedule: Any = None,
+                 adam: Optional[str] = None, cuda_graph: bool = False, **options: Any) -> None:
         super().__init__()
         # local_steps.LocalSteps: None with the defaults (every call syncs)
-        self.local_steps = LocalSteps.build(sync_every, outer_lr, outer_momentum, residual_decay)
+        self.local_steps = LocalSteps.build(sync_every, outer_lr, outer_momentum, residual_decay,
+                                            moment_sync_every=moment_sync_every,
+                                            moment_sync=moment_sync, moment_dtype=moment_dtype)
         cls = get_algorithm(algorithm)  # clear ValueError for unknown names
         params: Optional[List[torch.Tensor]] = None
         if isinstance(numel_or_params, bool):
