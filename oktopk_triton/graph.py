@@ -19,10 +19,21 @@ once and replayed as one launch.
 3. What a replay cannot do, it refuses: a loss scale (pass ``scale`` to the algorithm itself),
    a gradient of another size, dtype or device, a communicator that synchronises in Python
    (``LocalCluster`` threads, gloo). Counters that live in Python (``step_count``,
-   ``comm.bytes_sent``) advance by the captured step's amounts on every replay, and
-   ``algorithm.stats`` holds the captured step's tensors, which each replay rewrites.
+   ``comm.bytes_sent``, ``comm.collectives_issued``) advance by the captured step's amounts on
+   every replay, and ``algorithm.stats`` holds the captured step's tensors, which each replay
+   rewrites.
 4. An algorithm that runs dense steps later (``warmup_steps`` beyond ``eager_steps``) or a
    density schedule changes what a step does: capture after those, or do not graph.
+5. Across ranks (NCCL): no other thread may touch CUDA while the capture is open. The capture
+   runs inside ``comm.capture_guard()`` (NCCL's watchdog finishes its poll and waits until the
+   capture closes) and in the ``"thread_local"`` capture error mode, so that a CUDA call from a
+   thread this package does not own (a data loader's, torch's own NCCL watchdog) cannot
+   invalidate it either; unsafe calls on the capturing thread itself are still refused. Each
+   replay is handed to ``comm.track_replay()``: the watchdog times a replayed step out like an
+   eager one.
+6. A replay reads nothing back to the host (no ``.item()``, no tensor in a Python condition):
+   one copy into the static input, the graph's launch, Python counters. The capturing call
+   itself synchronises once (``torch.cuda.graph`` waits for the device before it captures).
 """
 from __future__ import annotations
 
@@ -33,6 +44,13 @@ import torch
 from .algorithms.base import Algorithm, LossScale
 
 EAGER_STEPS = 3
+# Why "thread_local": under the default "global" mode a CUDA call from ANY thread (an event
+# query by a communicator's watchdog, a pinned-memory copy of a loader thread) during the capture
+# invalidates it (cudaErrorStreamCaptureInvalidated at capture_end, seen on NCCL ranks at
+# n = 2^26, where the eager steps before the capture left events for the watchdog to query).
+# "thread_local" still refuses unsafe calls on the capturing thread (what would really break the
+# graph) and lets other threads, whose calls are not captured, go on.
+CAPTURE_ERROR_MODE = "thread_local"
 
 
 class GraphedStep:
@@ -66,6 +84,7 @@ class GraphedStep:
         self._calls = 0
         self._step_delta = 0
         self._bytes_delta = 0
+        self._collectives_delta = 0
 
     @property
     def captured(self) -> bool:
@@ -92,22 +111,38 @@ class GraphedStep:
                              f"{grad.device}; the captured step takes "
                              f"{tuple(self._grad.shape)} {self._grad.dtype} on {self._grad.device}")
         self._grad.copy_(grad)
-        self._graph.replay()
-        alg.step_count += self._step_delta             # the Python side of the replayed step
-        alg.comm.bytes_sent += self._bytes_delta
+        self._replay()
         return self._out
+
+    def _replay(self) -> None:
+        """Launch the graph; then the Python side of the replayed step (no host read)."""
+        alg = self.algorithm
+        self._graph.replay()
+        comm = alg.comm
+        comm.track_replay()
+        alg.step_count += self._step_delta
+        comm.bytes_sent += self._bytes_delta
+        if self._collectives_delta:
+            comm.collectives_issued += self._collectives_delta
 
     def _capture_step(self, grad: torch.Tensor) -> torch.Tensor:
         alg = self.algorithm
         alg.check_input(grad)
         self._grad = grad.detach().clone()
-        steps, sent = alg.step_count, alg.comm.bytes_sent
+        comm = alg.comm
+        steps, sent = alg.step_count, comm.bytes_sent
+        colls = getattr(comm, "collectives_issued", 0)
         self._graph = self._graph_factory()
-        with self._capture(self._graph):
+        # the watchdog paused first, then the capture (see CAPTURE_ERROR_MODE): left in reverse
+        with comm.capture_guard(), \
+                self._capture(self._graph, capture_error_mode=CAPTURE_ERROR_MODE):
             self._out = alg(self._grad)
-        self._step_delta = alg.step_count - steps
-        self._bytes_delta = alg.comm.bytes_sent - sent
         # capture records the step's kernels without running them (its Python side did run,
-        # counters included): run them once for this call
-        self._graph.replay()
+        # counters included): the counters go back, and this call replays like every later one
+        self._step_delta, alg.step_count = alg.step_count - steps, steps
+        self._bytes_delta, comm.bytes_sent = comm.bytes_sent - sent, sent
+        self._collectives_delta = getattr(comm, "collectives_issued", 0) - colls
+        if self._collectives_delta:
+            comm.collectives_issued = colls
+        self._replay()
         return self._out

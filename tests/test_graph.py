@@ -56,7 +56,8 @@ def _rerun_capture(get_step):
     back afterwards (a capture records kernels without running them); replay re-runs it into the
     static output, leaving the Python counters to GraphedStep as a real replay does."""
     @contextlib.contextmanager
-    def capture(graph):
+    def capture(graph, **kwargs):
+        graph.kwargs = kwargs
         step = get_step()
         alg = step.algorithm
         saved = {k: v.clone() for k, v in _state(alg).items()}
@@ -199,3 +200,148 @@ def test_cuda_sparse_allreduce_graph_matches_eager():
     for a, b in zip(_train(eager, ma, 8, "cuda"), _train(graphed, mb, 8, "cuda")):
         assert torch.equal(a, b)
     assert graphed._graphed.captured
+
+
+# -- across ranks: the communicator's guard, the capture mode, replays tracked --------------------
+class _GuardedComm(SingleCommunicator):
+    """A one-rank communicator that logs its capture guard and the replays it is told of."""
+
+    def __init__(self, log):
+        super().__init__()
+        self.log = log
+
+    @contextlib.contextmanager
+    def capture_guard(self):
+        self.log.append("guard on")
+        yield
+        self.log.append("guard off")
+
+    def track_replay(self):
+        self.log.append("replay tracked")
+
+
+def test_capture_runs_inside_the_guard_in_thread_local_mode():
+    log = []
+    alg = get_algorithm("oktopk")(N, _GuardedComm(log), 0.02)
+    ref = get_algorithm("oktopk")(N, SingleCommunicator(), 0.02)
+    box = {}
+    inner = _rerun_capture(lambda: box["step"])
+
+    @contextlib.contextmanager
+    def capture(graph, **kwargs):
+        log.append(("capture", kwargs))
+        with inner(graph, **kwargs):
+            yield
+        log.append("capture end")
+
+    step = GraphedStep(alg, eager_steps=1, graph_factory=_RerunGraph, capture=capture)
+    box["step"] = step
+    grad = student_t(seed=3)
+    for t in range(4):
+        want = ref(grad(0, t, N)).clone()
+        assert torch.equal(step(grad(0, t, N)), want)
+    assert log == ["guard on", ("capture", {"capture_error_mode": "thread_local"}),
+                   "capture end", "guard off"] + ["replay tracked"] * 3
+    assert alg.step_count == ref.step_count == 4
+    assert alg.comm.collectives_issued == ref.comm.collectives_issued
+
+
+def test_replays_advance_every_python_counter():
+    alg = get_algorithm("oktopk")(N, SingleCommunicator(), 0.02)
+    box = {}
+    step = GraphedStep(alg, eager_steps=2, graph_factory=_RerunGraph,
+                       capture=_rerun_capture(lambda: box["step"]))
+    box["step"] = step
+    ref = get_algorithm("oktopk")(N, SingleCommunicator(), 0.02)
+    grad = student_t(seed=8)
+    for t in range(6):
+        step(grad(0, t, N))
+        ref(grad(0, t, N))
+        assert (alg.step_count, alg.comm.bytes_sent, alg.comm.collectives_issued) == \
+            (ref.step_count, ref.comm.bytes_sent, ref.comm.collectives_issued), t
+
+
+# -- a replay reads nothing back to the host -------------------------------------------------------
+_HOST_READS = ("_local_scalar_dense", "item", "is_nonzero", "equal", "nonzero", "allclose",
+               "unique", "masked_select", "tolist")
+
+
+class _HostReadSpy(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every op that brings a tensor's value to the host (on CUDA: a synchronisation)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in _HOST_READS:
+            self.reads.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+class _NoOpGraph:
+    """A captured graph whose replay launches nothing (what the host sees of a real one)."""
+
+    def replay(self):
+        pass
+
+
+@contextlib.contextmanager
+def _plain_capture(graph, **kwargs):
+    yield
+
+
+def test_spy_sees_host_reads():
+    spy = _HostReadSpy()
+    with spy:
+        x = torch.ones(3)
+        bool(x.sum() > 0)
+        x.sum().item()
+    assert len(spy.reads) == 2 and "_local_scalar_dense" in spy.reads
+
+
+@pytest.mark.parametrize("name", ["oktopk", "dense"])
+def test_replay_path_makes_no_host_read(name):
+    alg = get_algorithm(name)(N, SingleCommunicator(), 0.02)
+    step = GraphedStep(alg, eager_steps=2, graph_factory=_NoOpGraph, capture=_plain_capture)
+    g = student_t(seed=2)(0, 0, N)
+    for _ in range(3):
+        step(g)                                     # eager, eager, captured
+    assert step.captured
+    spy = _HostReadSpy()
+    with spy:
+        for _ in range(3):
+            step(g)
+    assert spy.reads == []
+    assert alg.step_count == 6
+
+
+class _NoOpGraphed(GraphedStep):
+    """GraphedStep as SparseAllreduce builds it, its replays launching nothing."""
+
+    def __init__(self, algorithm, **kwargs):
+        super().__init__(algorithm, eager_steps=1, graph_factory=_NoOpGraph,
+                         capture=_plain_capture)
+
+
+def test_sparse_allreduce_graphed_steps_make_no_host_read(monkeypatch):
+    from oktopk_triton import module
+    from oktopk_triton.module import SparseAllreduce
+    monkeypatch.setattr(module, "GraphedStep", _NoOpGraphed)
+    model = _model(4)
+    sar = SparseAllreduce(model.parameters(), density=0.05, momentum=0.9, cuda_graph=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(16, 20)
+    for t in range(5):
+        model.zero_grad()
+        model(x).square().mean().backward()
+        spy = _HostReadSpy()
+        with spy:
+            if t % 2:
+                sar.reduce_updates(opt)
+            else:
+                sar.reduce_gradients()
+        if t >= 2:                                  # replays (the graph captured at t = 1)
+            assert spy.reads == [], (t, spy.reads)
+    assert sar._graphed.captured

@@ -312,3 +312,99 @@ def test_cuda_extras_name_the_cupy_wheels():
     assert "cupy-cuda13x" in names["cuda13"] and "nvidia-nccl-cu13" in names["cuda13"]
     assert not any(n.startswith("cupy") for n in names["cuda12"] if n != "cupy-cuda12x")
     assert not any(n.startswith("cupy") for n in names["cuda13"] if n != "cupy-cuda13x")
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA graphs: the watchdog makes no CUDA call while a capture is open
+# ---------------------------------------------------------------------------------------------
+class _LoggedEvent:
+    """A fake CUDA event: ``query()`` logs when it was called (never done, or done on demand);
+    ``slow`` seconds per query play a poll in progress."""
+
+    def __init__(self, slow: float = 0.0):
+        self.calls = []
+        self.done = False
+        self.slow = slow
+
+    def query(self):
+        t = time.monotonic()
+        if self.slow:
+            time.sleep(self.slow)
+        self.calls.append((t, time.monotonic()))
+        return self.done
+
+
+def test_watchdog_makes_no_cuda_call_while_a_capture_is_open(fake_nccl):
+    comm = NcclCommunicator(0, 2, NcclCommunicator.get_unique_id(), device="cuda:0",
+                            timeout=60.0, poll_interval=0.01)
+    made = fake_nccl.constructed[-1]
+    ev = _LoggedEvent()
+    comm._pending.append((time.monotonic(), "allreduce", ev))
+    assert _wait_for(lambda: len(ev.calls) >= 2)            # polling before the capture
+    with comm.capture_guard():
+        t_open = time.monotonic()
+        checks = made.async_checks
+        time.sleep(0.3)                                      # 30 poll periods
+        assert made.async_checks == checks                   # not even NCCL's error query
+        t_close = time.monotonic()
+    assert not [c for c in ev.calls if c[1] > t_open and c[0] < t_close]
+    n = len(ev.calls)
+    assert _wait_for(lambda: len(ev.calls) > n + 1)          # it resumes after the capture
+    assert made.async_checks > checks
+    ev.done = True
+    assert _wait_for(lambda: not comm._pending)
+    assert comm._failure is None
+    comm.close()
+
+
+def test_capture_guard_waits_for_the_poll_in_progress(fake_nccl):
+    comm = NcclCommunicator(0, 2, NcclCommunicator.get_unique_id(), device="cuda:0",
+                            timeout=60.0, poll_interval=0.01)
+    ev = _LoggedEvent(slow=0.2)
+    comm._pending.append((time.monotonic(), "alltoall", ev))
+    assert _wait_for(lambda: len(ev.calls) >= 1)
+    time.sleep(0.05)                                  # most likely inside a 0.2 s query now
+    with comm.capture_guard():
+        t_open = time.monotonic()
+        time.sleep(0.3)
+        t_close = time.monotonic()
+    # every query ended before the capture opened or began after it closed
+    assert all(end <= t_open or start >= t_close for start, end in ev.calls), ev.calls
+    comm.close()
+
+
+def test_paused_time_does_not_count_toward_the_timeout(fake_nccl):
+    comm = NcclCommunicator(1, 2, NcclCommunicator.get_unique_id(), device="cuda:0",
+                            timeout=0.5, poll_interval=0.01)
+    with comm.capture_guard():
+        comm._pending.append((time.monotonic(), "send_recv", _NeverDone()))
+        time.sleep(0.8)                              # longer than the timeout, all paused
+    time.sleep(0.1)
+    assert comm._failure is None                     # 0.1 s of 0.5 counted so far
+    assert _wait_for(lambda: comm._failure is not None, 5.0)   # then it times out as before
+    with pytest.raises(CommTimeout, match="send_recv not completed after 0.5s"):
+        comm.check()
+
+
+def test_replays_are_tracked_and_captures_are_not(fake_nccl, monkeypatch):
+    comm = NcclCommunicator(0, 2, NcclCommunicator.get_unique_id(), device="cuda:0",
+                            timeout=60.0, poll_interval=10.0)
+    recorded = []
+
+    class _Event:
+        def record(self, stream):
+            recorded.append(stream)
+
+        def query(self):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "stream")
+    capturing = {"on": True}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing["on"])
+    comm.track_replay()                 # (as if) inside a capture: its events belong to the graph
+    assert not comm._pending
+    capturing["on"] = False
+    comm.track_replay()
+    assert [w for _, w, _ in comm._pending] == ["graph replay"] and recorded == ["stream"]
+    comm.close()

@@ -21,8 +21,9 @@ barrier                0
 from __future__ import annotations
 
 import abc
+import contextlib
 import functools
-from typing import Sequence, Tuple
+from typing import ContextManager, Sequence, Tuple
 
 import torch
 
@@ -147,6 +148,16 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def barrier(self) -> None:
         """Wait until every rank has arrived."""
+
+    # -- CUDA graphs (oktopk_triton.graph) ----------------------------------------------------
+    def capture_guard(self) -> ContextManager[None]:
+        """Entered around the capture of a CUDA graph of a step: a backend whose helper thread
+        makes CUDA calls (NCCL's watchdog) pauses it inside. Default: nothing to pause."""
+        return contextlib.nullcontext()
+
+    def track_replay(self) -> None:
+        """Called after a captured step was replayed on the current stream: a backend that
+        watches its primitives for a timeout watches the replay too. Default: nothing."""
 
     # -- byte counting helpers shared by the backends ---------------------------------------
     def _count_send(self, t: torch.Tensor, peer: int) -> None:

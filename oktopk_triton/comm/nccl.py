@@ -31,6 +31,16 @@ raises it: :class:`CommAborted` (an error, or a peer found lost) or :class:`Comm
 ``check()`` raises it at once; ``synchronize()`` waits for the stream without blocking the
 watchdog.
 
+CUDA graphs: while a graph of a step is captured (``oktopk_triton.graph``) no other thread may
+query an event or otherwise touch CUDA: under ``torch.cuda.graph``'s default (global) capture
+mode such a call from another thread invalidates the capture (cudaErrorStreamCaptureInvalidated
+at ``capture_end``; torch's own NCCL process group had the same bug, its watchdog querying
+events of work enqueued before the capture). :meth:`NcclCommunicator.capture_guard` pauses the
+watchdog: entering it waits for a poll in progress to finish, and the watchdog makes no CUDA (or
+NCCL) call until it is left; the paused time does not count toward a primitive's ``timeout``.
+Primitives enqueued during a capture are not tracked (their events would belong to the graph);
+each replay is (:meth:`NcclCommunicator.track_replay`).
+
 Running several ranks on one GPU: NCCL refuses duplicate GPUs in one communicator unless every
 rank looks like a different host, e.g. ``NCCL_HOSTID=rank<r>`` set per process before
 construction (see ``tests/distutil.py::run_nccl`` and ``oktopk-bench collectives --backend
@@ -169,6 +179,8 @@ class NcclCommunicator(Communicator):
         self._pending: collections.deque = collections.deque()
         self._spare_events: collections.deque = collections.deque()
         self._stop = threading.Event()
+        # held by the watchdog for each poll and by capture_guard for a whole capture
+        self._poll_lock = threading.RLock()
         self._watchdog: Optional[threading.Thread] = None
         if self.timeout is not None and self.world_size > 1:
             self._watchdog = threading.Thread(
@@ -306,6 +318,26 @@ class NcclCommunicator(Communicator):
         ev = self._spare_events.popleft() if self._spare_events else torch.cuda.Event()
         ev.record(torch.cuda.current_stream(self.device))
         self._pending.append((time.monotonic(), what, ev))
+
+    @contextlib.contextmanager
+    def capture_guard(self):
+        """Pause the watchdog around the capture of a CUDA graph (see the module docstring):
+        waits for a poll in progress, then the watchdog makes no CUDA call until the block ends.
+        Primitives pending meanwhile get the paused time added to their deadline."""
+        with self._poll_lock:
+            t0 = time.monotonic()
+            try:
+                yield
+            finally:
+                paused = time.monotonic() - t0
+                self._pending = collections.deque(
+                    (t + paused, what, ev) for t, what, ev in self._pending)
+
+    def track_replay(self) -> None:
+        """A captured step was just replayed on the current stream: the watchdog times it out
+        like any primitive (an event recorded after the replay)."""
+        self._raise_if_failed()
+        self._track("graph replay")
 
     @contextlib.contextmanager
     def _enqueue(self, what: str):
@@ -455,31 +487,43 @@ def _watchdog_loop(ref, stop: threading.Event, interval: float) -> None:
 
     Every ``interval`` seconds: ``check_async_error()`` (a peer that died shows up here), then the
     oldest enqueued primitives: done ones are dropped, one incomplete after ``timeout`` seconds
-    aborts the communicator."""
+    aborts the communicator. Each poll holds ``_poll_lock``: while a graph capture holds it
+    (``capture_guard``) the watchdog waits and makes no CUDA call."""
     while not stop.wait(interval):
         comm = ref()
         if comm is None or comm._failure is not None:
             return
         try:
-            nccl_comm = comm._comm
-            if nccl_comm is None:
-                return
-            try:
-                nccl_comm.check_async_error()
-            except Exception as exc:  # noqa: BLE001 - cupy's NcclError
-                comm._record_failure(exc, "NCCL asynchronous error (a peer failed or is gone)")
-                return
-            pending = comm._pending
-            while pending:
-                t_issued, what, ev = pending[0]
-                if ev.query():
-                    pending.popleft()
-                    comm._spare_events.append(ev)
-                    continue
-                if time.monotonic() - t_issued > comm.timeout:
-                    comm._record_failure(None, f"{what} not completed after {comm.timeout:g}s",
-                                         timed_out=True)
+            with comm._poll_lock:
+                if not _poll(comm):
                     return
-                break
         finally:
             del comm
+
+
+def _poll(comm: "NcclCommunicator") -> bool:
+    """One poll of the watchdog (under ``_poll_lock``); False when the watchdog should end."""
+    if comm._failure is not None or comm._stop.is_set():
+        return False
+    nccl_comm = comm._comm
+    if nccl_comm is None:
+        return False
+    try:
+        nccl_comm.check_async_error()
+    except Exception as exc:  # noqa: BLE001 - cupy's NcclError
+        comm._record_failure(exc, "NCCL asynchronous error (a peer failed or is gone)")
+        return False
+    pending = comm._pending
+    while pending:
+        t_issued, what, ev = pending[0]
+        if ev.query():
+            pending.popleft()
+            comm._spare_events.append(ev)
+            continue
+        if time.monotonic() - t_issued > comm.timeout:
+            comm._record_failure(None, f"{what} not completed after {comm.timeout:g}s",
+                                 timed_out=True)
+            return False
+        break
+    return True
+
