@@ -345,3 +345,33 @@ def test_sparse_allreduce_graphed_steps_make_no_host_read(monkeypatch):
         if t >= 2:                                  # replays (the graph captured at t = 1)
             assert spy.reads == [], (t, spy.reads)
     assert sar._graphed.captured
+
+
+def _local_steps_run(graphed: bool, calls: int):
+    from oktopk_triton.module import SparseAllreduce
+    model = _model(5)
+    sar = SparseAllreduce(model.parameters(), density=0.05, sync_every=2, outer_momentum=0.5,
+                          residual_decay=0.9)
+    if graphed:      # what cuda_graph=True builds (SparseAllreduce refuses it with local steps)
+        sar._graphed = _RerunGraphed(sar.algorithm)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(6)
+    weights = []
+    for _ in range(calls):
+        x = torch.randn(16, 20, generator=g)
+        model.zero_grad()
+        model(x).square().mean().backward()
+        sar.reduce_updates(opt)
+        weights.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone())
+    return sar, weights
+
+
+def test_local_steps_sync_replays_the_eager_sync():
+    """The local-steps sync reduces through the same graphed step: a replayed sync (stand-in
+    graph) gives the eager run's weights bit for bit, residual decay and outer momentum on."""
+    eager, want = _local_steps_run(False, 12)
+    graphed, got = _local_steps_run(True, 12)
+    assert graphed._graphed.captured and graphed.algorithm.step_count == 6
+    for t, (a, b) in enumerate(zip(want, got)):
+        assert torch.equal(a, b), t
+    assert torch.equal(eager.residual, graphed.residual)
