@@ -23,6 +23,7 @@ import glob
 import logging
 import os
 import re
+from collections import Counter
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import torch
@@ -64,8 +65,12 @@ def param_fingerprint(params: Iterable[torch.Tensor]) -> Dict[str, Any]:
 
 
 def _differs(saved: Dict[str, Any], mine: Dict[str, Any]) -> Optional[str]:
-    """The first key on which two fingerprints disagree, in a few words (a key only one of them
-    has is not compared: e.g. a state saved before it saw any parameters)."""
+    """The first thing on which two fingerprints disagree, in a few words: the first mismatched
+    parameter (by name or index, with both shapes) before any total, then other keys (a key only
+    one of them has is not compared: e.g. a state saved before it saw any parameters)."""
+    why = _param_differs(saved, mine)
+    if why is not None:
+        return why
     for key in sorted(set(saved) & set(mine)):
         a, b = saved[key], mine[key]
         if a == b:
@@ -77,6 +82,53 @@ def _differs(saved: Dict[str, Any], mine: Dict[str, Any]) -> Optional[str]:
             return f"{key} has {len(a)} entries in the file, {len(b)} here"
         return f"{key} is {a!r} in the file, {b!r} here"
     return None
+
+
+def _sizes(fp: Dict[str, Any], key: str) -> str:
+    n = len(fp[key])
+    return f"{n} parameter{'s' if n != 1 else ''} of {fp.get('numel', '?')} elements"
+
+
+def _param_differs(saved: Dict[str, Any], mine: Dict[str, Any]) -> Optional[str]:
+    """The first parameter that differs. ``shapes``/``dtypes`` are in parameter order (compared
+    by index); ``sorted_shapes`` (the DDP hook's, whose order is DDP's) are compared as a
+    multiset, the parameter named from ``names``/``model_shapes`` when this side has them."""
+    if "shapes" in saved and "shapes" in mine:
+        a, b = saved["shapes"], mine["shapes"]
+        da, db = saved.get("dtypes") or [], mine.get("dtypes") or []
+        totals = f"{_sizes(saved, 'shapes')} in the file, {_sizes(mine, 'shapes')} here"
+        for i in range(max(len(a), len(b))):
+            if i >= len(a) or i >= len(b):
+                side = "here" if i >= len(a) else "in the file"
+                return (f"parameter {i} (shape {(b if i >= len(a) else a)[i]}) exists only "
+                        f"{side}; {totals}")
+            if a[i] != b[i]:
+                return f"parameter {i} has shape {a[i]} in the file, {b[i]} here; {totals}"
+            if i < len(da) and i < len(db) and da[i] != db[i]:
+                return f"parameter {i} has dtype {da[i]} in the file, {db[i]} here"
+        return None
+    if "sorted_shapes" not in saved or "sorted_shapes" not in mine:
+        return None
+    pool = Counter(tuple(s) for s in saved["sorted_shapes"])
+    names = mine.get("names")
+    order = mine.get("model_shapes") or mine["sorted_shapes"]
+    first = None
+    for i, s in enumerate(order):
+        if pool[tuple(s)] > 0:
+            pool[tuple(s)] -= 1
+        elif first is None:
+            first = (names[i] if names else None, list(s))
+    left = sorted(pool.elements())
+    if first is None and not left:
+        return None
+    totals = f"{_sizes(saved, 'sorted_shapes')} in the file, {_sizes(mine, 'sorted_shapes')} here"
+    unmatched = (f"the file's first unmatched shape is {list(left[0])}" if left
+                 else "the file has no parameter left to match it")
+    if first is None:
+        return f"the file has a parameter of shape {list(left[0])} that is not here; {totals}"
+    who = f"parameter {first[0]!r}" if first[0] else "a parameter"
+    return f"{who} has shape {first[1]} here, which no parameter in the file has ({unmatched}; " \
+           f"{totals})"
 
 
 def save_rank(directory: str, kind: str, rank: int, world_size: int,

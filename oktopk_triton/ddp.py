@@ -69,6 +69,7 @@ How DDP is driven, and what the hook does about it (each case is tested, in
   error at its first call naming the alternatives.
 """
 import warnings
+import weakref
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -134,12 +135,19 @@ class _Layout:
         self.group_of = {c: gi for gi, g in enumerate(self.groups) for c in g}
         self.group_index = {g: gi for gi, g in enumerate(self.groups)}
 
+    def known_shapes(self) -> List[Tuple[int, ...]]:
+        """The canonical shapes: those seen, else those of a loaded state (not yet seen)."""
+        return self.shapes if self.shapes or self.expected is None else self.expected
+
     def state_dict(self) -> Dict[str, Any]:
-        return {"shapes": [list(s) for s in self.shapes],
+        return {"shapes": [list(s) for s in self.known_shapes()],
                 "groups": None if self.groups is None else [list(g) for g in self.groups]}
 
     def load(self, sd: Dict[str, Any]) -> None:
-        self.expected = [tuple(s) for s in sd["shapes"]]
+        # a state saved before the hook saw any parameter constrains none
+        self.expected = [tuple(s) for s in sd["shapes"]] or None
+        if self.expected is None:
+            return
         if self.shapes:      # already seen: check now
             for c, s in enumerate(self.shapes):
                 if c >= len(self.expected) or self.expected[c] != s:
@@ -186,7 +194,7 @@ class SparseAllreduceState:
                  "iter", "reducers", "bytes_sent", "total_bytes_sent", "_iter_bytes",
                  "_pending_state", "mode", "_pending", "layout", "scaler", "_arrived",
                  "_reduced", "_new_groups", "_seen", "_used", "_watched", "_now",
-                 "_relayout", "held_out", "_iter_held")
+                 "_relayout", "held_out", "_iter_held", "_model")
 
     MODES = ("flat", "bucket")
     FLAT = -1   # the reducers key of the flat reducer
@@ -240,6 +248,7 @@ class SparseAllreduceState:
         self._relayout = False                          # bucket mode: DDP rebuilt its buckets
         self.held_out = 0                               # parameters held out, last iteration
         self._iter_held = 0
+        self._model: Optional["weakref.ref"] = None     # the DDP model (see bind)
 
     # -- helpers -----------------------------------------------------------------------------
     def _world_size(self) -> int:
@@ -291,35 +300,82 @@ class SparseAllreduceState:
             self._watched[c] = p.register_post_accumulate_grad_hook(
                 lambda _p, c=c: used.add(c))
 
+    def bind(self, model: torch.nn.Module) -> None:
+        """Remember the ``DistributedDataParallel`` model this state reduces (weakly), so that
+        :meth:`residual` can place a loaded state's residuals before the first backward. The
+        integrations and :meth:`load` with a DDP ``model`` call it; another module is ignored."""
+        from torch.nn.parallel import DistributedDataParallel
+        if isinstance(model, DistributedDataParallel):
+            self._model = weakref.ref(model)
+
     def residual(self, param: torch.Tensor) -> torch.Tensor:
-        """What this rank still owes ``param`` (fp32, ``param``'s shape; zeros before its first
-        sparse step): its slice of the residual of the reducer that holds it."""
-        c = self.layout.index.get(id(param))
+        """What this rank still owes ``param`` (fp32, ``param``'s shape): its slice of the
+        residual of the reducer that holds it (a view once that reducer is built).
+
+        Before any sparse step it is zeros, except after a load: then it is the loaded residual,
+        placed by the bound DDP model's first bucket layout (:meth:`bind`; the integrations
+        bind it, as does ``load(..., model=ddp_model)``) until the hook has seen a backward.
+        Raises ``ValueError`` for a tensor that is not a parameter of the model, and for a
+        loaded state with no DDP model bound before the first backward."""
+        lay = self.layout
+        c = lay.index.get(id(param))
+        if c is None and lay.shapes:
+            raise ValueError("SparseAllreduceState.residual: this tensor is not a parameter the "
+                             "hook has seen (not a trainable parameter of the DDP model)")
+        if c is None and lay.expected is None:       # nothing seen, nothing loaded
+            return torch.zeros(param.shape, dtype=torch.float32, device=param.device)
         if c is None:
-            raise ValueError("SparseAllreduceState.residual: this parameter has not been seen "
-                             "by the hook (not a parameter of the DDP model, or no backward yet)")
-        key = SparseAllreduceState.FLAT if self.mode == "flat" else self.layout.group_of.get(c)
-        members = (range(len(self.layout.shapes)) if self.mode == "flat"
-                   else (self.layout.groups[key] if key is not None else ()))
+            c = self._loaded_index(param)
+        shapes = lay.known_shapes()
+        key = SparseAllreduceState.FLAT if self.mode == "flat" else lay.group_of.get(c)
+        members = (range(len(shapes)) if self.mode == "flat"
+                   else (lay.groups[key] if key is not None else ()))
         red = self.reducers.get(key) if key is not None else None
-        if red is None:
+        if red is not None:
+            vec = red.residual
+        elif key is not None and key in self._pending_state:
+            vec = self._pending_state[key]["residual"].to(param.device)
+        else:
             return torch.zeros(param.shape, dtype=torch.float32, device=param.device)
         off = 0
         for m in members:
-            n = _numel(self.layout.shapes[m])
+            n = _numel(shapes[m])
             if m == c:
-                return red.residual[off:off + n].view(param.shape)
+                return vec[off:off + n].view(param.shape)
             off += n
         raise AssertionError("parameter not in its group")   # unreachable
+
+    def _loaded_index(self, param: torch.Tensor) -> int:
+        """``param``'s canonical index in a loaded state the hook has not seen yet: its place in
+        the bound DDP model's current buckets (a fresh DDP's first layout, the one the hook
+        will number the parameters by)."""
+        ddp = None if self._model is None else self._model()
+        if ddp is None:
+            raise ValueError("SparseAllreduceState.residual: a loaded state places its "
+                             "residuals at the first backward; before it, bind the DDP model "
+                             "(state.bind(ddp_model), or load(..., model=ddp_model))")
+        order = [p for b in ddp.reducer._get_zeros_like_grad_buckets() for p in b.parameters()]
+        for c, p in enumerate(order):
+            if p is param:
+                if c >= len(self.layout.expected) or tuple(p.shape) != self.layout.expected[c]:
+                    raise ValueError("SparseAllreduceState.residual: the loaded state was saved "
+                                     f"for other parameters (parameter {c} has shape "
+                                     f"{tuple(p.shape)} here)")
+                return c
+        raise ValueError("SparseAllreduceState.residual: this tensor is not a trainable "
+                         "parameter of the bound DDP model")
 
     # -- checkpointing -----------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         """Iteration count, the parameter layout (shapes in canonical order, groups) and every
         reducer's state (residuals, thresholds, ...). Save it with the model and optimizer;
-        load it into a fresh state before the first backward of the resumed run."""
+        load it into a fresh state before the first backward of the resumed run. A loaded state
+        is saved as it was loaded until the hook builds its reducers (a save straight after a
+        load keeps every residual)."""
+        reducers = dict(self._pending_state)      # loaded, not built yet: saved as loaded
+        reducers.update({i: r.state_dict() for i, r in self.reducers.items()})
         return {"iter": self.iter, "algorithm": self.algorithm, "density": self.density,
-                "mode": self.mode, "layout": self.layout.state_dict(),
-                "reducers": {i: r.state_dict() for i, r in self.reducers.items()}}
+                "mode": self.mode, "layout": self.layout.state_dict(), "reducers": reducers}
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         """Restore; reducers not yet built load their state when they are. The saved parameter
@@ -334,6 +390,7 @@ class SparseAllreduceState:
                              "layout (saved by an older version); its residuals cannot be placed")
         self.layout.load(sd["layout"])
         self.iter = int(sd["iter"])
+        self._pending_state = {}
         for i, rsd in sd.get("reducers", {}).items():
             if int(i) in self.reducers:
                 self.reducers[int(i)].load_state_dict(rsd)
@@ -360,13 +417,18 @@ class SparseAllreduceState:
         group = self._world_size() if dist.is_available() and dist.is_initialized() else 1
         fp: Dict[str, Any] = {"algorithm": self.algorithm, "mode": self.mode,
                               "group_size": group}
-        shapes = [list(s) for s in self.layout.shapes]
+        shapes = [list(s) for s in self.layout.known_shapes()]
+        names = None
         if model is not None:
-            ps = [p for p in model.parameters() if p.requires_grad]
-            shapes = [list(p.shape) for p in ps]
+            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            shapes = [list(p.shape) for _, p in named]
+            names = [n for n, _ in named]
         if shapes:
             fp["numel"] = sum(int(torch.Size(s).numel()) for s in shapes)
             fp["sorted_shapes"] = sorted(shapes)
+        if names is not None:      # for the error message only (a saved state has no names)
+            fp["names"] = names
+            fp["model_shapes"] = shapes
         return fp
 
     def save(self, directory: str, name: str = "oktopk") -> str:
@@ -383,8 +445,11 @@ class SparseAllreduceState:
         """Restore this rank's state saved by :meth:`save` (every rank calls it, before the
         first backward of the resumed run). A missing file, another world size, algorithm or
         mode, or (with ``model``) other parameters raise ``CheckpointError`` (a ``ValueError``)
-        on every rank; without ``model`` the parameters are checked at the first backward."""
+        on every rank; without ``model`` the parameters are checked at the first backward.
+        A ``DistributedDataParallel`` ``model`` is also bound (:meth:`bind`)."""
         from .checkpoint import gather_dist, load_rank
+        if model is not None:
+            self.bind(model)
         rank, world = self._file_rank()
         f = load_rank(directory, "SparseAllreduceState", rank, world, self.fingerprint(model),
                       gather_dist(self.process_group), name)

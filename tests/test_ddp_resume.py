@@ -131,3 +131,29 @@ def test_state_dict_records_layout_and_checks_it():
     fresh.load_state_dict(sd)
     with pytest.raises(ValueError, match="saved for other parameters"):
         fresh.layout.indices([torch.zeros(2, 3)])
+
+
+def test_loaded_state_is_saved_as_loaded_and_residual_before_any_step():
+    from oktopk_triton.ddp import SparseAllreduceState
+    s = SparseAllreduceState(density=0.05, algorithm="topka")
+    w = torch.nn.Parameter(torch.ones(3, 2))
+    assert torch.equal(s.residual(w), torch.zeros(3, 2))       # nothing seen, nothing loaded
+    s.layout.indices([torch.zeros(3, 2), torch.zeros(4)])
+    with pytest.raises(ValueError, match="not a parameter the hook has seen"):
+        s.residual(w)
+    sd = s.state_dict()
+    sd["iter"] = 5
+    sd["reducers"] = {-1: {"numel": 10, "residual": torch.arange(10.0)}}
+    fresh = SparseAllreduceState(density=0.05, algorithm="topka")
+    fresh.load_state_dict(sd)
+    again = fresh.state_dict()                   # a save straight after the load: as loaded
+    assert again["iter"] == 5 and again["layout"]["shapes"] == [[3, 2], [4]]
+    assert torch.equal(again["reducers"][-1]["residual"], torch.arange(10.0))
+    assert fresh.fingerprint()["numel"] == 10
+    with pytest.raises(ValueError, match="bind the DDP model"):
+        fresh.residual(w)                        # loaded, no DDP model to place it by
+    # a state saved before the hook saw any parameter constrains none
+    empty = SparseAllreduceState(density=0.05, algorithm="topka")
+    empty.load_state_dict(SparseAllreduceState(density=0.05, algorithm="topka").state_dict())
+    assert empty.layout.expected is None
+    assert empty.layout.indices([torch.zeros(2)]) == [0]

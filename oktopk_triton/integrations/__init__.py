@@ -56,4 +56,5 @@ def register_on_ddp(model: torch.nn.Module, state: SparseAllreduceState,
                            "state (DDP takes one communication hook)")
     model.register_comm_hook(state, hook or sparse_allreduce_hook)
     model._oktopk_state = state
+    state.bind(model)
     log.info("%s: sparse allreduce hook registered (%r)", who, state)

@@ -140,13 +140,18 @@ class SparseReplicaReduce:
 
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
+        """Every unit's reducer state; a loaded unit not built yet (no backward since the load)
+        is saved as it was loaded, so a save straight after a load keeps what it owes."""
+        reducers = dict(self._pending)
+        reducers.update({i: r.state_dict() for i, r in self.reducers.items()})
         return {"algorithm": self.algorithm, "density": self.density, "units": self.units,
-                "reducers": {i: r.state_dict() for i, r in self.reducers.items()}}
+                "reducers": reducers}
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         if sd.get("algorithm") != self.algorithm:
             raise ValueError(f"SparseReplicaReduce.load_state_dict: saved with algorithm="
                              f"{sd.get('algorithm')!r}, this one has {self.algorithm!r}")
+        self._pending = {}
         for i, rsd in sd.get("reducers", {}).items():
             if int(i) in self.reducers:
                 self.reducers[int(i)].load_state_dict(rsd)
@@ -158,8 +163,10 @@ class SparseReplicaReduce:
                               "replicas": dist.get_world_size(self.group)}
         if self.units:
             fp["units"] = self.units
-        if self.reducers:
-            fp["shard_numels"] = [self.reducers[i].numel for i in sorted(self.reducers)]
+        numels = {i: int(sd["numel"]) for i, sd in self._pending.items()}
+        numels.update({i: r.numel for i, r in self.reducers.items()})
+        if numels:
+            fp["shard_numels"] = [numels[i] for i in sorted(numels)]
         return fp
 
     def save(self, directory: str, name: str = "oktopk") -> str:
