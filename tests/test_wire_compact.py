@@ -131,7 +131,7 @@ def test_oktopk_compact_schedule_is_the_wire():
 # -- refusals -------------------------------------------------------------------------------------
 def test_bad_values_are_refused_with_one_line():
     comm = LocalCluster(1).communicator(0)
-    with pytest.raises(ValueError, match=r"wire_format must be one of \('fp32', 'compact'\)"):
+    with pytest.raises(ValueError, match=r"wire_format must be one of \('fp32', 'compact', "):
         SparseAllreduce(1000, comm=comm, algorithm="oktopk", wire_format="bf16")
     with pytest.raises(ValueError, match="dense: wire_format='compact' is not supported"):
         SparseAllreduce(1000, comm=comm, algorithm="dense", wire_format="compact")

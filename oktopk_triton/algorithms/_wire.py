@@ -19,6 +19,31 @@ order on CUDA), the counts one ``scatter_add``: static sizes, no host read.
 
 Conservation: a sender keeps ``v - bf16(v)`` of every entry it sent in its own residual (what
 the wire dropped), so nothing is lost (:func:`bf16_rounding`).
+
+**Quantized values** (``wire_format="q2"`` / ``"q4"``, as SparseLoCo sends them): the same
+chunk counts, then two fp32 words per chunk (``base``, ``step``), the 16-bit chunk-relative
+indices two to an int32 word, and the values as ``b``-bit codes (``b`` = 2 or 4: a sign bit and
+``b-1`` magnitude bits) packed ``32/b`` to a word. Code ``sign | j`` decodes to
+``±(base[c] + j·step[c])`` for chunk ``c``, computed in fp32 exactly as :func:`decode` does, so
+every rank and the sender itself agree on the bits. A row is
+``header + 3·chunks(span) + ceil(cap/2) + ceil(cap·b/32)`` words: 2.25 bytes an entry for q2,
+2.5 for q4 (compact: 4, fp32: 8), plus 12 bytes a chunk. The scales, per chunk of the row's
+sent entries (magnitudes ``a``):
+
+* q2 (one magnitude bit): the two centroids of one Lloyd step from the split at the mean,
+  ``lo = mean(a < mean(a))``, ``hi = mean(a >= mean(a))``, ``base = lo``, ``step = hi - lo``.
+  Top-k magnitudes are skewed (many just above the threshold, a few far above); one scale
+  (``mean(a)`` or ``max(a)``) would send the bulk with an error of the order of the value,
+  the centroids keep each half's squared error at its variance.
+* q4 (three magnitude bits): 8 uniform levels from the chunk's smallest to its largest
+  magnitude, ``base = min(a)``, ``step = (max(a) - min(a))/7``, code ``j = round((a-base)/step)``:
+  every entry within ``step/2``, none clipped (a clipped outlier would come back late through
+  the residual).
+
+Error feedback: a sender keeps ``v - q(v)`` of every entry that was delivered in its own residual
+(:func:`encode` with ``return_wire=True`` gives ``q(v)`` per input slot), as the compact wire
+keeps ``v - bf16(v)``; conservation holds as before. Every step is static-sized: scatter_add
+and scatter_reduce into ``[rows, chunks]`` tables, no host read.
 """
 from __future__ import annotations
 
@@ -26,24 +51,30 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["WIRE_FORMATS", "CHUNK", "chunks", "row_words", "bf16_round", "bf16_rounding",
-           "encode", "decode", "check_wire_format"]
+__all__ = ["WIRE_FORMATS", "QUANTIZED", "CHUNK", "chunks", "row_words", "entry_bytes",
+           "bf16_round", "bf16_rounding", "encode", "decode", "check_wire_format"]
 
-WIRE_FORMATS = ("fp32", "compact")
+WIRE_FORMATS = ("fp32", "compact", "q2", "q4")
+QUANTIZED = {"q2": 2, "q4": 4}     # bits a value: a sign bit and the magnitude code
+_NOT_IMPLEMENTED = "this algorithm does not implement it"
 CHUNK_BITS = 16
 CHUNK = 1 << CHUNK_BITS
 _LOW = CHUNK - 1
 _HIGH = -CHUNK            # 0xFFFF0000 as an int32
 
 
-def check_wire_format(name: str, value, refusal: Optional[str]) -> bool:
-    """True for ``"compact"``; a one-line ValueError for an unknown value, or for ``"compact"``
-    on an algorithm whose messages cannot carry it (``refusal`` says why)."""
+def check_wire_format(name: str, value, refusal: Optional[str],
+                      quantized_refusal: Optional[str] = _NOT_IMPLEMENTED) -> bool:
+    """True for a packed format (``"compact"``, ``"q2"``, ``"q4"``: chunk counts and 16-bit
+    indices); a one-line ValueError for an unknown value, for a packed format on an algorithm
+    whose messages cannot carry it (``refusal`` says why), or for a quantized one on an
+    algorithm that does not keep the quantization error (``quantized_refusal``)."""
     if value not in WIRE_FORMATS:
         raise ValueError(f"{name}: wire_format must be one of {WIRE_FORMATS}, got {value!r}")
-    if value == "compact" and refusal:
-        raise ValueError(f"{name}: wire_format='compact' is not supported: {refusal}")
-    return value == "compact"
+    why = refusal or (quantized_refusal if value in QUANTIZED else None)
+    if value != "fp32" and why:
+        raise ValueError(f"{name}: wire_format={value!r} is not supported: {why}")
+    return value != "fp32"
 
 
 def chunks(span: int) -> int:
@@ -51,9 +82,21 @@ def chunks(span: int) -> int:
     return max(1, -(-int(span) // CHUNK))
 
 
-def row_words(cap: int, span: int, header: int = 0) -> int:
-    """int32 words of one compact row: ``header + chunks(span) + cap``."""
-    return header + chunks(span) + cap
+def row_words(cap: int, span: int, header: int = 0, fmt: str = "compact") -> int:
+    """int32 words of one packed row: ``header + chunks(span) + cap`` (compact);
+    ``header + 3·chunks(span) + ceil(cap/2) + ceil(cap·b/32)`` (``q2``/``q4``, b = 2/4)."""
+    if fmt == "compact":
+        return header + chunks(span) + cap
+    b = QUANTIZED[fmt]
+    return header + 3 * chunks(span) + (cap + 1) // 2 + -(-cap * b // 32)
+
+
+def entry_bytes(fmt: str) -> float:
+    """Wire bytes of one sparse entry, headers and chunk words aside: fp32 8, compact 4, q2 2.25,
+    q4 2.5."""
+    if fmt not in WIRE_FORMATS:
+        raise ValueError(f"entry_bytes: wire_format must be one of {WIRE_FORMATS}, got {fmt!r}")
+    return {"fp32": 8.0, "compact": 4.0}.get(fmt) or 2.0 + QUANTIZED.get(fmt, 0) / 8.0
 
 
 def bf16_round(x: torch.Tensor) -> torch.Tensor:
@@ -67,13 +110,17 @@ def bf16_rounding(x: torch.Tensor) -> torch.Tensor:
 
 
 def encode(indices: torch.Tensor, values: torch.Tensor, counts: Optional[torch.Tensor],
-           span: int, *, header: int = 0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Rows of entries -> compact rows ``int32 [S, header + chunks(span) + cap]``.
+           span: int, *, header: int = 0, out: Optional[torch.Tensor] = None,
+           fmt: str = "compact", return_wire: bool = False):
+    """Rows of entries -> packed rows ``int32 [S, row_words(cap, span, header, fmt)]``.
 
     ``indices`` int [S, cap] in ``[0, span)`` (unique within a row, any order), ``values`` fp32
     [S, cap]; only the first ``min(counts[s], cap)`` slots of row s are sent (``counts=None``:
     all). The header words are left for the caller (zero in a new buffer). Entries go out
-    sorted by index; the unused slots are 0."""
+    sorted by index; the unused slots are 0. ``return_wire``: also return what the wire carries
+    for each input slot (fp32, the shape of ``values``, 0 where nothing was sent), so a sender keeps
+    ``values - wire`` (the same bits :func:`decode` gives every receiver)."""
+    shape = values.shape
     if indices.dim() == 1:
         indices, values = indices.unsqueeze(0), values.unsqueeze(0)
         counts = None if counts is None else counts.reshape(1)
@@ -81,7 +128,7 @@ def encode(indices: torch.Tensor, values: torch.Tensor, counts: Optional[torch.T
     C = chunks(span)
     dev = indices.device
     if out is None:
-        out = torch.zeros(S, header + C + cap, dtype=torch.int32, device=dev)
+        out = torch.zeros(S, row_words(cap, span, header, fmt), dtype=torch.int32, device=dev)
     slot = torch.arange(cap, device=dev)
     idx = indices.to(torch.int64)
     if counts is None:
@@ -96,17 +143,103 @@ def encode(indices: torch.Tensor, values: torch.Tensor, counts: Optional[torch.T
     hi = torch.where(valid, key >> CHUNK_BITS, torch.full_like(key, C))
     cc = torch.zeros(S, C + 1, dtype=torch.int32, device=dev)
     cc.scatter_add_(1, hi, torch.ones_like(hi, dtype=torch.int32))
-    word = bf16_round(vals).view(torch.int32) | (key & _LOW).to(torch.int32)
     out[:, header:header + C] = cc[:, :C]
-    out[:, header + C:] = torch.where(valid, word, torch.zeros_like(word))
-    return out
+    low = torch.where(valid, key & _LOW, torch.zeros_like(key))
+    if fmt == "compact":
+        wire = bf16_round(vals)
+        word = wire.view(torch.int32) | low.to(torch.int32)
+        out[:, header + C:] = torch.where(valid, word, torch.zeros_like(word))
+    else:
+        wire = _encode_quantized(out[:, header + C:], vals, valid, hi, low, C, QUANTIZED[fmt])
+    if not return_wire:
+        return out
+    wire = torch.where(valid, wire, torch.zeros_like(wire))
+    return out, torch.empty_like(wire).scatter_(1, perm, wire).view(shape)
 
 
-def decode(msg: torch.Tensor, cap: int, span: int,
-           header: int = 0) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Compact rows ``[S, header + chunks(span) + cap]`` -> ``(indices int32 [S, cap] (ascending,
-    -1 past the count), values fp32 [S, cap] (the bf16 values, 0 past the count), counts int32
-    [S])``. The same bits give the same result on every rank."""
+def _to_int32(w: torch.Tensor) -> torch.Tensor:
+    """int64 words in [0, 2^32) -> the int32 with the same 32 bits."""
+    return torch.where(w >= 1 << 31, w - (1 << 32), w).to(torch.int32)
+
+
+def _pack(fields: torch.Tensor, bits: int) -> torch.Tensor:
+    """[S, m] int64 fields of ``bits`` bits -> [S, ceil(m·bits/32)] int32 words, field i at
+    bit ``(i % per)·bits`` of word ``i // per``."""
+    S, m = fields.shape
+    per = 32 // bits
+    nw = -(-m // per)
+    f = torch.nn.functional.pad(fields, (0, nw * per - m)).view(S, nw, per)
+    shift = torch.arange(per, device=fields.device, dtype=torch.int64) * bits
+    return _to_int32((f << shift).sum(-1))
+
+
+def _unpack(words: torch.Tensor, bits: int, m: int) -> torch.Tensor:
+    """Inverse of :func:`_pack`: [S, nw] int32 -> [S, m] int64 fields."""
+    S, nw = words.shape
+    per = 32 // bits
+    shift = torch.arange(per, device=words.device, dtype=torch.int64) * bits
+    w = (words.to(torch.int64) & 0xFFFFFFFF).unsqueeze(-1)
+    return ((w >> shift) & ((1 << bits) - 1)).reshape(S, nw * per)[:, :m]
+
+
+def _levels(base: torch.Tensor, step: torch.Tensor, code: torch.Tensor, b: int) -> torch.Tensor:
+    """The value of ``code`` (sign bit on top, magnitude ``j`` below) at a chunk's base/step:
+    ``±(base + j·step)`` in fp32; the one formula of encoder and decoder."""
+    j = (code & ((1 << (b - 1)) - 1)).to(torch.float32)
+    mag = base + j * step
+    return torch.where((code >> (b - 1)) != 0, -mag, mag)
+
+
+def _encode_quantized(body: torch.Tensor, vals: torch.Tensor, valid: torch.Tensor,
+                      hi: torch.Tensor, low: torch.Tensor, C: int, b: int) -> torch.Tensor:
+    """Write the scales, index words and code words of sorted rows into ``body``
+    ([S, 2C + ceil(cap/2) + ceil(cap·b/32)]); return the wire values (sorted order)."""
+    S, cap = vals.shape
+    dev = vals.device
+    flat = (hi + torch.arange(S, device=dev).reshape(S, 1) * (C + 1)).reshape(-1)
+    a = torch.where(valid, vals.abs(), torch.zeros_like(vals)).reshape(-1)
+    one = valid.to(torch.float32).reshape(-1)
+    zeros = torch.zeros(S * (C + 1), dtype=torch.float32, device=dev)
+    cnt = zeros.scatter_add(0, flat, one)
+    if b == 2:   # two centroids around the chunk's mean magnitude
+        mean = zeros.scatter_add(0, flat, a) / cnt.clamp(min=1)
+        big = (a >= mean[flat]) & (one > 0)
+        n_hi = zeros.scatter_add(0, flat, big.to(torch.float32))
+        s_hi = zeros.scatter_add(0, flat, torch.where(big, a, torch.zeros_like(a)))
+        s_lo = zeros.scatter_add(0, flat, torch.where(big, torch.zeros_like(a), a))
+        c_hi = s_hi / n_hi.clamp(min=1)
+        c_lo = torch.where(cnt > n_hi, s_lo / (cnt - n_hi).clamp(min=1), c_hi)
+        base, step = c_lo, c_hi - c_lo
+        j = big.to(torch.int64)
+    else:        # 2^(b-1) uniform levels from the chunk's smallest to its largest magnitude
+        top = (1 << (b - 1)) - 1
+        inf = torch.full_like(a, float("inf"))
+        base = torch.full_like(zeros, float("inf")).scatter_reduce(
+            0, flat, torch.where(one > 0, a, inf), "amin")
+        base = torch.where(cnt > 0, base, zeros)
+        mx = zeros.scatter_reduce(0, flat, a, "amax")
+        step = (mx - base) / top
+        ratio = (a - base[flat]) / torch.where(step > 0, step, torch.ones_like(step))[flat]
+        j = torch.round(ratio).clamp(0, top).to(torch.int64)
+        j = torch.where(step[flat] > 0, j, torch.zeros_like(j))
+    neg = (vals.reshape(-1) < 0).to(torch.int64)
+    code = torch.where(one > 0, (neg << (b - 1)) | j, torch.zeros_like(j)).view(S, cap)
+    base, step = base.view(S, C + 1), step.view(S, C + 1)
+    body[:, :C] = base[:, :C].contiguous().view(torch.int32)
+    body[:, C:2 * C] = step[:, :C].contiguous().view(torch.int32)
+    iw = (cap + 1) // 2
+    body[:, 2 * C:2 * C + iw] = _pack(low, 16)
+    body[:, 2 * C + iw:] = _pack(code, b)
+    hc = hi.clamp(max=C)
+    return _levels(base.gather(1, hc), step.gather(1, hc), code, b)
+
+
+def decode(msg: torch.Tensor, cap: int, span: int, header: int = 0,
+           fmt: str = "compact") -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed rows ``[S, row_words(cap, span, header, fmt)]`` -> ``(indices int32 [S, cap]
+    (ascending, -1 past the count), values fp32 [S, cap] (what the wire carries: bf16 values
+    or the quantized levels; 0 past the count), counts int32 [S])``. The same bits give the
+    same result on every rank."""
     if msg.dim() == 1:
         msg = msg.unsqueeze(0)
     S = msg.shape[0]
@@ -114,11 +247,23 @@ def decode(msg: torch.Tensor, cap: int, span: int,
     dev = msg.device
     ends = torch.cumsum(msg[:, header:header + C].to(torch.int64), 1)        # [S, C]
     count = ends[:, -1:]
-    words = msg[:, header + C:header + C + cap]
     slot = torch.arange(cap, device=dev, dtype=torch.int64).expand(S, cap).contiguous()
     hi = torch.searchsorted(ends.contiguous(), slot, right=True)             # chunk of slot i
-    idx = (hi << CHUNK_BITS) | (words & _LOW).to(torch.int64)
-    vals = (words & _HIGH).contiguous().view(torch.float32)
+    if fmt == "compact":
+        words = msg[:, header + C:header + C + cap]
+        low = (words & _LOW).to(torch.int64)
+        vals = (words & _HIGH).contiguous().view(torch.float32)
+    else:
+        b = QUANTIZED[fmt]
+        body = msg[:, header + C:]
+        iw = (cap + 1) // 2
+        low = _unpack(body[:, 2 * C:2 * C + iw], 16, cap)
+        code = _unpack(body[:, 2 * C + iw:2 * C + iw + -(-cap * b // 32)], b, cap)
+        hc = hi.clamp(max=C - 1)
+        base = body[:, :C].contiguous().view(torch.float32).gather(1, hc)
+        step = body[:, C:2 * C].contiguous().view(torch.float32).gather(1, hc)
+        vals = _levels(base, step, code, b)
+    idx = (hi << CHUNK_BITS) | low
     valid = slot < count
     idx = torch.where(valid, idx, torch.full_like(idx, -1)).to(torch.int32)
     vals = torch.where(valid, vals, torch.zeros_like(vals))

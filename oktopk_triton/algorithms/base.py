@@ -40,6 +40,8 @@ of the contributions), and ``residual`` afterwards holds exactly what of ``acc``
 * ``wire_format``: ``"fp32"`` (default) or ``"compact"`` (:mod:`._wire`: an entry in one word,
   bf16 value and 16-bit chunk-relative index; the rounding stays in the sender's residual). A
   subclass that cannot carry it names why in ``compact_refusal``, and the constructor refuses;
+  ``"q2"`` / ``"q4"``: the same packing with 2- or 4-bit values and per-chunk scales (the
+  quantization error stays in a residual), where ``quantized_refusal`` is None;
 * ``stats`` and ``state_dict``.
 """
 from __future__ import annotations
@@ -88,6 +90,9 @@ class Algorithm(abc.ABC):
     # why ``wire_format="compact"`` cannot carry this algorithm's messages (None: it can; the
     # subclass then encodes its sparse messages with :mod:`._wire`)
     compact_refusal: ClassVar[Optional[str]] = "this algorithm does not implement it"
+    # why the quantized wires (``"q2"``, ``"q4"``) cannot (None: it keeps each sent entry's
+    # quantization error in a residual, from :func:`._wire.encode`'s ``return_wire``)
+    quantized_refusal: ClassVar[Optional[str]] = "this algorithm does not implement it"
 
     def __init__(self, numel: int, comm: Communicator, density: float = 0.01, *,
                  device: Optional[torch.device] = None, check_finite: str = "skip",
@@ -117,7 +122,9 @@ class Algorithm(abc.ABC):
                             f"{sorted(self.OPTIONS) or 'none'}; every algorithm's: {common}")
         # compact: sparse entries as one word (bf16 value, 16-bit chunk-relative index)
         self.wire_format = wire_format
-        self.compact = check_wire_format(self.name, wire_format, type(self).compact_refusal)
+        # (q2 / q4 too: packed like compact, the values quantized; see _wire)
+        self.compact = check_wire_format(self.name, wire_format, type(self).compact_refusal,
+                                         type(self).quantized_refusal)
         self.opts = {**self.OPTIONS, **options}
         self.numel = numel
         self.comm = comm

@@ -76,6 +76,9 @@ capacities are fp32's (``volume_budget`` counts fp32 entries), so a step sends t
 in about half the bytes (0.503x at n = 320,000, 1%, P = 4). The rows' rounding stays in the
 senders' residuals (``clear_sent`` as for ``wire_dtype="bf16"``); ``out`` holds the slots' bf16
 values, and the owner keeps ``P·(sum/P − bf16(sum/P))`` at its delivered entries.
+``"q2"`` / ``"q4"``: the same packing with 2- or 4-bit values and two fp32 scales per chunk
+(2.25 / 2.5 bytes an entry); a sender keeps ``v − q(v)`` of its delivered row entries
+(:meth:`_keep_row_error`), the owner ``P·(sum/P − q(sum/P))`` of its delivered slot entries.
 
 Conservation holds exactly: fused_select leaves ``residual = acc``; only clear_sent zeroes, and
 only the entries that reached ``out``. Non-finite steps (``nonfinite > 0``) skip fused_select
@@ -124,6 +127,7 @@ class OkTopk(Algorithm):
     SCALED = ("th_rows", "th_global", "_cap_rows")   # in the gradient's units
     fuses_velocity = True      # fused_select updates the velocity (and masks it) in its pass
     compact_refusal = None     # rows and slots are region-relative: both phases go compact
+    quantized_refusal = None   # senders keep v - q(v), the owner P·(sum/P - q(sum/P))
 
     def __init__(self, numel: int, comm, density: float = 0.01, **kw: Any) -> None:
         super().__init__(numel, comm, density, **kw)
@@ -146,8 +150,8 @@ class OkTopk(Algorithm):
                              f"got {o['wire_dtype']!r}")
         self.bf16_wire = o["wire_dtype"] == "bf16"
         if self.compact and self.bf16_wire:
-            raise ValueError("oktopk: wire_dtype='bf16' does not combine with "
-                             "wire_format='compact' (compact already sends bf16 values)")
+            raise ValueError(f"oktopk: wire_dtype='bf16' does not combine with "
+                             f"wire_format={self.wire_format!r} (it packs the values itself)")
         self.backend = o["backend"]
         dev, n, P = self.device, self.numel, self.P
         # compact: the same entries as fp32 (the budget counts fp32 entries), in half the bytes
@@ -193,11 +197,13 @@ class OkTopk(Algorithm):
         # n-sized scratch (that was 1.0n of the 2.33n words this reducer kept between steps)
         self._sums = torch.zeros(P * cr, dtype=torch.float32, device=dev)
         if self.compact:   # what goes on the wire (the fp32 layouts above stay the local form)
-            C = W.chunks(n)    # a region may span all of n
-            self._cmsg = torch.zeros(P, C + cr, dtype=torch.int32, device=dev)
-            self._crecv = torch.zeros(max(P - 1, 1), C + cr, dtype=torch.int32, device=dev)
-            self._cslot = torch.zeros(1 + C + cg, dtype=torch.int32, device=dev)
-            self._cgathered = torch.zeros(P, 1 + C + cg, dtype=torch.int32, device=dev)
+            wr = W.row_words(cr, n, fmt=self.wire_format)    # a region may span all of n
+            ws = W.row_words(cg, n, header=1, fmt=self.wire_format)
+            self._cmsg = torch.zeros(P, wr, dtype=torch.int32, device=dev)
+            self._crecv = torch.zeros(max(P - 1, 1), wr, dtype=torch.int32, device=dev)
+            self._cslot = torch.zeros(ws, dtype=torch.int32, device=dev)
+            self._cgathered = torch.zeros(P, ws, dtype=torch.int32, device=dev)
+        self._quantized = self.wire_format in W.QUANTIZED
         self._inv_P = 1.0 / P
         self._zero = torch.zeros((), dtype=torch.float32, device=dev)
 
@@ -244,7 +250,9 @@ class OkTopk(Algorithm):
         cr, cg = cls.capacities(n, k, P, o["volume_budget"], o["capacity_split"],
                                 o["check_finite"] != "off", wire)
         if o["compact"]:   # rows: chunk counts + one word an entry; slots: 1 more header word
-            row, slot = 4 * W.row_words(cr, n), 4 * W.row_words(cg, n, header=1)
+            fmt = o["wire_format"]
+            row = 4 * W.row_words(cr, n, fmt=fmt)
+            slot = 4 * W.row_words(cg, n, header=1, fmt=fmt)
         else:
             row, slot = 4 * cls.row_words(cr, wire), 4 * (_HEADER + 2 * cg)
         return specs + [S.send_recv([row] * (P - 1), [row] * (P - 1), P - 1),
@@ -266,12 +274,16 @@ class OkTopk(Algorithm):
         K.scatter_rows(out, irow_idx, irow_val, irow_cnt, offs[:self.P], backend=self.backend)
         K.clear_sent(self.residual, sel.indices, sel.counts, offs, irow_idx, irow_cnt,
                      velocity=self.velocity if self.momentum_masking else None,
-                     keep_bf16_rounding=self.bf16_wire or self.compact, backend=self.backend)
+                     keep_bf16_rounding=self.bf16_wire or (self.compact and not self._quantized),
+                     backend=self.backend)
+        if self._quantized:
+            self._keep_row_error(sel, offs, irow_idx, irow_cnt)
         if self.compact:
             self._keep_slot_rounding(keep, offs, nonfinite)
         self._prepare_next(sel, keep, irow_idx, irow_cnt, nonfinite)
         self._calibrated = True
         self._rows = self._sorted = self._gval_keep = None   # nothing O(k) outlives the step
+        self._row_wire = None
 
     # -- phases ------------------------------------------------------------------------------
     def _calibrate(self, grad: torch.Tensor, nonfinite: Optional[torch.Tensor]) -> None:
@@ -354,7 +366,9 @@ class OkTopk(Algorithm):
         else:
             msg[:, _HEADER + cr:] = vals.view(torch.int32)
         if self.compact:   # sorted by index; clear_sent keeps the rounding in the residual
-            W.encode(msg[:, _HEADER:_HEADER + cr], vals, msg[:, 0], self.numel, out=self._cmsg)
+            _, self._row_wire = W.encode(msg[:, _HEADER:_HEADER + cr], vals, msg[:, 0],
+                                         self.numel, out=self._cmsg, fmt=self.wire_format,
+                                         return_wire=True)
         return K.Selection(indices=msg[:, _HEADER:_HEADER + cr], values=vals,
                            counts=msg[:, 0], nonfinite=msg[:, 1])
 
@@ -370,7 +384,7 @@ class OkTopk(Algorithm):
         rows = torch.cat([msg[r:r + 1], recv[:P - 1]]) if P > 1 else msg
         self._rows = rows
         if self.compact:   # the own row too: every source adds its bf16 values
-            idx, vals, counts = W.decode(rows, cr, self.numel)
+            idx, vals, counts = W.decode(rows, cr, self.numel, fmt=self.wire_format)
             idx = idx.to(torch.int64)
         else:
             vals = rows[:, _HEADER + cr:]
@@ -420,7 +434,7 @@ class OkTopk(Algorithm):
         if self.compact:   # already ascending: the wire keeps the slot's order
             cs = self._cslot.view(1, -1)
             W.encode(slot[_HEADER:_HEADER + cg].view(1, cg), ext_v[:cg].view(1, cg),
-                     slot[:1], self.numel, header=1, out=cs)
+                     slot[:1], self.numel, header=1, out=cs, fmt=self.wire_format)
             cs[0, 0] = slot[1]
 
     def _gather(self):
@@ -433,7 +447,8 @@ class OkTopk(Algorithm):
                 self.comm.allgather(cg_wire, self._cslot)
             else:
                 cg_wire[0].copy_(self._cslot)
-            widx, wval, wcnt = W.decode(cg_wire, cg, self.numel, header=1)
+            widx, wval, wcnt = W.decode(cg_wire, cg, self.numel, header=1,
+                                        fmt=self.wire_format)
             gathered[:, 0] = wcnt
             gathered[:, 1] = cg_wire[:, 0]
             gathered[:, _HEADER:_HEADER + cg] = widx
@@ -460,6 +475,24 @@ class OkTopk(Algorithm):
         irow_cnt = keep.sum(1, dtype=torch.int32)
         self._gval_keep = torch.where(keep, gval.abs(), torch.full_like(gval, float("inf")))
         return keep, irow_idx, irow_val, irow_cnt
+
+    def _keep_row_error(self, sel: K.Selection, offs: torch.Tensor, irow_idx: torch.Tensor,
+                        irow_cnt: torch.Tensor) -> None:
+        """Quantized wire: clear_sent zeroed this rank's delivered row entries, but the owners
+        summed ``q(v)``, so the sender keeps ``v − q(v)`` there. Delivered: a sent entry of row j
+        among the first ``irow_cnt[j]`` (ascending) of ``irow_idx[j]`` (one batched
+        searchsorted; a non-finite step sent nothing, its counts are 0)."""
+        P, cr, cg = self.P, self.cap_r, self.cap_g
+        live = torch.arange(cg, device=self.device) < irow_cnt.reshape(P, 1)
+        got = torch.where(live, irow_idx, torch.full_like(irow_idx, self.numel)).contiguous()
+        sent = sel.indices.contiguous()
+        pos = torch.searchsorted(got, sent).clamp_(max=cg - 1)
+        hit = (got.gather(1, pos) == sent) & \
+            (torch.arange(cr, device=self.device) < sel.counts.reshape(P, 1))
+        idx = torch.where(hit, sent, torch.full_like(sent, -1))
+        K.scatter_rows(self.residual, idx, (sel.values - self._row_wire).contiguous(),
+                       torch.full((P,), cr, dtype=torch.int32, device=self.device),
+                       offs[:P], add=True, backend=self.backend)
 
     def _keep_slot_rounding(self, keep: torch.Tensor, offs: torch.Tensor,
                             nonfinite: Optional[torch.Tensor]) -> None:

@@ -36,9 +36,10 @@ Options every ``schedule`` takes besides the class's own ``OPTIONS`` (unknown na
 non-finite flag allreduce, first in every step; ``"off"`` removes it), ``dtype`` (the gradient's
 dtype: only the dense allreduce sends it), ``rank`` (``None``: the rank the step waits for, the
 one with the most rounds, then the most bytes; an int: that rank's own list, for algorithms whose
-ranks differ), ``wire_format`` (``"fp32"`` or ``"compact"``: the sizes of the compact messages,
-``o["compact"]`` in the resolved options), and the base options ``warmup_steps``,
-``momentum``, ``momentum_masking``, which change nothing on the wire of a steady step. A step
+ranks differ), ``wire_format`` (``"fp32"``, ``"compact"``, ``"q2"`` or ``"q4"``: the sizes of
+the packed messages, ``o["compact"]`` in the resolved options), and the base options
+``warmup_steps``, ``momentum``, ``momentum_masking``, which change nothing on the wire of a
+steady step. A step
 with ``k >= n`` is dense for every algorithm (the base class's ``dense_step``: one fp32
 allreduce of n).
 """
@@ -52,7 +53,7 @@ from ..comm.base import ring_allreduce_bytes
 
 __all__ = ["CollectiveSpec", "KINDS", "resolve_options", "allreduce", "allgather", "alltoall",
            "broadcast", "send_recv", "flag_specs", "dense_step_specs", "total_bytes",
-           "total_rounds", "critical", "schedule_of"]
+           "total_rounds", "critical", "schedule_of", "bytes_per_step", "density_for_bytes"]
 
 KINDS = ("send_recv", "allgather", "allreduce", "alltoall", "broadcast")
 _INT32 = 4
@@ -136,7 +137,8 @@ def resolve_options(cls, n: int, k: int, P: int, options: Dict[str, Any],
     o["grad_bytes"] = _dtype_bytes(options.get("dtype"))
     o["wire_format"] = options.get("wire_format", "fp32")
     o["compact"] = check_wire_format(cls.name, o["wire_format"],
-                                     getattr(cls, "compact_refusal", None))
+                                     getattr(cls, "compact_refusal", None),
+                                     getattr(cls, "quantized_refusal", None))
     rank = options.get("rank")
     if rank is not None and not (isinstance(rank, int) and 0 <= rank < P):
         raise ValueError(f"{cls.name}.schedule: rank must be None or in [0, {P}), got {rank!r}")
@@ -211,3 +213,30 @@ def schedule_of(name: str, n: int, k: int, P: int, **options: Any) -> List[Colle
     """``get_algorithm(name).schedule(n, k, P, **options)``."""
     from . import get_algorithm
     return get_algorithm(name).schedule(n, k, P, **options)
+
+
+def bytes_per_step(name: str, n: int, P: int, density: float, wire_format: str = "fp32",
+                   sync_every: int = 1, **options: Any) -> float:
+    """Bytes one rank sends per training step: the steady step of ``name`` at ``density``
+    (``k = round(density·n)``, as the constructors take it) in ``wire_format``, divided by
+    ``sync_every`` (local steps: one sync every H steps). Compare wire formats at equal bytes
+    with :func:`density_for_bytes`."""
+    k = max(1, min(n, int(round(float(density) * n))))
+    if wire_format != "fp32":
+        options["wire_format"] = wire_format
+    return total_bytes(schedule_of(name, n, k, P, **options)) / int(sync_every)
+
+
+def density_for_bytes(name: str, n: int, P: int, budget: float, wire_format: str = "fp32",
+                      sync_every: int = 1, **options: Any) -> float:
+    """The largest density ``k/n`` whose :func:`bytes_per_step` fits ``budget`` bytes (a step's
+    bytes grow with k: bisection over k); ``1/n`` when even one entry does not fit."""
+    def fits(k):
+        return bytes_per_step(name, n, P, k / n, wire_format, sync_every, **options) <= budget
+    lo, hi = 1, n
+    if fits(n):
+        return 1.0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo / n

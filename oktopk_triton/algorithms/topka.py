@@ -17,6 +17,8 @@ flag allreduce). Output up to ``P·k`` nonzeros. No host read: the sizes depend 
 ``wire_format="compact"`` (docs/algorithms.md §9): the message is ``ceil(n/65536)`` chunk counts
 (the indices are global) and ``k`` words, ``(ceil(n/65536) + k)(P-1)`` words in all; every
 rank sums the same bf16 values, and the sender keeps ``acc - bf16(acc)`` of its k entries.
+``"q2"`` / ``"q4"``: the same with 2- or 4-bit values and two fp32 scales per chunk
+(``3·ceil(n/65536) + ceil(k/2) + ceil(k·b/32)`` words); the sender keeps ``acc - q(acc)``.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ __all__ = ["TopkA"]
 class TopkA(Algorithm):
     name = "topka"
     compact_refusal = None     # global indices: chunk counts over all of n
+    quantized_refusal = None   # every sent entry is delivered: the sender keeps acc - q(acc)
 
     @classmethod
     def volume_bound_bytes(cls, n: int, k: int, P: int, **opts) -> int:
@@ -43,7 +46,8 @@ class TopkA(Algorithm):
 
     @staticmethod
     def _msg_bytes(n: int, k: int, wire_format) -> int:
-        return 4 * (W.row_words(k, n) if wire_format == "compact" else 2 * k)
+        packed = wire_format not in (None, "fp32")
+        return 4 * (W.row_words(k, n, fmt=wire_format) if packed else 2 * k)
 
     @classmethod
     def schedule(cls, n: int, k: int, P: int, **options) -> List[S.CollectiveSpec]:
@@ -61,13 +65,14 @@ class TopkA(Algorithm):
         acc = self.accumulate(grad)
         idx, val = topk_entries(acc, k)
         if self.compact:
-            msg = W.encode(idx, val, None, self.numel)
+            fmt = self.wire_format
+            msg, wire = W.encode(idx, val, None, self.numel, fmt=fmt, return_wire=True)
             allmsg = torch.empty(P, msg.shape[1], dtype=torch.int32, device=acc.device)
             if P > 1:
                 self.comm.allgather(allmsg, msg)
             else:
                 allmsg.copy_(msg)
-            all_idx, all_val, _ = W.decode(allmsg, k, self.numel)
+            all_idx, all_val, _ = W.decode(allmsg, k, self.numel, fmt=fmt)
         elif P > 1:
             msg = pack_entries(idx, val)
             allmsg = torch.empty(P * 2 * k, dtype=torch.int32, device=acc.device)
@@ -77,8 +82,9 @@ class TopkA(Algorithm):
             all_idx, all_val = idx.view(1, k), val.view(1, k)
         scatter_add_sources(out, all_idx, all_val)
         out.div_(P)
-        # every sent entry is in out; the compact wire's rounding stays owed
-        acc.index_copy_(0, idx.to(torch.int64), W.bf16_rounding(val) if self.compact
+        # every sent entry is in out; what the packed wire dropped (rounding, quantization)
+        # stays owed
+        acc.index_copy_(0, idx.to(torch.int64), val - wire.view(-1) if self.compact
                         else torch.zeros_like(val))
         self.mark_delivered(idx)
         self.commit_residual(acc, nonfinite)
