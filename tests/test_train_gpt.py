@@ -104,6 +104,20 @@ def test_tiny_lm_with_local_steps(monkeypatch):
         assert [a > 0 for a in r["applied_curve"]] == syncs
         assert r["bytes_per_step"] == sum(r["bytes_curve"]) / 12
         assert r["stats_curve"]["synced"] == [int(x) for x in syncs]
+        # the times: per step, the first two intervals left out of the averages, the first sync
+        # apart, the optimizer (inside reduce_updates) timed apart from the reduction
+        assert r["synced_curve"] == [int(x) for x in syncs]
+        assert len(r["step_ms_curve"]) == len(r["optimizer_ms_curve"]) == 12
+        t = r["timing"]
+        assert t["warmup_steps"] == 8 and t["timed_steps"] == 4
+        assert t["sync_calls"]["count"] == 1 and t["local_calls"]["count"] == 3
+        assert t["first_sync"]["step"] == 3
+        assert all(o > 0 for o in r["optimizer_ms_curve"]) and r["optimizer_ms"] > 0
+        assert r["optimizer_fused"] is False and r["optimizer_in_reduce"] is False
+        for i in range(12):
+            parts = (r["compute_ms_curve"][i] + r["reduce_ms_curve"][i]
+                     + r["optimizer_ms_curve"][i])
+            assert parts == pytest.approx(r["step_ms_curve"][i], abs=1e-3)
         assert all(L["starved_steps"] <= 3 for L in r["layers"].values())
         assert r["final_val_loss"] < r["val_curve"][0][1]
 

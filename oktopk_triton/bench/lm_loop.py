@@ -8,7 +8,7 @@ import math
 import time
 from typing import Any, Dict, List
 
-from .loops import RunLog, _make_optimizer, sparse_setup, takes_local_steps
+from .loops import RunLog, _make_optimizer, optimizer_fused, sparse_setup, takes_local_steps
 from .measure import replicas_identical
 
 
@@ -174,7 +174,8 @@ class _LMReducer:
             return self.sar.reduce_adam(self.opt)
         if self.mode == "updates":
             # this rank's AdamW steps on its own gradient; the reducer averages the updates
-            # (error feedback in update space) and sets the weights; reduce ms includes the step
+            # (error feedback in update space) and sets the weights; RunLog.watch times the
+            # optimizer's step apart from the reduction
             return self.sar.reduce_updates(self.opt)
         return self.sar.reduce_gradients()   # averages .grad over ranks, error feedback inside
 
@@ -182,6 +183,18 @@ class _LMReducer:
     def synced(self) -> bool:
         """Whether this step's reduction applied anything (False on a local step)."""
         return self.hook is not None or bool(self.sar.stats.get("synced", True))
+
+    @property
+    def sync_every(self) -> int:
+        """Calls per sync (local steps), 1 without them."""
+        ls = None if self.hook else self.sar.local_steps
+        return 1 if ls is None else ls.sync_every
+
+    @property
+    def optimizer_in_reduce(self) -> bool:
+        """Whether the optimizer's update runs inside the reduction where no optimizer step can
+        time it apart (``--reduce adam``: FrozenAdam replaces ``optimizer.step()``)."""
+        return self.mode == "adam"
 
     def describe(self) -> Dict[str, Any]:
         if self.hook:
@@ -229,7 +242,7 @@ def _lm_step(red: _LMReducer, counter: _LayerCounter, params, x, lr: float, step
         group["lr"] = lr
     run.sync()
     t1 = time.perf_counter()
-    flat = red.reduce()
+    flat = red.reduce()          # an optimizer step inside (reduce_updates) is timed apart
     run.sync()
     t2 = time.perf_counter()
     if red.steps_optimizer:
@@ -271,7 +284,8 @@ def train_one_lm(cfg, algorithm: str, seed: int, comm, device, data, log) -> Dic
     vstarts = val_starts(len(val_bytes), cfg["eval_sequences"], L)
     val_curve = [(0, _lm_eval(model, val_bytes, vstarts, L, device))]
     train_curve: List[tuple] = []
-    run = RunLog(device)
+    run = RunLog(device, red.sync_every)
+    run.watch(red.opt)
     loss_acc = torch.zeros((), dtype=torch.float64, device=device)
     since = 0
     eval_every = int(cfg["eval_every"])
@@ -294,6 +308,7 @@ def train_one_lm(cfg, algorithm: str, seed: int, comm, device, data, log) -> Dic
                       f"{train_curve[-1][1]:.4f}  val {val_curve[-1][1]:.4f} nats/byte "
                       f"({val_curve[-1][1] / math.log(2):.3f} bits/byte)  "
                       f"{run.recent(eval_every, 7)}", flush=True)
+    run.close()
     identical = replicas_identical(model) and init_identical
     rec = _lm_record(cfg, algorithm, seed, comm, device, red, run, counter.report(steps, params),
                      val_curve, train_curve, identical, P)
@@ -312,7 +327,8 @@ def _lm_record(cfg, algorithm, seed, comm, device, red, run, layer_report, val_c
         "world_size": P, "numel": red.numel, "k": red.k, "steps": cfg["steps"],
         "final_val_loss": final, "final_val_bpb": final / math.log(2), "val_curve": val_curve,
         "final_train_loss": train_curve[-1][1], "train_curve": train_curve,
-        **run.totals(),
+        **run.totals(), "optimizer_fused": optimizer_fused(red.opt),
+        "optimizer_in_reduce": red.optimizer_in_reduce,
         "replicas_identical": bool(identical), "device": str(device),
         "stats_curve": run.stats_curve, "applied_curve": layer_report["applied_curve"],
         "layers": layer_report["layers"], "backend": type(comm).__name__,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from ._common import fmt_bytes as _fmt_bytes
 from .digits import evaluate, make_model
@@ -13,28 +13,81 @@ from .measure import replicas_identical
 
 
 class RunLog:
-    """What a run records per step: the step and reduce times, the bytes the reducer sent and its
-    numeric stats; :meth:`ms` averages times past the first steps (one-time set-up)."""
+    """What a run records per step: its time and the split of it (compute: forward and backward;
+    reduce; the optimizer, timed apart wherever it runs, inside ``reduce_updates`` too: see
+    :meth:`watch`), whether the call synced (local steps), the bytes the reducer sent and its
+    numeric stats. Averages (:meth:`totals`) skip the first ``warmup_steps(sync_every)`` steps
+    (one-time set-up: calibration, compilation, NCCL connecting on first use); the first sync's
+    times are reported apart."""
 
-    def __init__(self, device) -> None:
+    def __init__(self, device, sync_every: int = 1) -> None:
         import torch
+        self.sync_every = int(sync_every)
         self.step_times: List[float] = []
+        self.compute_times: List[float] = []
         self.reduce_times: List[float] = []
+        self.optimizer_times: List[float] = []
+        self.synced: List[bool] = []
         self.bytes_curve: List[int] = []
         self.stats_curve: Dict[str, List[float]] = {}
+        self._opt_spans: List[tuple] = []      # (start, end) of each optimizer step, this step
+        self._opt_t0 = 0.0
+        self._hooks: List[Any] = []
         cuda = device.type == "cuda"
         self.sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
 
+    # -- the optimizer, timed where it runs --------------------------------------------------------
+    def watch(self, optimizer) -> None:
+        """Time every ``optimizer.step()`` (step hooks that wait for the device before and after
+        it): a step run inside the reduction (``reduce_updates``, local steps) is taken out of
+        the reduce time and counted as the optimizer's. Timing only: nothing it computes
+        changes."""
+        self._hooks += [optimizer.register_step_pre_hook(self._opt_start),
+                        optimizer.register_step_post_hook(self._opt_end)]
+
+    def _opt_start(self, *_: Any) -> None:
+        self.sync()
+        self._opt_t0 = time.perf_counter()
+
+    def _opt_end(self, *_: Any) -> None:
+        self.sync()
+        self._opt_spans.append((self._opt_t0, time.perf_counter()))
+
+    def close(self) -> None:
+        """Remove the optimizer's timing hooks."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # -- one step ----------------------------------------------------------------------------------
     def record(self, t0: float, t1: float, t2: float, t3: float, stats: Dict[str, Any]) -> None:
-        """One step: started at ``t0``, reduce from ``t1`` to ``t2``, ended at ``t3``."""
+        """One step: started at ``t0``, reduce from ``t1`` to ``t2``, the optimizer (when the loop
+        steps it) from ``t2`` to ``t3``, the end. An optimizer step watched between ``t1`` and
+        ``t2`` moves from the reduce time to the optimizer's."""
+        inside = sum(e - s for s, e in self._opt_spans if s >= t1 and e <= t2)
+        self._opt_spans = []
         self.step_times.append(t3 - t0)
-        self.reduce_times.append(t2 - t1)
+        self.compute_times.append(t1 - t0)
+        self.reduce_times.append(t2 - t1 - inside)
+        self.optimizer_times.append(t3 - t2 + inside)
+        self.synced.append(bool(stats.get("synced", True)))
         self.bytes_curve.append(int(stats["bytes_sent"]))
         _record_stats(self.stats_curve, stats)
 
-    def ms(self, times: List[float]) -> float:
-        warm = 2 if len(self.step_times) > 4 else 0  # the first steps include one-time set-up
-        return 1000 * sum(times[warm:]) / len(times[warm:])
+    # -- averages ----------------------------------------------------------------------------------
+    def warmup(self) -> int:
+        """Steps left out of the averages: ``warmup_steps(sync_every)`` when the run has more,
+        else none."""
+        w = warmup_steps(self.sync_every)
+        return w if len(self.step_times) > w else 0
+
+    def ms(self, times: List[float], which: Optional[bool] = None) -> Optional[float]:
+        """Mean ms of ``times`` over the timed steps (past :meth:`warmup`); ``which``: only the
+        sync calls (True) or only the local ones (False). None where no step qualifies."""
+        w = self.warmup()
+        sel = [t for i, t in enumerate(times)
+               if i >= w and (which is None or self.synced[i] == which)]
+        return 1000 * sum(sel) / len(sel) if sel else None
 
     def recent(self, n: int, width: int = 6) -> str:
         """Bytes and ms per step over the last ``n`` steps, for a progress line."""
@@ -42,12 +95,51 @@ class RunLog:
         return (f"bytes/step {_fmt_bytes(sum(self.bytes_curve[-n:]) / len(recent)):>9}  "
                 f"{1000 * sum(recent) / len(recent):{width}.1f} ms/step")
 
+    def _calls(self, which: bool) -> Dict[str, Any]:
+        w = self.warmup()
+        return {"count": sum(1 for s in self.synced[w:] if s == which),
+                "step_ms": self.ms(self.step_times, which),
+                "compute_ms": self.ms(self.compute_times, which),
+                "reduce_ms": self.ms(self.reduce_times, which),
+                "optimizer_ms": self.ms(self.optimizer_times, which)}
+
+    def _first_sync(self) -> Optional[Dict[str, Any]]:
+        """The first sync call's times and what they exceed the timed syncs' means by (its
+        one-time cost: calibration, compilation, connections)."""
+        i = next((i for i, s in enumerate(self.synced) if s), None)
+        if i is None:
+            return None
+        step, red = 1000 * self.step_times[i], 1000 * self.reduce_times[i]
+        later_step, later_red = self.ms(self.step_times, True), self.ms(self.reduce_times, True)
+        return {"step": i, "step_ms": step, "reduce_ms": red,
+                "step_extra_ms": None if later_step is None else step - later_step,
+                "reduce_extra_ms": None if later_red is None else red - later_red}
+
     def totals(self) -> Dict[str, Any]:
-        """The run record's bytes and time fields."""
+        """The run record's bytes and time fields (docs/results-format.md)."""
+        def curve(ts):
+            return [round(1000 * t, 4) for t in ts]
+        w = self.warmup()
         return {"bytes_per_step": sum(self.bytes_curve) / len(self.bytes_curve),
                 "bytes_curve": self.bytes_curve,
                 "time_per_step_ms": self.ms(self.step_times),
-                "reduce_ms": self.ms(self.reduce_times)}
+                "compute_ms": self.ms(self.compute_times),
+                "reduce_ms": self.ms(self.reduce_times),
+                "optimizer_ms": self.ms(self.optimizer_times),
+                "timing": {"warmup_steps": w, "timed_steps": len(self.step_times) - w,
+                           "sync_calls": self._calls(True), "local_calls": self._calls(False),
+                           "first_sync": self._first_sync()},
+                "step_ms_curve": curve(self.step_times),
+                "compute_ms_curve": curve(self.compute_times),
+                "reduce_ms_curve": curve(self.reduce_times),
+                "optimizer_ms_curve": curve(self.optimizer_times),
+                "synced_curve": [int(s) for s in self.synced]}
+
+
+def warmup_steps(sync_every: int = 1) -> int:
+    """Steps a run's time averages leave out: ``max(2, 2 * sync_every)`` (with local steps the
+    first two intervals: the first sync calibrates, compiles and connects)."""
+    return max(2, 2 * int(sync_every))
 
 
 def sparse_setup(cfg, algorithm: str, model):
@@ -171,7 +263,7 @@ def train_one(cfg, algorithm: str, seed: int, comm, device, data, log) -> Dict[s
         "world_size": P, "numel": numel, "k": max(1, int(round(density * numel))), "steps": step,
         "final_test_acc": acc_curve[-1][1], "acc_curve": acc_curve,
         "final_train_loss": epoch_losses[-1], "train_loss_per_epoch": epoch_losses,
-        **run.totals(),
+        **run.totals(), "optimizer_fused": optimizer_fused(opt),
         "replicas_identical": bool(identical), "device": str(device),
         "stats_curve": run.stats_curve,
         "backend": type(comm).__name__, "conservation": ledger.check(),
@@ -179,12 +271,27 @@ def train_one(cfg, algorithm: str, seed: int, comm, device, data, log) -> Dict[s
 
 
 def _make_optimizer(cfg, params, corrected: bool):
+    """The run's optimizer; AdamW fused (one kernel set for all tensors) on CUDA where torch
+    offers it, as users run it (see :func:`optimizer_fused`)."""
     import torch
+    params = list(params)
     if cfg.get("optimizer", "sgd") == "adamw":
+        fused = ({"fused": True} if params and params[0].device.type == "cuda"
+                 and _offers_fused(torch.optim.AdamW) else {})
         return torch.optim.AdamW(params, lr=cfg["lr"], betas=tuple(cfg.get("betas", (0.9, 0.95))),
-                                 weight_decay=cfg["weight_decay"])
+                                 weight_decay=cfg["weight_decay"], **fused)
     return torch.optim.SGD(params, lr=cfg["lr"], momentum=0.0 if corrected else cfg["momentum"],
                            weight_decay=cfg["weight_decay"])
+
+
+def _offers_fused(cls) -> bool:
+    import inspect
+    return "fused" in inspect.signature(cls).parameters
+
+
+def optimizer_fused(opt) -> bool:
+    """Whether the run's optimizer is torch's fused implementation (the record says so)."""
+    return bool(opt.defaults.get("fused") or False)
 
 
 def _record_stats(curves: Dict[str, List[float]], stats: Dict[str, Any]) -> None:
