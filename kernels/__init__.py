@@ -7,6 +7,8 @@ judged by the share of a copy's bandwidth they reach (2.94 TB/s for 2^28 fp32 on
 (the Triton interpreter runs about 1 s per million elements).
 """
 from ._dispatch import BACKENDS, INTERPRET, choose, counters
+from .bookkeeping import STATS as BOOKKEEPING_STATS
+from .bookkeeping import step_bookkeeping
 from .elementwise import dense_zeros, fill_if, nonfinite_flag
 from .histogram import (HIST_BINS, abs_histogram, bin_threshold, exact_threshold,
                         histogram_threshold, kth_bin)
@@ -15,9 +17,12 @@ from .scatter import scatter_add, scatter_rows
 from .selection import (SELECT_HIST_BINS, SELECT_HIST_SHIFT, Selection, empty_selection,
                         fused_select, select_hist_edges)
 from .threshold import magnitude_threshold, window_pass
+from .wire import group_positions, slot_chunks, wire_decode, wire_encode
 
 __all__ = ["Selection", "fused_select", "empty_selection", "HIST_BINS", "abs_histogram",
            "kth_bin", "bin_threshold", "histogram_threshold", "exact_threshold", "scatter_add",
            "clear_sent", "BACKENDS", "INTERPRET", "choose", "counters",
            "scatter_rows", "SELECT_HIST_BINS", "SELECT_HIST_SHIFT", "select_hist_edges",
-           "magnitude_threshold", "window_pass", "nonfinite_flag", "dense_zeros", "fill_if"]
+           "magnitude_threshold", "window_pass", "wire_encode", "wire_decode", "slot_chunks",
+           "group_positions", "nonfinite_flag", "dense_zeros", "fill_if",
+           "step_bookkeeping", "BOOKKEEPING_STATS"]

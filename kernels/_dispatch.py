@@ -38,15 +38,19 @@ _INTERPRETER_LOCK = threading.RLock()
 
 
 def serialized_when_interpreted(launcher):
-    """Decorator for the Triton launchers: under the interpreter, one launch at a time."""
-    if not INTERPRET:
-        return launcher
-
+    """Decorator for the Triton launchers: under the interpreter, one launch at a time. Every
+    call is counted (:func:`launcher_calls`, per thread) and runs as kernel work
+    (:func:`inside_kernel`), so a trace of a step's torch ops (``oktopk-bench launches``) sees
+    the launch and not the interpreter's own tensor handling."""
     @functools.wraps(launcher)
-    def locked(*args, **kwargs):
-        with _INTERPRETER_LOCK:
-            return launcher(*args, **kwargs)
-    return locked
+    def launch(*args, **kwargs):
+        _STATE.launcher_calls = getattr(_STATE, "launcher_calls", 0) + 1
+        with inside_kernel():
+            if not INTERPRET:
+                return launcher(*args, **kwargs)
+            with _INTERPRETER_LOCK:
+                return launcher(*args, **kwargs)
+    return launch
 
 
 def choose(backend: str, device: torch.device) -> str:
@@ -110,6 +114,27 @@ def record(launches: int = 1, bytes: int = 0) -> None:   # noqa: A002 - the natu
     c = _counters()
     c["launches"] += int(launches)
     c["bytes"] += int(bytes)
+    log = getattr(_STATE, "log", None)
+    if log is not None and not in_kernel():   # a kernel built from kernels is logged once
+        log.append((int(launches), int(bytes)))
+
+
+def launcher_calls() -> int:
+    """Calls of the Triton launchers on this thread so far (each launches its kernel)."""
+    return getattr(_STATE, "launcher_calls", 0)
+
+
+@contextlib.contextmanager
+def recording():
+    """Collect every kernel call of this thread while open: yields a list that receives one
+    ``(launches, bytes)`` per outermost kernel call (the launch budget's trace reads it)."""
+    prev = getattr(_STATE, "log", None)
+    log: list = []
+    _STATE.log = log
+    try:
+        yield log
+    finally:
+        _STATE.log = prev
 
 
 def counters() -> Dict[str, int]:

@@ -58,7 +58,8 @@ def nonfinite_flag(x: Tensor) -> Tensor:
 def dense_zeros(n: int, device) -> Tensor:
     """fp32 zeros [n]: a step's dense output."""
     _dispatch.record(launches=1, bytes=4 * n)
-    return torch.zeros(n, dtype=torch.float32, device=device)
+    with _dispatch.inside_kernel():
+        return torch.zeros(n, dtype=torch.float32, device=device)
 
 
 def fill_if(out: Tensor, flag: Tensor, value: float, *, backend: str = "auto") -> None:

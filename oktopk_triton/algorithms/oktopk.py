@@ -366,9 +366,11 @@ class OkTopk(Algorithm):
         else:
             msg[:, _HEADER + cr:] = vals.view(torch.int32)
         if self.compact:   # sorted by index; clear_sent keeps the rounding in the residual
-            _, self._row_wire = W.encode(msg[:, _HEADER:_HEADER + cr], vals, msg[:, 0],
-                                         self.numel, out=self._cmsg, fmt=self.wire_format,
-                                         return_wire=True)
+            # grouped by chunk, not sorted (the owner sorts what it receives anyway)
+            enc = W.encode(msg[:, _HEADER:_HEADER + cr], vals, msg[:, 0], self.numel,
+                           out=self._cmsg, fmt=self.wire_format, order="chunks",
+                           return_wire=self._quantized, backend=self.backend)
+            self._row_wire = enc[1] if self._quantized else None
         return K.Selection(indices=msg[:, _HEADER:_HEADER + cr], values=vals,
                            counts=msg[:, 0], nonfinite=msg[:, 1])
 
@@ -384,7 +386,8 @@ class OkTopk(Algorithm):
         rows = torch.cat([msg[r:r + 1], recv[:P - 1]]) if P > 1 else msg
         self._rows = rows
         if self.compact:   # the own row too: every source adds its bf16 values
-            idx, vals, counts = W.decode(rows, cr, self.numel, fmt=self.wire_format)
+            idx, vals, counts = W.decode(rows, cr, self.numel, fmt=self.wire_format,
+                                         backend=self.backend)
             idx = idx.to(torch.int64)
         else:
             vals = rows[:, _HEADER + cr:]
@@ -434,7 +437,8 @@ class OkTopk(Algorithm):
         if self.compact:   # already ascending: the wire keeps the slot's order
             cs = self._cslot.view(1, -1)
             W.encode(slot[_HEADER:_HEADER + cg].view(1, cg), ext_v[:cg].view(1, cg),
-                     slot[:1], self.numel, header=1, out=cs, fmt=self.wire_format)
+                     slot[:1], self.numel, header=1, out=cs, fmt=self.wire_format,
+                     order="ascending", backend=self.backend)
             cs[0, 0] = slot[1]
 
     def _gather(self):
@@ -448,7 +452,7 @@ class OkTopk(Algorithm):
             else:
                 cg_wire[0].copy_(self._cslot)
             widx, wval, wcnt = W.decode(cg_wire, cg, self.numel, header=1,
-                                        fmt=self.wire_format)
+                                        fmt=self.wire_format, backend=self.backend)
             gathered[:, 0] = wcnt
             gathered[:, 1] = cg_wire[:, 0]
             gathered[:, _HEADER:_HEADER + cg] = widx
@@ -515,62 +519,36 @@ class OkTopk(Algorithm):
 
     def _prepare_next(self, sel: K.Selection, keep: torch.Tensor, irow_idx: torch.Tensor,
                       irow_cnt: torch.Tensor, nonfinite: Optional[torch.Tensor]) -> None:
+        """Next step's thresholds, regions and global threshold, and this step's stats: one
+        launch (``K.step_bookkeeping``); the state is updated in place (it keeps its storage
+        from step to step, so a CUDA graph of a steady step reads and writes the same memory)."""
         P, cr, cg = self.P, self.cap_r, self.cap_g
-        staged = self._stage.counts.to(torch.float32)
-        # next row thresholds: at row_target entries of this step's histogram, where row_target is
-        # steered so that the realized staged count lands at stage_mid (the entries above a
-        # threshold grow from step to step: error feedback), within [stage_mid/64, 4·stage_mid]
-        if self.rank_threshold:
-            # no row above the threshold that fills its staging to _STAGE_FILL (a full row
-            # would keep entries by position)
-            cap = self._threshold_at(self._hist, self.th_rows,
-                                     torch.full_like(self.row_target, self.cap_s * _STAGE_FILL))
-            self._cap_rows.copy_(cap)
-            if self._sample_idx is not None:   # the next step samples its own threshold
-                th, target = self.th_rows, self.row_target
-            else:
-                # the rank's threshold: where its rows together hold row_target entries of
-                # this step's histograms, steered so the rank stages about k
-                kf = float(self.k)
-                ratio = (kf / staged.sum().clamp(min=1.0)).sqrt().clamp(0.25, 4.0)
-                target = (self.row_target[:1] * ratio).clamp(kf / 64.0, 4.0 * kf)
-                x = self._rank_threshold_at(self._hist, self.th_rows, target)
-                th = torch.maximum(x.expand(P), cap)
-                target = target.expand(P).contiguous()
-        else:
-            mid = self.stage_mid
-            ratio = (mid / staged.clamp(min=1.0)).sqrt().clamp(0.25, 4.0)
-            target = (self.row_target * ratio).clamp(mid / 64.0, 4.0 * mid)
-            th = self._threshold_at(self._hist, self.th_rows, target)
-        if self.opts["exact_thresholds"]:
-            th = self.th_rows
-        smallest = self._gval_keep.min()
-        th_g = torch.where(torch.isinf(smallest), self.th_global, smallest)
-        # regions from I, weighted by the owners' counts at the previous global threshold
-        gcounts = self._gathered[:, 1]
-        new_offs = self._balanced_offsets(irow_cnt, gcounts, irow_idx, cg) if P > 1 else \
-            self.region_offsets
-        empty = irow_cnt.sum() == 0
-        if nonfinite is not None:
-            empty = empty | (nonfinite > 0)
-        # the state is updated in place: it keeps its storage from step to step, so a CUDA
-        # graph of a steady step (oktopk_triton.graph) reads and writes the same memory on replay
-        self.region_offsets.copy_(torch.where(empty, self.region_offsets, new_offs))
-        self.th_rows.copy_(self._keep_if_nonfinite(th, self.th_rows, nonfinite))
-        self.row_target.copy_(self._keep_if_nonfinite(target, self.row_target, nonfinite))
-        self.th_global.copy_(self._keep_if_nonfinite(th_g, self.th_global, nonfinite))
-
-        s64 = self._stage.counts.to(torch.int64)
-        local = s64.sum()
-        sent = sel.counts.to(torch.int64).sum()
-        delivered = keep.sum()
-        self.stats.update(
-            local_selected=local, sent=sent,
-            reduce_overflow=(s64 - self.cap_s).clamp(min=0).sum(),
-            global_selected=delivered, global_count=gcounts.to(torch.int64).sum(),
-            gather_overflow=(self._gathered[:, 0].to(torch.int64).sum() - delivered).clamp(min=0),
-            overflow=local - sent, th_rows=self.th_rows, th_global=self.th_global,
-            cap_r=cr, cap_g=cg)
+        # next row thresholds: rank mode, at most the threshold that fills a row's staging to
+        # _STAGE_FILL (a full row keeps entries by position); region mode, at row_target entries
+        # of this step's histogram, steered so that the staged count lands at stage_mid
+        rank = self.rank_threshold
+        stats = K.step_bookkeeping(
+            self._hist, self.th_rows, self._stage.counts, sel.counts, self._gathered, irow_cnt,
+            irow_idx, self.region_offsets, self.th_global, self._gval_keep.min(), nonfinite,
+            n=self.numel, cap_s=self.cap_s, cap=self._cap_rows if rank else None,
+            fill=self.cap_s * _STAGE_FILL, row_target=None if rank else self.row_target,
+            mid=self.stage_mid, update_th=not self.opts["exact_thresholds"],
+            backend=self.backend)
+        if rank and self._sample_idx is None:
+            # the rank's threshold: where its rows together hold row_target entries of this
+            # step's histograms, steered so the rank stages about k (torch ops: not the default)
+            kf = float(self.k)
+            staged = self._stage.counts.to(torch.float32)
+            ratio = (kf / staged.sum().clamp(min=1.0)).sqrt().clamp(0.25, 4.0)
+            target = (self.row_target[:1] * ratio).clamp(kf / 64.0, 4.0 * kf)
+            x = self._rank_threshold_at(self._hist, self.th_rows, target)
+            if not self.opts["exact_thresholds"]:
+                th = torch.maximum(x.expand(P), self._cap_rows)
+                self.th_rows.copy_(self._keep_if_nonfinite(th, self.th_rows, nonfinite))
+            self.row_target.copy_(self._keep_if_nonfinite(target.expand(P), self.row_target,
+                                                          nonfinite))
+        self.stats.update(zip(K.BOOKKEEPING_STATS, stats.unbind(0)))
+        self.stats.update(th_rows=self.th_rows, th_global=self.th_global, cap_r=cr, cap_g=cg)
 
     # -- pieces ----------------------------------------------------------------------------------
     @staticmethod
@@ -579,31 +557,6 @@ class OkTopk(Algorithm):
         if nonfinite is None:
             return new
         return torch.where(nonfinite > 0, old, new)
-
-    @staticmethod
-    def _threshold_at(hist: torch.Tensor, th: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """Per row: the |acc| at which the row's histogram holds ``target`` entries at or above,
-        interpolated linearly in fp32 bit space inside the bin (bit space is piecewise log).
-        A row whose histogram is empty keeps its threshold; one with fewer entries than the
-        target gets the lowest edge (4 binades below the bins)."""
-        B = K.SELECT_HIST_BINS
-        h = hist.to(torch.float32)
-        suffix = torch.flip(torch.cumsum(torch.flip(h, (1,)), 1), (1,))      # [P, B]: >= bin b
-        suffix = torch.cat([suffix, torch.zeros_like(suffix[:, :1])], 1)      # [P, B+1]
-        t = target.reshape(-1, 1)
-        b = ((suffix[:, :B] >= t).sum(1) - 1).clamp(0, B - 1)                # last bin >= target
-        s_b = suffix.gather(1, b.reshape(-1, 1)).reshape(-1)
-        s_next = suffix.gather(1, (b + 1).reshape(-1, 1)).reshape(-1)
-        frac = ((s_b - target) / (s_b - s_next).clamp(min=1.0)).clamp(0.0, 1.0)
-        tb = (th.contiguous().view(torch.int32) & 0x7FFFFFFF).to(torch.int64)
-        shift = K.SELECT_HIST_SHIFT
-        lo = tb + ((b - B // 2) << shift)
-        lo = torch.where(b == 0, tb - ((B // 2 + 32) << shift), lo)          # open bottom bin
-        width = torch.where(b == 0, torch.full_like(lo, 32 << shift),
-                            torch.full_like(lo, 1 << shift))
-        bits = (lo + (frac * width.to(torch.float32)).to(torch.int64)).clamp(1, 0x7F7FFFFF)
-        new = bits.to(torch.int32).view(torch.float32)
-        return torch.where(h.sum(1) > 0, new, th)
 
     @staticmethod
     def _rank_threshold_at(hist: torch.Tensor, th: torch.Tensor,
@@ -642,32 +595,6 @@ class OkTopk(Algorithm):
         bits = (e_lo + (w * (e_hi - e_lo).to(torch.float32)).to(torch.int64)).clamp(1, 0x7F7FFFFF)
         new = bits.to(torch.int32).view(torch.float32).reshape(1)
         return torch.where(h.sum() > 0, new, th.min().reshape(1))
-
-    def _balanced_offsets(self, vcounts: torch.Tensor, gcounts: torch.Tensor, gidx: torch.Tensor,
-                          cg: int) -> torch.Tensor:
-        """Boundaries with about 1/P of the global count per region (on device, no host read).
-
-        Region j holds ``vcounts[j]`` entries of I but ``gcounts[j]`` of its sums reached the
-        previous global threshold (more when its slot was full: the owner kept the largest).
-        Each entry of region j stands for ``gcounts[j] / vcounts[j]`` of them, so an overfull
-        region is not mistaken for a balanced one."""
-        P, n, dev = self.P, self.numel, self.device
-        v = vcounts.to(torch.int64).clamp(0, cg)
-        c = torch.maximum(gcounts.to(torch.int64), v)
-        c = torch.where(v > 0, c, torch.zeros_like(c)).to(torch.float64)   # regions with entries
-        incl = torch.cumsum(c, 0)
-        excl = incl - c
-        T = incl[-1]
-        q = torch.arange(1, P, device=dev, dtype=torch.float64)
-        target = q * T / P                                       # weight where region q starts
-        j = torch.searchsorted(incl, target, right=True).clamp(max=P - 1)
-        frac = ((target - excl[j]) / c[j].clamp(min=1.0)).clamp(0.0, 1.0)
-        col = (frac * v[j].to(torch.float64)).floor().to(torch.int64)
-        col = torch.minimum(col, (v[j] - 1).clamp(min=0)).clamp(0, cg - 1)
-        idx = gidx.to(torch.int64)[j, col].clamp(min=0)
-        b = (self.region_offsets[j] + idx).clamp(0, n)
-        b = torch.cummax(b, 0).values                           # monotone even if T is tiny
-        return torch.cat([b.new_zeros(1), b, b.new_full((1,), n)])
 
     def dense_step(self, grad: torch.Tensor, out: torch.Tensor,
                    nonfinite: Optional[torch.Tensor]) -> None:
