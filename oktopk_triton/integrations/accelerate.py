@@ -8,8 +8,10 @@ wrapped, and every rank's state carried by ``save_state`` / ``load_state``.
     model, opt, loader = accelerator.prepare(model, opt, loader)
     state = register(accelerator, model, density=0.01)
     ...
+    if os.path.isdir("ckpt"):
+        accelerator.load_state("ckpt")  # every rank reads its own file back
+    ...
     accelerator.save_state("ckpt")      # every rank also writes ckpt/oktopk/oktopk-rank{r}-of{P}.pt
-    accelerator.load_state("ckpt")      # and reads its own back
 
 Why a function and not ``DistributedDataParallelKwargs(comm_hook=...)``: Accelerate's
 ``comm_hook`` takes only its built-in enum (fp16, bf16, PowerSGD) and ignores anything else, so
@@ -46,7 +48,8 @@ def register(accelerator: Accelerator, model: torch.nn.Module,
     ``algorithm`` and ``state_options``. The accelerator's GradScaler (``mixed_precision="fp16"``)
     is handed to the state. ``accelerator.save_state(dir)`` then also writes
     ``dir/oktopk/oktopk-rank{r}-of{P}.pt`` on every rank and ``load_state(dir)`` restores it
-    (a missing file or another world size raises on every rank). With one process there is
+    (a missing file or another world size raises on every rank; a state loaded and saved again
+    before any step is saved as it was loaded). With one process there is
     nothing to reduce: the model is left as it is (the state still saves and loads).
     """
     if state is None:

@@ -3,8 +3,10 @@
     import lightning.pytorch as pl
     from oktopk_triton.integrations.lightning import SparseDDPStrategy
 
-    trainer = pl.Trainer(strategy=SparseDDPStrategy(density=0.01), devices=4)
-    trainer.fit(model, ckpt_path="last.ckpt")   # a resume restores every rank's residual
+    trainer = pl.Trainer(strategy=SparseDDPStrategy(density=0.01), devices=4,
+                         callbacks=[pl.callbacks.ModelCheckpoint(dirpath="ckpt", save_last=True)])
+    last = "ckpt/last.ckpt"                     # a resume restores every rank's residual
+    trainer.fit(model, loader, ckpt_path=last if os.path.isfile(last) else None)
 
 Why a strategy rather than ``DDPStrategy(ddp_comm_hook=...)``:
 
@@ -14,8 +16,10 @@ Why a strategy rather than ``DDPStrategy(ddp_comm_hook=...)``:
    Here every rank also writes its own file beside the checkpoint,
    ``<checkpoint>.oktopk/oktopk-rank{r}-of{P}.pt`` (see :mod:`oktopk_triton.checkpoint`), and
    reads it back when ``fit(ckpt_path=...)`` resumes; a missing file or another world size is
-   an error on every rank. Deleting a checkpoint (``ModelCheckpoint(save_top_k=...)``) deletes
-   the rank files with it. Local paths only (the rank files are written with ``torch.save``).
+   an error on every rank. A state loaded and saved again before any step (a ``fit`` with
+   nothing left to train, then ``trainer.save_checkpoint``) is saved as it was loaded.
+   Deleting a checkpoint (``ModelCheckpoint(save_top_k=...)``) deletes the rank files with it.
+   Local paths only (the rank files are written with ``torch.save``).
 3. With ``precision="16-mixed"`` the precision plugin's ``GradScaler`` is handed to the state,
    so what each rank owes follows the loss scale.
 """

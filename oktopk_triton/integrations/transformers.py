@@ -6,7 +6,8 @@ saves every rank's state with the Trainer's checkpoints.
 
     trainer = Trainer(model=model, args=args, train_dataset=ds)
     trainer.add_callback(SparseAllreduceCallback(trainer, density=0.01))
-    trainer.train()                                  # or resume_from_checkpoint=True
+    last = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
+    trainer.train(resume_from_checkpoint=last)       # None on a first run
 
 The Trainer has no communication-hook argument; the callback registers the hook on
 ``trainer.model_wrapped`` (the ``DistributedDataParallel`` model) when training begins. At every
