@@ -67,6 +67,10 @@ def test_parser_and_table():
     assert summary[1]["status"] == "failed"
     text = report.format_table(summary, cfg)
     assert "dense" in text and "FAILED" in text
+    assert summary[0]["optimizer_ms"] is None and "optimizer ms" in text   # an older record
+    runs[0]["optimizer_ms"] = 0.5
+    summary = report.summarize(runs, ["dense"], [])
+    assert summary[0]["optimizer_ms"] == 0.5 and "0.50" in report.format_table(summary, cfg)
 
 
 # -- the run record's times (bench/loops.py RunLog) ------------------------------------------------

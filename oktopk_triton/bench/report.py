@@ -20,6 +20,12 @@ def _conservation(rs: List[dict]) -> Dict[str, Any]:
                                               default=None)}
 
 
+def _mean_of(rs: List[dict], key: str):
+    """The mean of ``key`` over the runs that have it (records from before it: None)."""
+    vals = [r[key] for r in rs if r.get(key) is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
 def summarize(runs: List[dict], algos: List[str], failures: List[dict]) -> List[dict]:
     """One row per algorithm: mean and sample sd over seeds of the final metric (test accuracy
     for the digits, validation loss for the LM), bytes and time per step, and the comparison
@@ -42,6 +48,7 @@ def summarize(runs: List[dict], algos: List[str], failures: List[dict]) -> List[
                "bytes_per_step": sum(r["bytes_per_step"] for r in rs) / len(rs),
                "time_per_step_ms": sum(r["time_per_step_ms"] for r in rs) / len(rs),
                "reduce_ms": sum(r["reduce_ms"] for r in rs) / len(rs),
+               "optimizer_ms": _mean_of(rs, "optimizer_ms"),
                "numel": rs[0]["numel"], "k": rs[0]["k"],
                "replicas_identical": all(r["replicas_identical"] for r in rs),
                **_conservation(rs)}
@@ -104,6 +111,8 @@ _TABLE_TAIL = [
     ("x dense", lambda r: f"{r.get('bytes_vs_dense', float('nan')):.4f}"),
     ("time/step ms", lambda r: f"{r['time_per_step_ms']:.1f}"),
     ("reduce ms", lambda r: f"{r['reduce_ms']:.2f}"),
+    ("optimizer ms", lambda r: "-" if r.get("optimizer_ms") is None
+     else f"{r['optimizer_ms']:.2f}"),
     ("replicas", lambda r: "identical" if r["replicas_identical"] else "DIVERGED"),
 ]
 
