@@ -2,14 +2,16 @@
 
     torchrun --standalone --nproc_per_node 2 examples/accelerate_sparse.py   # or accelerate launch
 
-Trains a small classifier for 2 epochs and saves the state; run it again and
-``accelerator.load_state`` restores every rank's residual, then it trains 2 more epochs.
+Trains a small classifier for 2 epochs and saves the state; run it again (any number of times)
+and ``accelerator.load_state`` restores every rank's residual, then it trains 2 more epochs.
+Delete out/accelerate-sparse to start afresh.
 """
 import os
 
 import torch
 from accelerate import Accelerator
 
+import oktopk_triton
 from oktopk_triton.integrations.accelerate import register
 
 OUT = "out/accelerate-sparse"
@@ -46,3 +48,6 @@ def main():
 
 if __name__ == "__main__":
     main()
+    # barrier, destroy the group, leave before interpreter shutdown (where torch 2.13's gloo
+    # teardown can abort a finished rank with SIGABRT)
+    oktopk_triton.shutdown(exit_code=0)

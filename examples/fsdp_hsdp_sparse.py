@@ -4,7 +4,8 @@
 
 Ranks {0,1} and {2,3} each hold one sharded replica (the "shard" dimension: a node's GPUs);
 ranks 0 and 2, and 1 and 3, hold the same shard and reduce it sparsely across the "replicate"
-dimension (the inter-node link). CPU/gloo here; on GPUs the mesh is built on "cuda".
+dimension (the inter-node link). With 2 ranks: 2 replicas of an unsharded model. CPU/gloo here;
+on GPUs the mesh is built on "cuda". Each run trains afresh and saves every rank's state.
 """
 import os
 
@@ -13,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+import oktopk_triton
 from oktopk_triton.integrations.fsdp import SparseReplicaReduce
 
 
@@ -21,7 +23,8 @@ def main():
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     world = int(os.environ["WORLD_SIZE"])
-    mesh = init_device_mesh("cuda" if cuda else "cpu", (world // 2, 2),
+    shard = 2 if world >= 4 and world % 2 == 0 else 1     # 2 ranks: 2 unsharded replicas
+    mesh = init_device_mesh("cuda" if cuda else "cpu", (world // shard, shard),
                             mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(20, 256), torch.nn.ReLU(),
@@ -51,8 +54,8 @@ def main():
                   f"{sparse.total_bytes_sent / 1e3:.1f} kB across replicas (dense: "
                   f"{dense / 1e3:.1f} kB)")
     sparse.save("out/fsdp-sparse")       # one file per rank; sparse.load(dir) resumes
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    oktopk_triton.shutdown(exit_code=0)  # barrier, destroy the group, leave (no gloo abort)

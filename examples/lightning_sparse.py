@@ -2,14 +2,16 @@
 
     torchrun --standalone --nproc_per_node 2 examples/lightning_sparse.py      # CPU/gloo or GPUs
 
-Trains a small classifier for 2 epochs, saving a checkpoint after each; run it again and it
-resumes from the last one (every rank reads back what it still owed), then trains 2 more.
+Trains a small classifier for 2 epochs, saving a checkpoint after each; run it again (any number
+of times) and it resumes from the last one (every rank reads back what it still owed), then
+trains 2 more. Delete out/lightning-sparse to start afresh.
 """
 import os
 
 import lightning.pytorch as pl
 import torch
 
+import oktopk_triton
 from oktopk_triton.integrations.lightning import SparseDDPStrategy
 
 OUT = "out/lightning-sparse"
@@ -38,10 +40,12 @@ def main():
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32)
     last = os.path.join(OUT, "last.ckpt")
     resume = os.path.isfile(last)
+    # the epochs already trained (the checkpoint's epoch is the last finished one, from 0)
+    done = torch.load(last, map_location="cpu", weights_only=True)["epoch"] + 1 if resume else 0
     trainer = pl.Trainer(
         strategy=SparseDDPStrategy(density=0.01),     # algorithm="oktopk"
         accelerator="auto", devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
-        max_epochs=4 if resume else 2, logger=False, enable_progress_bar=False,
+        max_epochs=done + 2, logger=False, enable_progress_bar=False,
         callbacks=[pl.callbacks.ModelCheckpoint(dirpath=OUT, save_last=True)])
     trainer.fit(Classifier(), loader, ckpt_path=last if resume else None)
     state = trainer.strategy.sparse_state
@@ -53,3 +57,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    oktopk_triton.shutdown(exit_code=0)  # barrier, destroy the group, leave (no gloo abort)

@@ -2,15 +2,17 @@
 
     torchrun --standalone --nproc_per_node 2 examples/trainer_sparse.py      # CPU/gloo or GPUs
 
-Trains a small classifier for 2 epochs with a checkpoint after each; run it again and it
-resumes from the last checkpoint (every rank reads back what it still owed) for 2 more.
+Trains a small classifier for 2 epochs with a checkpoint after each; run it again (any number of
+times) and it resumes from the last checkpoint (every rank reads back what it still owed) for 2
+more. Delete out/trainer-sparse to start afresh.
 """
 import os
 
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerState, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
+import oktopk_triton
 from oktopk_triton.integrations.transformers import SparseAllreduceCallback
 
 OUT = "out/trainer-sparse"
@@ -33,8 +35,10 @@ def main():
     y = (x @ torch.randn(20, 10, generator=g)).argmax(1)
     data = [{"x": x[i], "labels": y[i]} for i in range(len(y))]
     last = get_last_checkpoint(OUT) if os.path.isdir(OUT) else None
+    done = 0 if last is None else round(
+        TrainerState.load_from_json(os.path.join(last, "trainer_state.json")).epoch)
     args = TrainingArguments(output_dir=OUT, per_device_train_batch_size=32,
-                             num_train_epochs=4 if last else 2, learning_rate=0.1, optim="sgd",
+                             num_train_epochs=done + 2, learning_rate=0.1, optim="sgd",
                              lr_scheduler_type="constant", save_strategy="epoch",
                              logging_strategy="epoch", report_to=[], disable_tqdm=True,
                              ddp_backend=None if torch.cuda.is_available() else "gloo",
@@ -51,3 +55,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    oktopk_triton.shutdown(exit_code=0)  # barrier, destroy the group, leave (no gloo abort)
