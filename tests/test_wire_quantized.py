@@ -204,16 +204,19 @@ def test_train_gpt_local_steps_q2(monkeypatch):
 def test_sparse_allreduce_local_steps_q2_on_four_ranks():
     """``SparseAllreduce(params, sync_every=4, wire_format="q2").reduce_updates(opt)`` on a
     LocalCluster of 4: replicas stay identical after every sync and the parameters move."""
+    import copy
     import threading
     P, steps = 4, 8
     cluster = LocalCluster(P)
     results, errors = [None] * P, []
 
+    torch.manual_seed(0)    # the replicas start equal (built here: threads share the RNG)
+    proto = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    models = [copy.deepcopy(proto) for _ in range(P)]
+
     def body(rank):
         try:
-            torch.manual_seed(0)
-            model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
-                                        torch.nn.Linear(32, 4))
+            model = models[rank]
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
             sar = SparseAllreduce(list(model.parameters()), comm=cluster.communicator(rank),
                                   density=0.2, algorithm="oktopk", sync_every=4,

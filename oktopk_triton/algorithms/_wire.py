@@ -51,6 +51,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from .. import kernels as K
+
 __all__ = ["WIRE_FORMATS", "QUANTIZED", "CHUNK", "chunks", "row_words", "entry_bytes",
            "bf16_round", "bf16_rounding", "encode", "decode", "check_wire_format"]
 
@@ -109,17 +111,27 @@ def bf16_rounding(x: torch.Tensor) -> torch.Tensor:
     return x - bf16_round(x)
 
 
+ORDERS = ("sort", "ascending", "chunks")
+
+
 def encode(indices: torch.Tensor, values: torch.Tensor, counts: Optional[torch.Tensor],
            span: int, *, header: int = 0, out: Optional[torch.Tensor] = None,
-           fmt: str = "compact", return_wire: bool = False):
+           fmt: str = "compact", return_wire: bool = False, order: str = "sort",
+           backend: str = "auto"):
     """Rows of entries -> packed rows ``int32 [S, row_words(cap, span, header, fmt)]``.
 
-    ``indices`` int [S, cap] in ``[0, span)`` (unique within a row, any order), ``values`` fp32
-    [S, cap]; only the first ``min(counts[s], cap)`` slots of row s are sent (``counts=None``:
-    all). The header words are left for the caller (zero in a new buffer). Entries go out
-    sorted by index; the unused slots are 0. ``return_wire``: also return what the wire carries
-    for each input slot (fp32, the shape of ``values``, 0 where nothing was sent), so a sender keeps
-    ``values - wire`` (the same bits :func:`decode` gives every receiver)."""
+    ``indices`` int [S, cap] in ``[0, span)`` (unique within a row), ``values`` fp32 [S, cap];
+    only the first ``min(counts[s], cap)`` slots of row s are sent (``counts=None``: all). The
+    header words are left for the caller (zero in a new buffer); the unused slots are 0.
+    ``order``: ``"sort"`` (any order in; the entries go out sorted by index: one torch.sort),
+    ``"ascending"`` (the valid entries are ascending already: nothing is sorted) or
+    ``"chunks"`` (any order in; the entries go out grouped by chunk, in any order within one,
+    which is all :func:`decode` needs: no sort on the GPU). The compact format runs as the
+    Triton passes of ``kernels/wire.py`` (``backend``). ``return_wire``: also return what the
+    wire carries for each input slot (fp32, the shape of ``values``, 0 where nothing was
+    sent), so a sender keeps ``values - wire`` (the bits :func:`decode` gives every receiver)."""
+    if order not in ORDERS:
+        raise ValueError(f"encode: order must be one of {ORDERS}, got {order!r}")
     shape = values.shape
     if indices.dim() == 1:
         indices, values = indices.unsqueeze(0), values.unsqueeze(0)
@@ -130,31 +142,49 @@ def encode(indices: torch.Tensor, values: torch.Tensor, counts: Optional[torch.T
     if out is None:
         out = torch.zeros(S, row_words(cap, span, header, fmt), dtype=torch.int32, device=dev)
     slot = torch.arange(cap, device=dev)
-    idx = indices.to(torch.int64)
-    if counts is None:
-        key = idx
-        valid = torch.ones(S, cap, dtype=torch.bool, device=dev)
+    valid_in = slot < (cap if counts is None else
+                       counts.to(torch.int64).reshape(S, 1).clamp(0, cap))
+    values = values.to(torch.float32)
+    if fmt == "compact":
+        if order == "sort":
+            indices, values, counts = _sorted_rows(indices, values, counts, valid_in, span)
+        K.wire_encode(indices, values, counts, out[:, :header + C + cap], span, header,
+                      ordered=order != "chunks", backend=backend)
+        if not return_wire:
+            return out
+        wire = torch.where(valid_in, bf16_round(values), torch.zeros_like(values))
+        return out, wire.view(shape)
+    # the quantized formats (torch ops): each input slot's place in the row, then the tables
+    if order == "chunks":
+        pos, _ = K.group_positions(indices, counts, C, ordered=False)
+    elif order == "sort":
+        key = torch.where(valid_in, indices.to(torch.int64), torch.full_like(slot, span))
+        perm = torch.sort(key, dim=1).indices
+        pos = torch.empty_like(perm).scatter_(1, perm, slot.expand(S, cap))
     else:
-        n_valid = counts.to(torch.int64).reshape(S, 1).clamp(0, cap)
-        key = torch.where(slot < n_valid, idx, torch.full_like(idx, span))   # padding sorts last
-        valid = slot < n_valid          # sorted: the valid entries are the first n_valid
-    key, perm = torch.sort(key, dim=1)
-    vals = values.to(torch.float32).gather(1, perm)
+        pos = slot.expand(S, cap)
+    key = torch.empty(S, cap, dtype=torch.int64, device=dev).scatter_(
+        1, pos, indices.to(torch.int64))
+    vals = torch.empty_like(values).scatter_(1, pos, values)
+    valid = valid_in          # the valid entries fill each row's prefix
     hi = torch.where(valid, key >> CHUNK_BITS, torch.full_like(key, C))
     cc = torch.zeros(S, C + 1, dtype=torch.int32, device=dev)
     cc.scatter_add_(1, hi, torch.ones_like(hi, dtype=torch.int32))
     out[:, header:header + C] = cc[:, :C]
     low = torch.where(valid, key & _LOW, torch.zeros_like(key))
-    if fmt == "compact":
-        wire = bf16_round(vals)
-        word = wire.view(torch.int32) | low.to(torch.int32)
-        out[:, header + C:] = torch.where(valid, word, torch.zeros_like(word))
-    else:
-        wire = _encode_quantized(out[:, header + C:], vals, valid, hi, low, C, QUANTIZED[fmt])
+    wire = _encode_quantized(out[:, header + C:], vals, valid, hi, low, C, QUANTIZED[fmt])
     if not return_wire:
         return out
     wire = torch.where(valid, wire, torch.zeros_like(wire))
-    return out, torch.empty_like(wire).scatter_(1, perm, wire).view(shape)
+    return out, wire.gather(1, pos).view(shape)
+
+
+def _sorted_rows(indices, values, counts, valid, span):
+    """The rows sorted by index, the padding last (``order="sort"``)."""
+    key = torch.where(valid, indices.to(torch.int64), torch.full_like(valid, span,
+                                                                      dtype=torch.int64))
+    key, perm = torch.sort(key, dim=1)
+    return key.to(torch.int32), values.gather(1, perm), counts
 
 
 def _to_int32(w: torch.Tensor) -> torch.Tensor:
@@ -235,34 +265,31 @@ def _encode_quantized(body: torch.Tensor, vals: torch.Tensor, valid: torch.Tenso
 
 
 def decode(msg: torch.Tensor, cap: int, span: int, header: int = 0,
-           fmt: str = "compact") -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           fmt: str = "compact", *, backend: str = "auto"
+           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Packed rows ``[S, row_words(cap, span, header, fmt)]`` -> ``(indices int32 [S, cap]
-    (ascending, -1 past the count), values fp32 [S, cap] (what the wire carries: bf16 values
-    or the quantized levels; 0 past the count), counts int32 [S])``. The same bits give the
-    same result on every rank."""
+    (in the row's order: ascending unless encoded with ``order="chunks"``; -1 past the count),
+    values fp32 [S, cap] (what the wire carries: bf16 values or the quantized levels; 0 past
+    the count), counts int32 [S])``. The same bits give the same result on every rank. The
+    compact format runs as a Triton pass (``kernels/wire.py``); no op reads the host."""
     if msg.dim() == 1:
         msg = msg.unsqueeze(0)
     S = msg.shape[0]
     C = chunks(span)
     dev = msg.device
-    ends = torch.cumsum(msg[:, header:header + C].to(torch.int64), 1)        # [S, C]
-    count = ends[:, -1:]
-    slot = torch.arange(cap, device=dev, dtype=torch.int64).expand(S, cap).contiguous()
-    hi = torch.searchsorted(ends.contiguous(), slot, right=True)             # chunk of slot i
     if fmt == "compact":
-        words = msg[:, header + C:header + C + cap]
-        low = (words & _LOW).to(torch.int64)
-        vals = (words & _HIGH).contiguous().view(torch.float32)
-    else:
-        b = QUANTIZED[fmt]
-        body = msg[:, header + C:]
-        iw = (cap + 1) // 2
-        low = _unpack(body[:, 2 * C:2 * C + iw], 16, cap)
-        code = _unpack(body[:, 2 * C + iw:2 * C + iw + -(-cap * b // 32)], b, cap)
-        hc = hi.clamp(max=C - 1)
-        base = body[:, :C].contiguous().view(torch.float32).gather(1, hc)
-        step = body[:, C:2 * C].contiguous().view(torch.float32).gather(1, hc)
-        vals = _levels(base, step, code, b)
+        return K.wire_decode(msg, cap, span, header, backend=backend)
+    hi, count = K.slot_chunks(msg[:, header:header + C], cap)               # chunk of slot i
+    slot = torch.arange(cap, device=dev, dtype=torch.int64).expand(S, cap)
+    b = QUANTIZED[fmt]
+    body = msg[:, header + C:]
+    iw = (cap + 1) // 2
+    low = _unpack(body[:, 2 * C:2 * C + iw], 16, cap)
+    code = _unpack(body[:, 2 * C + iw:2 * C + iw + -(-cap * b // 32)], b, cap)
+    hc = hi.clamp(max=C - 1)
+    base = body[:, :C].contiguous().view(torch.float32).gather(1, hc)
+    step = body[:, C:2 * C].contiguous().view(torch.float32).gather(1, hc)
+    vals = _levels(base, step, code, b)
     idx = (hi << CHUNK_BITS) | low
     valid = slot < count
     idx = torch.where(valid, idx, torch.full_like(idx, -1)).to(torch.int32)

@@ -128,7 +128,7 @@ class Gaussiank(Algorithm):
         mask = (acc.abs() >= thr) & (acc != 0)
         idx, val, count, kept = compact(mask, acc, cap)
         if self.compact:
-            msg = W.encode(idx, val, count, self.numel)
+            msg = W.encode(idx, val, count, self.numel, order="ascending")   # compact(): sorted
             allmsg = torch.empty(P, msg.shape[1], dtype=torch.int32, device=acc.device)
             if P > 1:
                 self.comm.allgather(allmsg, msg)

@@ -66,7 +66,8 @@ class TopkA(Algorithm):
         idx, val = topk_entries(acc, k)
         if self.compact:
             fmt = self.wire_format
-            msg, wire = W.encode(idx, val, None, self.numel, fmt=fmt, return_wire=True)
+            msg, wire = W.encode(idx, val, None, self.numel, fmt=fmt, return_wire=True,
+                                 order="ascending")    # topk_entries: sorted by index
             allmsg = torch.empty(P, msg.shape[1], dtype=torch.int32, device=acc.device)
             if P > 1:
                 self.comm.allgather(allmsg, msg)

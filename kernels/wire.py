@@ -1,0 +1,260 @@
+"""The compact wire's encode and decode (oktopk_triton/algorithms/_wire.py, docs/algorithms.md §9)
+as Triton passes, with a torch reference beside each.
+
+Why kernels: the torch version of the compact wire sorted every row (``torch.sort``, also the
+Ok-Topk slot that is already ascending), counted chunks with ``scatter_add`` and found each
+slot's chunk with ``searchsorted``: about 96 kernel-launching ops a step, three sorts, and one
+host synchronisation per steady step on an H100 (against none for fp32). Here:
+
+* :func:`wire_encode` writes a row's chunk counts and its words in ONE launch when the row is
+  already ascending (``ordered``: Ok-Topk's slots, TopkA's and Gaussiank's messages): nothing
+  is sorted. An unordered row (Ok-Topk's reduce rows, filled in any order by the selection) is
+  grouped by chunk, not sorted: a count launch, an exclusive cumsum of the ``[rows, chunks]``
+  counts, and a placement launch whose integer ``atomic_add`` on a per-chunk cursor gives each
+  entry its slot. Decoding needs the entries grouped by chunk only (the low bits are explicit),
+  so within a chunk the order is the atomics' (any order on a GPU, slot order in the
+  interpreter and the torch reference); Ok-Topk's owner sorts what it receives anyway.
+* :func:`wire_decode` finds each slot's chunk by a binary search over the running counts
+  (``ceil(log2(C+1))`` loads a slot) in the same launch that unpacks index and value.
+* :func:`slot_chunks` is that search for the quantized formats' torch decode: static-size
+  ``scatter_add`` and ``cumsum``, no ``searchsorted``.
+
+No op here reads the host or has a data-dependent size: a steady step stays free of host
+synchronisation (tests/test_wire_kernels.py traces the ops and checks them against an
+allowlist).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _dispatch
+from ._dispatch import HAS_TRITON
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+CHUNK_BITS = 16
+_LOW = (1 << CHUNK_BITS) - 1
+_HIGH = -(1 << CHUNK_BITS)      # 0xFFFF0000 as an int32
+
+if HAS_TRITON:
+
+    @triton.jit(do_not_specialize=["cap", "C", "header"])
+    def _chunk_count_kernel(idx_ptr, cnt_ptr, out_ptr, cap, C, header, idx_stride, out_stride,
+                            HAS_COUNTS: tl.constexpr, BLOCK: tl.constexpr):
+        """out[s, header + (idx >> 16)] += 1 for every valid slot (integer atomics)."""
+        s = tl.program_id(0).to(tl.int64)
+        slots = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        n_valid = cap
+        if HAS_COUNTS:
+            n_valid = tl.minimum(tl.maximum(tl.load(cnt_ptr + s).to(tl.int64), 0), cap)
+        valid = slots < n_valid
+        idx = tl.load(idx_ptr + s * idx_stride + slots, mask=valid, other=0).to(tl.int64)
+        ones = tl.full([BLOCK], 1, tl.int32)
+        tl.atomic_add(out_ptr + s * out_stride + header + (idx >> 16), ones, mask=valid)
+
+    @triton.jit(do_not_specialize=["cap", "C", "header"])
+    def _encode_kernel(idx_ptr, val_ptr, cnt_ptr, out_ptr, cursor_ptr, cap, C, header,
+                       idx_stride, val_stride, out_stride,
+                       HAS_COUNTS: tl.constexpr, GROUPED: tl.constexpr, BLOCK: tl.constexpr):
+        """Words ``bf16(v) << 16 | (idx & 0xFFFF)``: at the slot itself (ordered rows, which
+        also count their chunks here) or at the slot a per-chunk cursor hands out (GROUPED).
+        Slots past the count write 0 at their own position (the valid ones fill the prefix)."""
+        s = tl.program_id(0).to(tl.int64)
+        slots = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inb = slots < cap
+        n_valid = cap
+        if HAS_COUNTS:
+            n_valid = tl.minimum(tl.maximum(tl.load(cnt_ptr + s).to(tl.int64), 0), cap)
+        valid = slots < n_valid
+        idx = tl.load(idx_ptr + s * idx_stride + slots, mask=valid, other=0).to(tl.int64)
+        val = tl.load(val_ptr + s * val_stride + slots, mask=valid, other=0.0)
+        hi = idx >> 16
+        # bf16 round to nearest even in integer arithmetic, as torch's ``.to(bfloat16)`` does it
+        # (the interpreter's float cast truncates); NaN -> the canonical quiet NaN
+        bits = val.to(tl.int32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
+        bits = tl.where(val != val, 0x7FC00000, bits)
+        word = tl.where(valid, bits | (idx & 0xFFFF).to(tl.int32), 0)
+        if GROUPED:
+            ones = tl.full([BLOCK], 1, tl.int32)
+            pos = tl.atomic_add(cursor_ptr + s * C + hi, ones, mask=valid).to(tl.int64)
+            pos = tl.where(valid, pos, slots)
+        else:
+            ones = tl.full([BLOCK], 1, tl.int32)
+            tl.atomic_add(out_ptr + s * out_stride + header + hi, ones, mask=valid)
+            pos = slots
+        tl.store(out_ptr + s * out_stride + header + C + pos, word, mask=inb)
+
+    @triton.jit(do_not_specialize=["cap", "C", "header"])
+    def _decode_kernel(msg_ptr, ends_ptr, idx_out, val_out, cap, C, header, msg_stride,
+                       STEPS: tl.constexpr, BLOCK: tl.constexpr):
+        """Slot i of row s: its chunk is the number of running counts ``ends[s, c] <= i`` (a
+        binary search of STEPS loads), its index ``chunk << 16 | low``, its value the word's
+        top half as fp32; -1 / 0 past the row's count."""
+        s = tl.program_id(0).to(tl.int64)
+        slots = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inb = slots < cap
+        total = tl.load(ends_ptr + s * C + C - 1).to(tl.int64)
+        valid = slots < total
+        lo = tl.zeros([BLOCK], tl.int64)
+        hi = tl.full([BLOCK], 0, tl.int64) + C
+        for _ in tl.static_range(STEPS):
+            active = lo < hi
+            mid = (lo + hi) // 2
+            e = tl.load(ends_ptr + s * C + mid, mask=active & inb, other=0).to(tl.int64)
+            up = active & (e <= slots)
+            lo = tl.where(up, mid + 1, lo)
+            hi = tl.where(active & (e > slots), mid, hi)
+        w = tl.load(msg_ptr + s * msg_stride + header + C + slots, mask=valid, other=0)
+        idx = (lo.to(tl.int32) << 16) | (w & 0xFFFF)
+        val = (w & -65536).to(tl.float32, bitcast=True)
+        tl.store(idx_out + s * cap + slots, tl.where(valid, idx, -1), mask=inb)
+        tl.store(val_out + s * cap + slots, tl.where(valid, val, 0.0), mask=inb)
+
+    @_dispatch.serialized_when_interpreted
+    def _encode_triton(indices, values, counts, out, C, header, ordered, block=1024):
+        S, cap = indices.shape
+        has = counts is not None
+        cnt = counts.reshape(-1) if has else indices
+        grid = (S, triton.cdiv(cap, block))
+        out[:, header:header + C].zero_()
+        if ordered:
+            _encode_kernel[grid](indices, values, cnt, out, out, cap, C, header,
+                                 indices.stride(0), values.stride(0), out.stride(0),
+                                 HAS_COUNTS=has, GROUPED=False, BLOCK=block, num_warps=4)
+            return
+        _chunk_count_kernel[grid](indices, cnt, out, cap, C, header, indices.stride(0),
+                                  out.stride(0), HAS_COUNTS=has, BLOCK=block, num_warps=4)
+        cc = out[:, header:header + C]
+        cursor = torch.cumsum(cc, 1, dtype=torch.int32) - cc      # each chunk's first slot
+        _encode_kernel[grid](indices, values, cnt, out, cursor, cap, C, header,
+                             indices.stride(0), values.stride(0), out.stride(0),
+                             HAS_COUNTS=has, GROUPED=True, BLOCK=block, num_warps=4)
+
+    @_dispatch.serialized_when_interpreted
+    def _decode_triton(msg, ends, cap, C, header, block=1024):
+        S = msg.shape[0]
+        idx = torch.empty(S, cap, dtype=torch.int32, device=msg.device)
+        val = torch.empty(S, cap, dtype=torch.float32, device=msg.device)
+        if cap:
+            _decode_kernel[(S, triton.cdiv(cap, block))](
+                msg, ends, idx, val, cap, C, header, msg.stride(0),
+                STEPS=_dispatch.ceil_log2(C + 1), BLOCK=block, num_warps=4)
+        return idx, val
+
+
+def _valid_slots(counts: Optional[Tensor], S: int, cap: int, dev) -> Tensor:
+    slot = torch.arange(cap, device=dev)
+    if counts is None:
+        return slot.expand(S, cap) >= 0
+    return slot < counts.to(torch.int64).reshape(S, 1).clamp(0, cap)
+
+
+def group_positions(indices: Tensor, counts: Optional[Tensor], C: int,
+                    ordered: bool) -> Tuple[Tensor, Tensor]:
+    """Torch reference of the layout: ``(pos int64 [S, cap], chunk counts int32 [S, C])``,
+    where ``pos`` is each input slot's place in the row (grouped by chunk, stable within one;
+    slots past the count keep their own place). ``ordered`` rows keep every slot in place."""
+    S, cap = indices.shape
+    dev = indices.device
+    valid = _valid_slots(counts, S, cap, dev)
+    hi = torch.where(valid, indices.to(torch.int64) >> CHUNK_BITS, torch.full_like(
+        valid, C, dtype=torch.int64))
+    cc = torch.zeros(S, C + 1, dtype=torch.int32, device=dev)
+    cc.scatter_add_(1, hi, torch.ones_like(hi, dtype=torch.int32))
+    if ordered:
+        return torch.arange(cap, device=dev).expand(S, cap), cc[:, :C]
+    # the CPU reference groups with a stable sort on the chunk (the Triton pass uses cursors)
+    perm = torch.sort(hi, dim=1, stable=True).indices
+    pos = torch.empty_like(perm).scatter_(1, perm, torch.arange(cap, device=dev).expand(S, cap))
+    return pos, cc[:, :C]
+
+
+def _encode_torch(indices, values, counts, out, C, header, ordered):
+    S, cap = indices.shape
+    valid = _valid_slots(counts, S, cap, indices.device)
+    pos, cc = group_positions(indices, counts, C, ordered)
+    idx = indices.to(torch.int64)
+    word = values.to(torch.float32).to(torch.bfloat16).to(torch.float32).view(torch.int32) \
+        | (idx & _LOW).to(torch.int32)
+    word = torch.where(valid, word, torch.zeros_like(word))
+    out[:, header:header + C] = cc
+    body = out[:, header + C:header + C + cap]
+    if ordered:
+        body.copy_(word)
+    else:
+        body.scatter_(1, pos, word)
+
+
+def wire_encode(indices: Tensor, values: Tensor, counts: Optional[Tensor], out: Tensor,
+                span: int, header: int = 0, *, ordered: bool = False,
+                backend: str = "auto") -> None:
+    """Compact rows into ``out`` int32 [S, header + C + cap] (C = ceil(span/65536)): the chunk
+    counts at ``header``, then one word per entry, grouped by chunk (``ordered``: the valid
+    entries, the first ``min(counts[s], cap)`` slots, are ascending already and stay in
+    place), 0 past the count. The header words are not touched."""
+    S, cap = indices.shape
+    C = max(1, -(-int(span) // (1 << CHUNK_BITS)))
+    if out.shape != (S, header + C + cap) or out.dtype != torch.int32:
+        raise ValueError(f"wire_encode: out must be int32 [{S}, {header + C + cap}], got "
+                         f"{out.dtype} {list(out.shape)}")
+    if out.stride(1) != 1:
+        raise ValueError("wire_encode: out needs inner stride 1")
+    indices = indices.contiguous()
+    values = values.to(torch.float32).contiguous()
+    _dispatch.record(launches=1 if ordered else 2, bytes=12 * S * cap)
+    if _dispatch.choose(backend, indices.device) == "triton":
+        _encode_triton(indices, values, counts, out, C, header, ordered)
+    else:
+        with _dispatch.inside_kernel():
+            _encode_torch(indices, values, counts, out, C, header, ordered)
+
+
+def slot_chunks(counts: Tensor, cap: int) -> Tuple[Tensor, Tensor]:
+    """``(chunk of every slot int64 [S, cap], row count int64 [S, 1])`` from the chunk counts
+    [S, C]: slot i's chunk is the number of running counts at or below i (what
+    ``searchsorted(ends, i, right=True)`` gives), by a scatter_add of the running counts and a
+    cumsum: static sizes."""
+    S = counts.shape[0]
+    ends = torch.cumsum(counts.to(torch.int64), 1)
+    marks = torch.zeros(S, cap + 1, dtype=torch.int64, device=counts.device)
+    marks.scatter_add_(1, ends.clamp(max=cap), torch.ones_like(ends))
+    return torch.cumsum(marks, 1)[:, :cap], ends[:, -1:]
+
+
+def _decode_torch(msg, cap, C, header):
+    S = msg.shape[0]
+    hi, count = slot_chunks(msg[:, header:header + C], cap)
+    words = msg[:, header + C:header + C + cap]
+    idx = (hi << CHUNK_BITS) | (words & _LOW).to(torch.int64)
+    vals = (words & _HIGH).contiguous().view(torch.float32)
+    valid = torch.arange(cap, device=msg.device).expand(S, cap) < count
+    return (torch.where(valid, idx, torch.full_like(idx, -1)).to(torch.int32),
+            torch.where(valid, vals, torch.zeros_like(vals)))
+
+
+def wire_decode(msg: Tensor, cap: int, span: int, header: int = 0, *,
+                backend: str = "auto") -> Tuple[Tensor, Tensor, Tensor]:
+    """Compact rows [S, header + C + cap] -> ``(indices int32 [S, cap] (-1 past the count),
+    values fp32 [S, cap] (the bf16 values, 0 past the count), counts int32 [S])``; the entries
+    in the row's order (grouped by chunk)."""
+    S = msg.shape[0]
+    C = max(1, -(-int(span) // (1 << CHUNK_BITS)))
+    if msg.dtype != torch.int32 or msg.shape[1] < header + C + cap:
+        raise ValueError(f"wire_decode: msg must be int32 [S, >= {header + C + cap}], got "
+                         f"{msg.dtype} {list(msg.shape)}")
+    _dispatch.record(launches=1, bytes=12 * S * cap)
+    if _dispatch.choose(backend, msg.device) == "triton":
+        msg = msg if msg.stride(1) == 1 else msg.contiguous()
+        ends = torch.cumsum(msg[:, header:header + C], 1, dtype=torch.int32).contiguous()
+        idx, val = _decode_triton(msg, ends, cap, C, header)
+        return idx, val, ends[:, -1].contiguous()
+    with _dispatch.inside_kernel():
+        idx, val = _decode_torch(msg, cap, C, header)
+        count = msg[:, header:header + C].sum(1, dtype=torch.int32)
+    return idx, val, count
