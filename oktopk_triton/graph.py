@@ -61,7 +61,7 @@ class GraphedStep:
 
     def __init__(self, algorithm: Algorithm, *, eager_steps: int = EAGER_STEPS,
                  graph_factory: Optional[Callable[[], Any]] = None,
-                 capture: Optional[Callable[[Any], Any]] = None) -> None:
+                 capture: Optional[Callable[..., Any]] = None) -> None:
         if not isinstance(algorithm, Algorithm):
             raise TypeError(f"GraphedStep: expected an Algorithm, got {type(algorithm).__name__}")
         if isinstance(eager_steps, bool) or not isinstance(eager_steps, int) or eager_steps < 1:
@@ -133,10 +133,20 @@ class GraphedStep:
         steps, sent = alg.step_count, comm.bytes_sent
         colls = getattr(comm, "collectives_issued", 0)
         self._graph = self._graph_factory()
-        # the watchdog paused first, then the capture (see CAPTURE_ERROR_MODE): left in reverse
-        with comm.capture_guard(), \
-                self._capture(self._graph, capture_error_mode=CAPTURE_ERROR_MODE):
-            self._out = alg(self._grad)
+        try:
+            # the watchdog paused first, then the capture (see CAPTURE_ERROR_MODE): left in
+            # reverse order
+            with comm.capture_guard(), \
+                    self._capture(self._graph, capture_error_mode=CAPTURE_ERROR_MODE):
+                self._out = alg(self._grad)
+        except BaseException:
+            # nothing was run: the counters go back and the next call captures afresh
+            self._graph = self._grad = self._out = None
+            self._calls -= 1
+            alg.step_count, comm.bytes_sent = steps, sent
+            if hasattr(comm, "collectives_issued"):
+                comm.collectives_issued = colls
+            raise
         # capture records the step's kernels without running them (its Python side did run,
         # counters included): the counters go back, and this call replays like every later one
         self._step_delta, alg.step_count = alg.step_count - steps, steps

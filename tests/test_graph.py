@@ -446,3 +446,29 @@ def test_nccl_ranks_capture_and_replay(name, wire):
     res = run_nccl(2, _nccl_graph_body, name, wire, 1 << 22, timeout=300)
     for captured, syncs in res:
         assert captured and syncs and all(s == 0 for s in syncs), syncs
+
+
+def test_a_failed_capture_leaves_no_graph_and_the_counters_as_they_were():
+    alg = get_algorithm("oktopk")(N, SingleCommunicator(), 0.02)
+    box = {"fail": True}
+    inner = _rerun_capture(lambda: box["step"])
+
+    @contextlib.contextmanager
+    def capture(graph, **kwargs):
+        with inner(graph, **kwargs):
+            yield
+        if box["fail"]:
+            box["fail"] = False
+            raise RuntimeError("operation failed due to a previous error during capture")
+
+    step = GraphedStep(alg, eager_steps=1, graph_factory=_RerunGraph, capture=capture)
+    box["step"] = step
+    ref = get_algorithm("oktopk")(N, SingleCommunicator(), 0.02)
+    grad = student_t(seed=12)
+    assert torch.equal(step(grad(0, 0, N)), ref(grad(0, 0, N)))
+    with pytest.raises(RuntimeError, match="during capture"):
+        step(grad(0, 1, N))
+    assert not step.captured and alg.step_count == 1 and alg.comm.bytes_sent == 0
+    for t in range(1, 4):                            # captures again, then replays
+        assert torch.equal(step(grad(0, t, N)), ref(grad(0, t, N))), t
+    assert step.captured and alg.step_count == ref.step_count == 4
