@@ -59,3 +59,16 @@ def test_digits_example_runs_twice(tmp_path):
         out = _run(tmp_path, "train_digits.py", "oktopk", "0.05", "2")
         accs = [float(x) for x in re.findall(r"test acc ([0-9.]+)%", out)]
         assert len(accs) == 2 and accs[-1] > 50.0, out[-3000:]      # it trains
+
+
+def test_every_example_ends_with_shutdown():
+    """The last statement each example runs is ``oktopk_triton.shutdown(exit_code=0)``."""
+    import ast
+    names = sorted(f for f in os.listdir(os.path.join(ROOT, "examples")) if f.endswith(".py"))
+    assert len(names) >= 5
+    for name in names:
+        tree = ast.parse(open(os.path.join(ROOT, "examples", name)).read())
+        last = tree.body[-1]
+        if isinstance(last, ast.If):                          # if __name__ == "__main__":
+            last = last.body[-1]
+        assert ast.unparse(last) == "oktopk_triton.shutdown(exit_code=0)", name
