@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from .flat_params import finite_or_zero, nonfinite_mask, optimizer_step
 from .moments import OPTIONS as MOMENT_OPTIONS
 from .moments import MomentSync
 
@@ -72,8 +73,12 @@ class LocalSteps:
        and, spread over K syncs, in ``bytes_per_step``.
 
     Costs: the anchor (one copy of the weights, their dtypes), and with ``outer_momentum`` an
-    fp32 velocity of ``numel``; per call the optimizer step; per sync one subtraction, one
-    addition and one copy over the weights (and one residual copy with a decay). No host read.
+    fp32 velocity of ``numel``. A local call: the optimizer step and a few Python lines, no
+    pass over ``numel`` and no allocation (it returns one persistent zero vector;
+    ``tests/test_local_steps.py`` counts its dispatches). A sync: the change written straight
+    into the flat gradient (a copy and a subtraction), the algorithm's step, one pass that
+    zeroes a flagged non-finite step (the algorithm's flag, no isfinite pass), an addition into
+    the anchor and its copy into the weights (and one residual copy with a decay). No host read.
 
     Counting: the algorithm's steps (``step_count``, ``warmup_steps``, a ``density_schedule``'s
     stages) count syncs, not calls. The interval position counts calls on every rank alike, a
@@ -124,18 +129,22 @@ class LocalSteps:
     @torch.no_grad()
     def step(self, sar: Any, optimizer: torch.optim.Optimizer, scaler: Any) -> torch.Tensor:
         """One ``reduce_updates`` call: the local step, and every H-th call the sync. Returns
-        the reduced pseudo-gradient on a sync, zeros on a local call (nothing was reduced;
-        ``.grad`` then keeps this rank's gradient)."""
-        params = sar._params
+        the reduced pseudo-gradient on a sync; on a local call zeros (nothing was reduced;
+        ``.grad`` then keeps this rank's gradient), as one persistent read-only zero vector
+        (:meth:`FlatParams.zeros`): a local call costs the optimizer step and no pass, no
+        allocation. Uses ``sar.flat_params``, ``sar.algorithm``, ``sar.comm`` and
+        ``sar._reduce_grads()`` (the gradient mode's reduction)."""
+        fp = sar.flat_params                   # flat_params.FlatParams: the weights' layout
+        params = fp.params
         if self.anchor is None:
             self.anchor = [p.detach().clone() for p in params]
-        sar._optimizer_step(optimizer, scaler)
+        optimizer_step(optimizer, scaler)
         self.position += 1
         if self.position < self.sync_every:
             self.stats = {"synced": False, "bytes_sent": 0, "bytes_per_step": 0,
                           "local_step": self.position}
-            return torch.zeros(sar.numel, dtype=sar._flat_dtype, device=sar.device)
-        sar._change_into_grads(self.anchor)
+            return fp.zeros()
+        fp.change_into_grads(self.anchor)
         saved = self._decay(sar.algorithm.residual)
         try:
             out = sar._reduce_grads()
@@ -149,8 +158,7 @@ class LocalSteps:
         nonfinite = alg.stats.get("nonfinite")
         if saved is not None and nonfinite is not None:
             alg.residual.copy_(torch.where(nonfinite > 0, saved, alg.residual))
-        sar._set_weights(self.anchor, self._outer_step(out))
-        torch._foreach_copy_(self.anchor, params)
+        fp.move_to(self.anchor, self._outer_step(out, nonfinite))   # weights = anchor += step
         sent = alg.stats.get("bytes_sent", 0)
         per_sync = sent
         if self.moments is not None:       # Adam's moments averaged every K syncs (DES-LOC)
@@ -171,21 +179,21 @@ class LocalSteps:
         residual.mul_(self.residual_decay)
         return saved
 
-    def _outer_step(self, out: torch.Tensor) -> torch.Tensor:
-        """What the anchor moves by: ``out`` through the outer optimizer; 0 where ``out`` is not
-        finite (the velocity is kept there)."""
-        finite = torch.isfinite(out)
-        zero = torch.zeros((), dtype=out.dtype, device=out.device)
+    def _outer_step(self, out: torch.Tensor, nonfinite: Optional[torch.Tensor]) -> torch.Tensor:
+        """What the anchor moves by: ``out`` through the outer optimizer; 0 on a sync the
+        algorithm flagged non-finite (the velocity is kept then; flat_params.nonfinite_mask:
+        the flag, no isfinite pass over ``out``)."""
         if self.outer_momentum == 0.0:
             step = out if self.outer_lr == 1.0 else out * self.outer_lr
-            return torch.where(finite, step, zero.to(step.dtype))
+            return finite_or_zero(step, nonfinite)
         d = out.float()
         if self.velocity is None:
             self.velocity = torch.zeros_like(d)
         m = self.outer_momentum
-        self.velocity.copy_(torch.where(finite, self.velocity * m + d, self.velocity))
+        skip = nonfinite_mask(d, nonfinite)
+        self.velocity.copy_(torch.where(skip, self.velocity, self.velocity * m + d))
         step = (d + self.velocity * m) * self.outer_lr
-        return torch.where(finite, step, torch.zeros((), dtype=step.dtype, device=step.device))
+        return torch.where(skip, 0.0, step)
 
     # -- state ------------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:

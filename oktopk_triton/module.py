@@ -27,26 +27,22 @@ continues bit for bit. The communicator is not saved (a restored reducer uses it
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Union
+from typing import Any, Dict, Iterable, List, Optional, Union
 
 import torch
 
 from .algorithms import get_algorithm
-from .algorithms.base import FLOAT_DTYPES, Algorithm, LossScale
+from .algorithms.base import Algorithm, LossScale
 from .comm.base import Communicator, resolve_device
+from .density_schedule import DensitySchedule
+from .flat_params import FlatParams, ParamSlice, parse_params
+from .frozen_adam import FrozenAdam
 from .graph import GraphedStep
 from .ledger import ConservationLedger
 from .local_steps import LocalSteps
-from .techniques import DensitySchedule, FrozenAdam
+from .updates import UpdateReduction
 
 __all__ = ["SparseAllreduce", "ParamSlice"]
-
-
-class ParamSlice(NamedTuple):
-    """One parameter's place in the flat gradient: ``flat[offset:offset + numel]``."""
-    param: torch.Tensor
-    offset: int
-    numel: int
 
 
 def _default_communicator(device: torch.device) -> Communicator:
@@ -77,7 +73,7 @@ class SparseAllreduce(torch.nn.Module):
             algorithms, off for ``dense``; zeroes the velocity of the entries a step
             delivered, as Deep Gradient Compression does).
         density_schedule, adam, cuda_graph: keyword-only options of ``SparseAllreduce`` itself:
-            ``density_schedule`` (see :class:`~oktopk_triton.techniques.DensitySchedule`),
+            ``density_schedule`` (see :class:`~oktopk_triton.density_schedule.DensitySchedule`),
             ``adam="frozen"`` (for :meth:`reduce_adam`) and ``cuda_graph=True`` (CUDA, NCCL or
             one rank: steady steps are replayed from a captured CUDA graph,
             :class:`~oktopk_triton.graph.GraphedStep`; not with a density schedule, Adam mode or
@@ -109,61 +105,17 @@ class SparseAllreduce(torch.nn.Module):
                                             moment_sync_every=moment_sync_every,
                                             moment_sync=moment_sync, moment_dtype=moment_dtype)
         cls = get_algorithm(algorithm)  # clear ValueError for unknown names
-        params: Optional[List[torch.Tensor]] = None
-        if isinstance(numel_or_params, bool):
-            raise TypeError("numel_or_params must be an int or parameters, got a bool")
-        if isinstance(numel_or_params, int):
-            numel = numel_or_params
-        elif isinstance(numel_or_params, torch.Tensor):
-            raise TypeError("numel_or_params: pass an int or an iterable of parameters "
-                            "(e.g. model.parameters()), not a single tensor; use [tensor]")
-        else:
-            src = (numel_or_params.parameters() if isinstance(numel_or_params, torch.nn.Module)
-                   else numel_or_params)
-            params, seen = [], set()
-            for p in src:
-                if not isinstance(p, torch.Tensor):
-                    raise TypeError(f"expected tensors (parameters), got {type(p).__name__}")
-                if p.requires_grad and id(p) not in seen:
-                    seen.add(id(p))
-                    params.append(p)
-            if not params:
-                raise ValueError("SparseAllreduce: no parameters with requires_grad were given")
-            for p in params:
-                if p.dtype not in FLOAT_DTYPES:
-                    raise TypeError(f"SparseAllreduce: parameter dtype {p.dtype} is not one of "
-                                    "float32, bfloat16, float16")
-            pdev = params[0].device
-            if any(p.device != pdev for p in params):
-                raise ValueError("SparseAllreduce: all parameters must be on one device, got "
-                                 f"{sorted({str(p.device) for p in params})}")
-            if device is not None and resolve_device(device) != pdev:
-                raise ValueError(f"SparseAllreduce: device={device} but the parameters are "
-                                 f"on {pdev}")
-            device = pdev
-            numel = sum(p.numel() for p in params)
+        numel, params, device = parse_params(numel_or_params, device)
         if comm is None:
             comm = _default_communicator(resolve_device(device) if device is not None
                                          else torch.device("cpu"))
-        if device is None:
-            device = comm.device
         self.comm = comm
-        # adam: techniques.FrozenAdam (reduce_adam); cuda_graph: graph.GraphedStep
-        if cuda_graph not in (True, False):
-            raise TypeError(f"SparseAllreduce: cuda_graph must be True or False, "
-                            f"got {cuda_graph!r}")
-        if cuda_graph and (adam is not None or density_schedule is not None):
-            raise ValueError("SparseAllreduce: cuda_graph=True replays one fixed step; it cannot "
-                             "follow a density_schedule or adam='frozen'")
-        if self.local_steps is not None and (cuda_graph or adam is not None or params is None):
-            raise ValueError("SparseAllreduce: local steps (sync_every, outer_lr, "
-                             "outer_momentum, residual_decay) need a reducer built from "
-                             "parameters, used with reduce_updates; not with cuda_graph=True or "
-                             "adam='frozen'")
-        # techniques.DensitySchedule: one reducer per stage, each taking over the last's state
+        _check_modes(self.local_steps, params, density_schedule, adam, cuda_graph)
+        # density_schedule.DensitySchedule: one reducer per stage, each taking over the last's
         self._schedule = DensitySchedule.build(density_schedule, density)
         self._cls = cls
-        self._build = dict(device=resolve_device(device), check_finite=check_finite, **options)
+        self._build = dict(device=resolve_device(device if device is not None else comm.device),
+                           check_finite=check_finite, **options)
         first = self._schedule.density_at(0) if self._schedule else density
         self.algorithm: Algorithm = cls(numel, comm, first, **self._build)
         self.algorithm_name = self.algorithm.name
@@ -171,21 +123,16 @@ class SparseAllreduce(torch.nn.Module):
         self.density = float(density)                # the target (the last stage's)
         self.k = max(1, min(numel, int(round(self.density * numel))))
         self.device = self.algorithm.device
-        # reduce_gradients: a persistent flat buffer; after a step every .grad is a view of it
+        # the modes' components: the flat layout of the parameters (flat_params.FlatParams)
+        # that every mode shares, the update mode (updates.UpdateReduction), the local steps
+        # (above), the frozen Adam (frozen_adam.FrozenAdam); a CUDA graph of the step
+        # (graph.GraphedStep) and the run-long audit (ledger.ConservationLedger)
         self._params = params
-        self._flat: Optional[torch.Tensor] = None
-        self._before: Optional[List[torch.Tensor]] = None   # reduce_updates' weight snapshot
-        self._ledger: Optional[ConservationLedger] = None    # audit(): the run-long check
+        self.flat_params: Optional[FlatParams] = FlatParams(params) if params else None
+        self._updates = UpdateReduction()
         self._adam = FrozenAdam.build(adam, self.algorithm, params)
         self._graphed: Optional[GraphedStep] = GraphedStep(self.algorithm) if cuda_graph else None
-        if params is not None:
-            dtypes = {p.dtype for p in params}
-            self._flat_dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
-            self._offsets = []
-            off = 0
-            for p in params:
-                self._offsets.append(off)
-                off += p.numel()
+        self._ledger: Optional[ConservationLedger] = None
 
     # -- the reduction ---------------------------------------------------------------------------
     def forward(self, flat_grad: torch.Tensor, scale: LossScale = None) -> torch.Tensor:
@@ -252,31 +199,16 @@ class SparseAllreduce(torch.nn.Module):
         return self._reduce_grads(scale)
 
     def _reduce_grads(self, scale: LossScale = None) -> torch.Tensor:
-        """reduce_gradients without the local-steps refusal (reduce_updates reduces through it)."""
-        if self._params is None:
+        """reduce_gradients without the local-steps refusal: the reduction every mode that
+        works on parameters goes through (updates.UpdateReduction and local_steps.LocalSteps
+        after writing the change into ``.grad``, frozen_adam.FrozenAdam)."""
+        fp = self.flat_params
+        if fp is None:
             raise RuntimeError("reduce_gradients needs a SparseAllreduce built from parameters")
-        if self._flat is None:
-            self._flat = torch.zeros(self.numel, dtype=self._flat_dtype, device=self.device)
-        flat = self._flat
-        views = []
-        for p, off in zip(self._params, self._offsets):
-            v = flat[off:off + p.numel()].view(p.shape)
-            views.append(v)
-            g = p.grad
-            if g is None:
-                v.zero_()
-            elif g.data_ptr() != v.data_ptr() or g.dtype != v.dtype or g.shape != v.shape:
-                if g.is_sparse:
-                    g = g.to_dense()
-                v.copy_(g)
+        flat = fp.gather_grads()
         self._advance()
-        out = self._reduce(flat, scale)
-        flat.copy_(out)
-        for p, v in zip(self._params, views):
-            if p.dtype == flat.dtype:
-                p.grad = v
-            else:
-                p.grad = v.to(p.dtype)
+        flat.copy_(self._reduce(flat, scale))
+        fp.scatter_grads()
         return flat
 
     @torch.no_grad()
@@ -288,91 +220,32 @@ class SparseAllreduce(torch.nn.Module):
         rank), takes the parameter change it made, reduces that change with the algorithm
         (error feedback included: the residual holds the update not yet applied) and sets every
         replica's weights to ``before + out``. Returns the flat reduced update; afterwards each
-        ``.grad`` is a view of it.
+        ``.grad`` is a view of it. Why, what it costs, what a non-finite step does:
+        :class:`~oktopk_triton.updates.UpdateReduction`. The optimizer's state differs across
+        ranks (save it per rank); the weights stay bitwise identical. Not available through the
+        DDP hook (it runs before the step).
 
         ``scaler``: a ``torch.amp.GradScaler`` (mixed precision): the step is taken with
         ``scaler.step(optimizer)`` (unscaled; skipped on this rank when its gradient is not
         finite), so the residual holds updates in the weights' units and a change of loss scale
         does not touch what is owed. Call ``scaler.update()`` afterwards.
 
-        Why: error feedback sends a coordinate's gradient summed over the steps it waited, and
-        an adaptive optimizer divides that sum by its own running scale, so T steps of owed
-        gradient move the weight about as far as one dense step (measured on the byte-level GPT,
-        1% density, 150 AdamW steps: every sparse algorithm stalled at 3.32 nats/byte against
-        dense 2.55, the unigram level; reducing updates instead gave Ok-Topk 2.96). Reducing the
-        update keeps the sum linear: what a coordinate is owed is delivered whole.
-
-        Costs per step over ``reduce_gradients``: one copy of the weights into a persistent
-        snapshot (``numel`` elements, the parameters' dtypes), one subtraction and one addition
-        over the weights; no host read. The optimizer's state differs across ranks (save it per
-        rank); the weights stay bitwise identical. An update that is not finite (with
-        ``check_finite="skip"``, one rank's NaN makes ``out`` NaN everywhere) leaves the weights
-        unchanged on every rank. Not available through the DDP hook (it runs before the step).
-
         With local steps (``sync_every=H > 1``, see :class:`~oktopk_triton.local_steps.
-        LocalSteps`): a call steps the optimizer and the weights stay local (returns zeros,
-        ``stats["synced"]`` False, no bytes); every H-th call reduces the change since the last
-        sync and sets every replica to the anchor plus the outer step (returns the reduced
-        change).
+        LocalSteps`): a call steps the optimizer and the weights stay local (returns a zero
+        vector that costs nothing, ``stats["synced"]`` False, no bytes); every H-th call reduces
+        the change since the last sync and sets every replica to the anchor plus the outer step
+        (returns the reduced change).
         """
-        self._check_optimizer(optimizer)
+        if self.flat_params is None:
+            raise RuntimeError("reduce_updates needs a SparseAllreduce built from parameters")
+        self.flat_params.check_optimizer(optimizer)
         if self.local_steps is not None:
             return self.local_steps.step(self, optimizer, scaler)
-        params = self._params
-        if self._before is None:
-            self._before = [torch.empty_like(p) for p in params]
-        before = self._before
-        torch._foreach_copy_(before, params)
-        self._optimizer_step(optimizer, scaler)
-        self._change_into_grads(before)
-        flat = self._reduce_grads()
-        finite = torch.isfinite(flat)
-        flat_upd = torch.where(finite, flat, torch.zeros((), dtype=flat.dtype, device=flat.device))
-        self._set_weights(before, flat_upd)
-        return flat
-
-    # reduce_updates' parts, shared with local_steps.LocalSteps
-    def _check_optimizer(self, optimizer: Any) -> None:
-        if self._params is None:
-            raise RuntimeError("reduce_updates needs a SparseAllreduce built from parameters")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"reduce_updates: expected a torch.optim.Optimizer, got "
-                            f"{type(optimizer).__name__}")
-        ours = {id(p) for p in self._params}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.requires_grad and id(p) not in ours:
-                    raise ValueError("reduce_updates: the optimizer steps a parameter this "
-                                     "SparseAllreduce does not reduce (its update would stay "
-                                     "local and the replicas would drift apart)")
-
-    @staticmethod
-    def _optimizer_step(optimizer: torch.optim.Optimizer,
-                        scaler: Optional[torch.amp.GradScaler]) -> None:
-        if scaler is not None:
-            scaler.step(optimizer)
-        else:
-            optimizer.step()
-
-    def _change_into_grads(self, base: List[torch.Tensor]) -> None:
-        """``.grad = weights - base``: the change, where reduce_gradients reads the gradient."""
-        for p in self._params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in self._params]
-        torch._foreach_copy_(grads, self._params)
-        torch._foreach_sub_(grads, base)
-
-    def _set_weights(self, base: List[torch.Tensor], flat_upd: torch.Tensor) -> None:
-        """weights = base + flat_upd (each parameter its slice, in its own dtype)."""
-        params = self._params
-        torch._foreach_copy_(params, base)
-        torch._foreach_add_(params, [flat_upd[off:off + p.numel()].view(p.shape)
-                                     for p, off in zip(params, self._offsets)])
+        return self._updates.step(self, optimizer, scaler)
 
     def reduce_adam(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """AdamW with a dense warm-up, then frozen variance and the preconditioned gradient
-        reduced sparsely (build with ``adam="frozen"``; see :class:`~oktopk_triton.techniques.
+        reduced sparsely (build with ``adam="frozen"``; see :class:`~oktopk_triton.frozen_adam.
         FrozenAdam`). Replaces ``optimizer.step()``, whose hyper-parameters (lr, betas, eps,
         weight_decay) it reads; the optimizer's own state is unused."""
         self._refuse_local_steps("reduce_adam")
@@ -463,6 +336,19 @@ class SparseAllreduce(torch.nn.Module):
     def param_slices(self) -> List[ParamSlice]:
         """The parameters in the order they are flattened, each with its slice of the flat
         gradient (read-only view; empty for a SparseAllreduce built from a length)."""
-        if self._params is None:
-            return []
-        return [ParamSlice(p, off, p.numel()) for p, off in zip(self._params, self._offsets)]
+        return [] if self.flat_params is None else self.flat_params.slices()
+
+
+def _check_modes(local_steps: Optional[LocalSteps], params: Optional[List[torch.Tensor]],
+                 density_schedule: Any, adam: Optional[str], cuda_graph: Any) -> None:
+    """The combinations of modes SparseAllreduce refuses, each with a one-line reason."""
+    if cuda_graph not in (True, False):
+        raise TypeError(f"SparseAllreduce: cuda_graph must be True or False, got {cuda_graph!r}")
+    if cuda_graph and (adam is not None or density_schedule is not None):
+        raise ValueError("SparseAllreduce: cuda_graph=True replays one fixed step; it cannot "
+                         "follow a density_schedule or adam='frozen'")
+    if local_steps is not None and (cuda_graph or adam is not None or params is None):
+        raise ValueError("SparseAllreduce: local steps (sync_every, outer_lr, "
+                         "outer_momentum, residual_decay) need a reducer built from "
+                         "parameters, used with reduce_updates; not with cuda_graph=True or "
+                         "adam='frozen'")

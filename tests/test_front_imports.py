@@ -1,0 +1,163 @@
+"""No import circle in oktopk_triton: the import graph read from every module's source (every
+import statement, those under TYPE_CHECKING and inside functions included) has no cycle, and
+every module of the front imports first in a fresh interpreter (a circle at run time fails
+there with a partially initialised module)."""
+import ast
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# the source folders of the installed packages (pyproject's package-dir: kernels/ is
+# oktopk_triton.kernels)
+SOURCES = {"oktopk_triton": ROOT / "oktopk_triton", "oktopk_triton.kernels": ROOT / "kernels"}
+
+
+def _modules():
+    mods = {}
+    for prefix, folder in SOURCES.items():
+        for f in folder.rglob("*.py"):
+            parts = list(f.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            mods[".".join([prefix] + parts)] = f
+    return mods
+
+
+def _targets(name, path, node, mods):
+    """The package's modules an import statement in module ``name`` loads."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names if a.name in mods]
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    if node.level:
+        base = package
+        for _ in range(node.level - 1):
+            base = base.rsplit(".", 1)[0]
+        base = f"{base}.{node.module}" if node.module else base
+    else:
+        base = node.module or ""
+    out = []
+    for a in node.names:
+        if f"{base}.{a.name}" in mods:          # from package import submodule
+            out.append(f"{base}.{a.name}")
+        elif base in mods:                       # from module import name
+            out.append(base)
+    return out
+
+
+def import_graph():
+    """module -> the package's modules it imports. An import of one of its own parent packages
+    is left out: Python initialises the parents before the module, so it cannot close a
+    circle (``from . import __version__``)."""
+    mods = _modules()
+    graph = {}
+    for name, path in mods.items():
+        graph[name] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for t in _targets(name, path, node, mods):
+                    if t != name and not name.startswith(t + "."):
+                        graph[name].add(t)
+    return graph
+
+
+def cycles(graph):
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index, low, stack, on, found = {}, {}, [], set(), []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    found.append(sorted(comp))
+    return found
+
+
+def test_the_cycle_finder_finds_a_circle():
+    # the check itself: a circle through TYPE_CHECKING-style edges is found, a chain is not
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_the_graph_reads_the_front():
+    g = import_graph()
+    assert {"oktopk_triton.flat_params", "oktopk_triton.local_steps", "oktopk_triton.updates",
+            "oktopk_triton.frozen_adam", "oktopk_triton.density_schedule"} <= g[
+        "oktopk_triton.module"]
+    assert "oktopk_triton.module" in g["oktopk_triton"]       # the package's lazy __getattr__
+    assert "oktopk_triton.kernels" in g["oktopk_triton.algorithms.base"]
+
+
+def test_no_import_circle_in_the_package():
+    found = cycles(import_graph())
+    assert found == [], f"import circles among oktopk_triton's modules: {found}"
+
+
+def test_no_component_of_the_front_imports_module_back():
+    g = import_graph()
+    reach, todo = set(), list(g["oktopk_triton.module"])
+    while todo:
+        m = todo.pop()
+        if m not in reach:
+            reach.add(m)
+            todo.extend(g[m])
+    assert "oktopk_triton.module" not in reach
+    assert "oktopk_triton.techniques" not in g["oktopk_triton.module"]
+
+
+FRESH_IMPORTS = r"""
+import importlib, pkgutil, sys
+import torch  # noqa: F401  (kept loaded: only the package is imported afresh)
+import oktopk_triton
+names = sorted(m.name for m in pkgutil.walk_packages(oktopk_triton.__path__, "oktopk_triton.")
+               if ".integrations" not in m.name)
+failed = []
+for name in names:
+    for k in [k for k in sys.modules if k == "oktopk_triton" or k.startswith("oktopk_triton.")]:
+        del sys.modules[k]
+    try:
+        importlib.import_module(name)
+    except Exception as e:  # noqa: BLE001
+        if isinstance(e, ModuleNotFoundError) and not (e.name or "").startswith("oktopk_triton"):
+            continue                       # an optional third-party package
+        failed.append(f"{name}: {e!r}")
+print(len(names))
+print("\n".join(failed))
+"""
+
+
+def test_every_module_imports_first_in_a_fresh_interpreter():
+    """Each module of the package (the integrations apart: their frameworks are slow to import,
+    tests/test_integrations_imports.py imports them) as the first one of the package loaded."""
+    r = subprocess.run([sys.executable, "-c", FRESH_IMPORTS], capture_output=True, text=True,
+                       timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.strip().splitlines()
+    assert int(lines[0]) > 40, lines          # the walk found the package's modules
+    assert lines[1:] == [], "\n".join(lines[1:])
