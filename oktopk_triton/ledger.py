@@ -8,8 +8,9 @@ call delivered (identical on every rank):
     sum_p (fed_p - (residual_p,end - residual_p,start)) == P * sum_calls out
 
 :meth:`SparseAllreduce.audit` starts a :class:`ConservationLedger`; each reduction then adds its
-input and its output into two fp64 vectors on the device (two additions over n per call, no host
-read, nothing on the wire); :meth:`ConservationLedger.check` allreduces one vector once, at the
+input and its output into two fp64 vectors on the device (two additions over n per call, each
+reading its input as it is, no fp64 temporary; no host read, nothing on the wire; nothing at
+all while no audit is on); :meth:`ConservationLedger.check` allreduces one vector once, at the
 end, and returns the relative error. Why run-long and not per step: a per-step check costs an
 allreduce of n words a step, as much as dense's; this one costs 16 bytes an element of memory and
 one allreduce per run, so a benchmark can afford it on every recorded run.
@@ -58,12 +59,13 @@ class ConservationLedger:
         alg = self._sar.algorithm
         m = float(getattr(alg, "momentum", 0.0) or 0.0)
         if m > 0.0 and getattr(alg, "velocity", None) is not None:
-            self.fed.add_(alg.velocity.double(), alpha=m)    # u = m·u + grad: the m·u part
-        self.fed.add_(flat.detach().reshape(-1).double())
+            self.fed.add_(alg.velocity, alpha=m)    # u = m·u + grad: the m·u part
+        # added in fp64 as it is read (an in-place add promotes): no fp64 copy of n per call
+        self.fed.add_(flat.detach().reshape(-1))
 
     def delivered(self, out: torch.Tensor) -> None:
         """After a reduction: its output."""
-        self.out.add_(out.detach().reshape(-1).double())
+        self.out.add_(out.detach().reshape(-1))
         self.calls += 1
 
     def check(self) -> Dict[str, Any]:

@@ -6,6 +6,8 @@ import io
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from distutil import run_gloo
 from oktopk_triton import SparseAllreduce
@@ -361,3 +363,90 @@ def test_other_entry_points_refused():
     from oktopk_triton.ddp import SparseAllreduceState
     with pytest.raises(ValueError, match="DDP hook cannot take local steps"):
         SparseAllreduceState(density=0.1, sync_every=4)
+
+
+# -- what a call costs: dispatches counted on CPU (a TorchDispatchMode spy) ---------------------
+class _Dispatches(TorchDispatchMode):
+    """Counts op dispatches; records each op outside the algorithm's own step (``front``) and
+    each op that allocates storage of ``numel`` elements or more (``allocs``)."""
+
+    def __init__(self, numel):
+        super().__init__()
+        self.numel, self.count, self.front, self.allocs, self.inside = numel, 0, [], [], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        if not self.inside:
+            self.front.append(str(func))
+        seen = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor)}
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen and \
+                    t.untyped_storage().nbytes() >= self.numel * t.element_size():
+                self.allocs.append((str(func), "alg" if self.inside else "front"))
+        return out
+
+
+def _costs_body(comm, monkeypatch, H):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    sar = SparseAllreduce(m.parameters(), comm=comm, density=0.05, sync_every=H,
+                          backend="torch")
+    spy = [None]
+    alg_call = type(sar.algorithm).__call__
+
+    def counted(self, *a, **k):              # the algorithm's own step is not the front's
+        spy[0].inside += 1
+        try:
+            return alg_call(self, *a, **k)
+        finally:
+            spy[0].inside -= 1
+    monkeypatch.setattr(type(sar.algorithm), "__call__", counted)
+    x = torch.randn(16, 32)
+
+    def call(fn):
+        m(x).square().mean().backward()
+        spy[0] = _Dispatches(sar.numel)
+        with spy[0]:
+            out = fn()
+        opt.zero_grad()
+        return spy[0], out
+    for _ in range(2 * H):                   # warm: optimizer state, anchor, flat buffer
+        call(lambda: sar.reduce_updates(opt))
+    local, out1 = call(lambda: sar.reduce_updates(opt))
+    assert not sar.stats["synced"]
+    _, out2 = call(lambda: sar.reduce_updates(opt))
+    bare, _ = call(opt.step)                 # the optimizer step alone, on the same state
+    for _ in range(H - 3):
+        call(lambda: sar.reduce_updates(opt))
+    sync, _ = call(lambda: sar.reduce_updates(opt))
+    assert sar.stats["synced"]
+    return dict(local=local, bare=bare, sync=sync, out1=out1, out2=out2, numel=sar.numel)
+
+
+def test_a_local_call_costs_the_optimizer_step(monkeypatch):
+    """A non-sync call dispatches the optimizer step's ops and at most 5 more, allocates
+    nothing of numel, and returns zeros that cost nothing: one persistent vector, read-only."""
+    r = LocalCluster(1).run(_costs_body, monkeypatch, 4)[0]
+    local, bare = r["local"], r["bare"]
+    assert bare.count >= 10                     # the spy saw AdamW's foreach ops
+    assert local.count <= bare.count + 5, (local.count, bare.count, local.front)
+    assert local.allocs == [], local.allocs
+    out1, out2 = r["out1"], r["out2"]
+    assert out1 is out2 and out1.shape == (r["numel"],) and not bool(out1.any())
+    with pytest.raises(RuntimeError):
+        out1.add_(1.0)                          # a broadcast of one zero: writing is refused
+
+
+def test_a_sync_adds_no_pass_of_its_own_for_the_nonfinite_check(monkeypatch):
+    """Outside the algorithm's step a sync reads the algorithm's non-finite flag: no isfinite
+    (its abs/ne/eq decomposition on CPU) and one n-sized temporary at most (the masked step)."""
+    r = LocalCluster(1).run(_costs_body, monkeypatch, 4)[0]
+    front = r["sync"].front
+    assert "aten._foreach_sub_.List" in front        # the spy saw the front's own ops
+    assert not any(op.startswith(("aten.isfinite", "aten.abs", "aten.isnan")) for op in front)
+    allocs = r["sync"].allocs
+    assert any(where == "alg" for _, where in allocs)   # the algorithm's own were seen
+    assert [op for op, where in allocs if where == "front"] == ["aten.where.self"], allocs
