@@ -178,6 +178,37 @@ def test_reduce_updates_adam_conserves_and_keeps_replicas_identical():
     assert res[0][2].abs().sum() > 0 and sum(r[3] for r in res).abs().sum() > 0
 
 
+def _unchecked_nan_body(comm):
+    """check_finite="off": no flag from the algorithm, so reduce_updates masks out itself."""
+    m = _model(2)
+    opt = torch.optim.Adam(m.parameters(), lr=0.01)
+    sar = SparseAllreduce(m.parameters(), comm=comm, density=1.0, algorithm="dense",
+                          check_finite="off")
+    m(torch.randn(6, 8, generator=torch.Generator().manual_seed(comm.rank))).square().mean(
+        ).backward()
+    if comm.rank == 1:
+        next(m.parameters()).grad[0, 0] = float("nan")
+    before = [p.detach().clone() for p in m.parameters()]
+    out = sar.reduce_updates(opt)
+    return before, [p.detach().clone() for p in m.parameters()], out.clone(), sar.stats
+
+
+def test_reduce_updates_unchecked_leaves_only_the_nonfinite_entries_alone():
+    """Without the algorithm's non-finite flag the weights stay where ``out`` is not finite
+    (rank 1's NaN entry, on every rank) and move by ``out`` everywhere else."""
+    res = LocalCluster(2).run(_unchecked_nan_body)
+    for before, after, out, stats in res:
+        assert stats.get("nonfinite") is None
+        assert not bool(torch.isfinite(out[0])) and bool(torch.isfinite(out[1:]).all())
+        assert after[0][0, 0] == before[0][0, 0]
+        flat_before = torch.cat([b.reshape(-1) for b in before])
+        flat_after = torch.cat([a.reshape(-1) for a in after])
+        assert torch.equal(flat_after[1:], flat_before[1:] + out[1:])
+        assert bool(torch.isfinite(flat_after).all())
+    assert torch.equal(torch.cat([a.reshape(-1) for a in res[0][1]]),
+                       torch.cat([a.reshape(-1) for a in res[1][1]]))
+
+
 @pytest.mark.parametrize("alg", ["dense", "oktopk"])
 def test_reduce_updates_mixed_dtypes_world_of_one(alg):
     """fp32 and bf16 parameters in one reducer (its flat buffer is fp32): the weights end at

@@ -1,4 +1,5 @@
-"""The frozen-variance Adam and the density schedule (oktopk_triton/techniques.py)."""
+"""The frozen-variance Adam and the density schedule (oktopk_triton/frozen_adam.py and
+oktopk_triton/density_schedule.py, re-exported by oktopk_triton/techniques.py)."""
 import pytest
 import torch
 
@@ -14,6 +15,15 @@ def test_removed_techniques_are_unknown_options():
         with pytest.raises(TypeError, match=rf"unknown option\(s\) \['{opt}'\].*warmup_steps"):
             run_steps("oktopk", P=1, n=100, steps=1, density=0.1, grad_fn=mixed(0),
                       **{opt: 0.9})
+
+
+def test_techniques_re_exports_the_components():
+    """``from oktopk_triton.techniques import FrozenAdam, DensitySchedule`` keeps working: the
+    same classes as the components' own modules."""
+    from oktopk_triton import density_schedule, frozen_adam, techniques
+    assert techniques.FrozenAdam is frozen_adam.FrozenAdam
+    assert techniques.DensitySchedule is density_schedule.DensitySchedule
+    assert sorted(techniques.__all__) == ["DensitySchedule", "FrozenAdam", "ScheduleSpec"]
 
 
 def _model():
