@@ -266,3 +266,30 @@ def test_cli_option_reaches_the_reducer():
     bad = p.parse_args(["--model", "gpt", "--algorithms", "dense", "--option",
                         "moment_sync_every=-2"])
     assert "moment_sync_every must be an int >= 1" in train.check_args(bad)
+
+
+def _lm_body(comm, cfg):
+    from oktopk_triton.bench import gpt as g
+    from oktopk_triton.bench import lm_loop as t
+    corpus = g.load_corpus(cfg["val_fraction"], max_train_bytes=1 << 20)
+    return t.train_one_lm(cfg, "dense", 0, comm, torch.device("cpu"),
+                          (corpus.train, corpus.val), log=False)
+
+
+def test_tiny_lm_run_with_moment_sync(monkeypatch):
+    """``train --model gpt --option sync_every=2 --option moment_sync_every=2``: the moments'
+    bytes land on every 2nd sync, replicas stay identical, the run records the options."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    p = argparse.ArgumentParser()
+    train.add_arguments(p)
+    a = p.parse_args(["--model", "gpt", "--size", "tiny", "--steps", "8", "--eval-times", "1",
+                      "--lr", "1e-2", "--option", "sync_every=2",
+                      "--option", "moment_sync_every=2"])
+    cfg = train.build_config(a, ["dense"])
+    r = run_gloo(2, _lm_body, cfg, timeout=120)[0]
+    assert r["replicas_identical"] and r["reduce"] == "updates"
+    assert r["local_steps"]["moment_sync_every"] == 2 and r["local_steps"]["moment_sync"] == "both"
+    n, b = r["numel"], r["bytes_curve"]
+    assert b[0] == b[2] == b[4] == b[6] == 0
+    moment = ring_allreduce_bytes(2 * 4 * n, 2)
+    assert b[3] - b[1] == b[7] - b[5] == moment and b[1] > 0
