@@ -135,8 +135,9 @@ FRESH_IMPORTS = r"""
 import importlib, pkgutil, sys
 import torch  # noqa: F401  (kept loaded: only the package is imported afresh)
 import oktopk_triton
-names = sorted(m.name for m in pkgutil.walk_packages(oktopk_triton.__path__, "oktopk_triton.")
-               if ".integrations" not in m.name)
+for framework in ("lightning", "accelerate", "transformers"):   # slow to import: blocked, the
+    sys.modules[framework] = None        # integrations then stop at their one-line ImportError
+names = sorted(m.name for m in pkgutil.walk_packages(oktopk_triton.__path__, "oktopk_triton."))
 failed = []
 for name in names:
     for k in [k for k in sys.modules if k == "oktopk_triton" or k.startswith("oktopk_triton.")]:
@@ -146,6 +147,8 @@ for name in names:
     except Exception as e:  # noqa: BLE001
         if isinstance(e, ModuleNotFoundError) and not (e.name or "").startswith("oktopk_triton"):
             continue                       # an optional third-party package
+        if isinstance(e, ImportError) and "[integrations]" in str(e):
+            continue                       # a blocked framework, named as the user sees it
         failed.append(f"{name}: {e!r}")
 print(len(names))
 print("\n".join(failed))
@@ -153,8 +156,9 @@ print("\n".join(failed))
 
 
 def test_every_module_imports_first_in_a_fresh_interpreter():
-    """Each module of the package (the integrations apart: their frameworks are slow to import,
-    tests/test_integrations_imports.py imports them) as the first one of the package loaded."""
+    """Each module of the package as the first one of the package loaded (the integrations
+    with their frameworks blocked: those are slow to import; tests/test_integration_*.py import
+    them for real)."""
     r = subprocess.run([sys.executable, "-c", FRESH_IMPORTS], capture_output=True, text=True,
                        timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
