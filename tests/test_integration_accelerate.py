@@ -1,6 +1,7 @@
 """Accelerate: register(accelerator, model) on 2 CPU gloo ranks against the real Accelerator.
 The replicas stay bitwise equal, save_state writes one file per rank, and load_state in fresh
-processes continues bit for bit (against the same run, which saved after its first epoch)."""
+processes continues bit for bit (against the same run, which saved after its first epoch), also
+after a save straight after the load (the state saved as loaded) and a load of that save."""
 import os
 
 import pytest
@@ -40,7 +41,11 @@ def _run(comm, tmp, resume):
     assert acc.num_processes == 2 and type(model).__name__ == "DistributedDataParallel"
     owed = None
     if resume:
+        # load, save straight away (no step: the state is saved as loaded), load that, resume
         acc.load_state(os.path.join(tmp, "ckpt"))
+        owed = torch.cat([state.residual(p).reshape(-1) for p in model.parameters()])
+        acc.save_state(os.path.join(tmp, "again"))
+        acc.load_state(os.path.join(tmp, "again"))
         _epoch(acc, model, opt, loader)
     else:
         _epoch(acc, model, opt, loader)
@@ -61,6 +66,11 @@ def test_accelerate_register_trains_and_resumes_bit_for_bit(tmp_path):
     assert sorted(os.listdir(os.path.join(tmp, "ckpt", "oktopk"))) == [
         "oktopk-rank0-of2.pt", "oktopk-rank1-of2.pt"]
     resumed = run_gloo(2, _run, tmp, True, timeout=300)
-    for r, (w, it, _) in enumerate(resumed):
+    for r, (w, it, owed) in enumerate(resumed):
         assert it == EPOCHS * 4
         assert torch.equal(w, first[r][0]), (w - first[r][0]).abs().max()
+        # residual(p) right after the load: what the rank owed, parameter by parameter
+        assert torch.equal(owed.sort().values, first[r][2].sort().values)
+        again = torch.load(os.path.join(tmp, "again", "oktopk", f"oktopk-rank{r}-of2.pt"),
+                           weights_only=True)["state"]["reducers"][-1]["residual"]
+        assert torch.equal(again, first[r][2])

@@ -1,7 +1,8 @@
 """FSDP2 / HSDP: SparseReplicaReduce as fully_shard's all-reduce hook on 4 CPU gloo ranks, a 2x2
 mesh (2 replicas of 2 shards). Each unit's shard is reduced sparsely across the replicas:
 shard-sized residuals, conservation per shard, bitwise-equal replicas, per-rank save -> resume in
-fresh processes continues bit for bit, and native (2-D) HSDP is refused with the reason."""
+fresh processes continues bit for bit (also through a save straight after the load, then a load
+of that save), and native (2-D) HSDP is refused with the reason."""
 import os
 
 import pytest
@@ -132,6 +133,9 @@ def _resume(comm, tmp):
                                                    weights_only=True)):
         p.to_local().detach().copy_(w)
     sparse.load(tmp)
+    again = os.path.join(tmp, "again")
+    sparse.save(again)                     # straight after the load: saved as loaded
+    sparse.load(again)
     _steps(model, opt, x, y, SAVE_AT, STEPS)
     return _full(model)
 
@@ -151,3 +155,10 @@ def test_fsdp2_sparse_replica_reduce_2x2(tmp_path):
     resumed = run_gloo(4, _resume, tmp, timeout=300)
     for r in range(4):
         assert torch.equal(resumed[r], first[r][0]), (resumed[r] - first[r][0]).abs().max()
+        a, b = (torch.load(os.path.join(d, f"oktopk-rank{r}-of4.pt"), weights_only=True)
+                for d in (tmp, os.path.join(tmp, "again")))
+        assert a["fingerprint"] == b["fingerprint"] and a["fingerprint"]["shard_numels"]
+        assert a["state"]["reducers"].keys() == b["state"]["reducers"].keys() == {0, 1}
+        for k in (0, 1):
+            assert torch.equal(a["state"]["reducers"][k]["residual"],
+                               b["state"]["reducers"][k]["residual"])

@@ -1,7 +1,8 @@
 """Lightning: SparseDDPStrategy on 2 CPU gloo ranks against the real Trainer. The hook is
 registered on CPU (Lightning's own DDPStrategy skips it there), the replicas stay bitwise equal,
 the precision plugin's GradScaler reaches the state, and fit(ckpt_path=...) in fresh processes
-continues bit for bit from the per-rank files."""
+continues bit for bit from the per-rank files, also through a checkpoint saved straight after a
+load (nothing left to train) and a fit from that checkpoint."""
 import os
 
 import pytest
@@ -65,9 +66,15 @@ def _first(comm, tmp):
 
 def _resume(comm, tmp):
     U.launched_by_torchrun(comm)
+    # load with nothing left to train (max_epochs reached), save straight away: the state is
+    # saved as loaded; the resume then reads that save
+    t = _trainer(1)
+    t.fit(Classifier(), _loader(), ckpt_path=os.path.join(tmp, "epoch=0.ckpt"))
+    assert t.strategy.sparse_state.iter == 4 and not t.strategy.sparse_state.reducers
+    t.save_checkpoint(os.path.join(tmp, "again.ckpt"))
     m = Classifier()
     t = _trainer(EPOCHS)
-    t.fit(m, _loader(), ckpt_path=os.path.join(tmp, "epoch=0.ckpt"))
+    t.fit(m, _loader(), ckpt_path=os.path.join(tmp, "again.ckpt"))
     return U.flat(m), t.strategy.sparse_state.iter
 
 
@@ -86,3 +93,6 @@ def test_lightning_strategy_trains_and_resumes_bit_for_bit(tmp_path):
     for r, (w, it) in enumerate(resumed):
         assert it == EPOCHS * 4
         assert torch.equal(w, first[r][0]), (w - first[r][0]).abs().max()
+        again = torch.load(os.path.join(tmp, "again.ckpt.oktopk", f"oktopk-rank{r}-of2.pt"),
+                           weights_only=True)["state"]["reducers"][-1]["residual"]
+        assert torch.equal(again, first[r][2])       # the save after the load kept it

@@ -1,7 +1,8 @@
 """Transformers Trainer: SparseAllreduceCallback on 2 CPU gloo ranks against the real Trainer.
 The hook is registered on trainer.model_wrapped, the replicas stay bitwise equal, every
 checkpoint holds one file per rank, and resume_from_checkpoint in fresh processes continues bit
-for bit (against the same run, which saved after each epoch)."""
+for bit (against the same run, which saved after each epoch), also through a save made straight
+after a load (a resume with nothing left to train) and a load of that save."""
 import os
 
 import pytest
@@ -28,25 +29,47 @@ class Classifier(torch.nn.Module):
         return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
 
 
-def _run(comm, tmp, resume):
-    U.launched_by_torchrun(comm)
+def _trainer(tmp, **kw):
     from transformers import Trainer, TrainingArguments
-
-    from oktopk_triton.integrations.transformers import SparseAllreduceCallback
     x, y = U.dataset()
     data = [{"x": x[i], "labels": y[i]} for i in range(len(y))]
     args = TrainingArguments(output_dir=tmp, use_cpu=True, ddp_backend="gloo",
                              per_device_train_batch_size=8, num_train_epochs=EPOCHS,
                              learning_rate=0.1, lr_scheduler_type="constant", optim="sgd",
                              weight_decay=0.0, save_strategy="epoch", logging_strategy="no",
-                             report_to=[], disable_tqdm=True, seed=0)
+                             report_to=[], disable_tqdm=True, seed=0, **kw)
     model = Classifier()
-    trainer = Trainer(model=model, args=args, train_dataset=data)
-    cb = SparseAllreduceCallback(trainer, density=0.05)
+    return Trainer(model=model, args=args, train_dataset=data), model
+
+
+def _run(comm, tmp, resume):
+    U.launched_by_torchrun(comm)
+    from oktopk_triton.integrations.transformers import SparseAllreduceCallback
+    again = os.path.join(tmp, "again")
+    if resume:
+        # a Trainer that resumes with nothing left to train (max_steps reached) loads every
+        # rank's state and saves it straight away (no step: saved as loaded) ...
+        t, _ = _trainer(again, max_steps=4)
+        cb = SparseAllreduceCallback(t, density=0.05,
+                                     resume_from=os.path.join(tmp, "checkpoint-4"))
+        t.add_callback(cb)
+        t.train(resume_from_checkpoint=os.path.join(tmp, "checkpoint-4"))
+        assert cb.sparse_state.iter == 4 and not cb.sparse_state.reducers
+        t.callback_handler.on_save(t.args, t.state, t.control)
+    trainer, model = _trainer(tmp)
+    # ... and the resumed run reads the files of that save
+    cb = SparseAllreduceCallback(trainer, density=0.05,
+                                 resume_from=os.path.join(again, "checkpoint-4") if resume
+                                 else None)
     trainer.add_callback(cb)
     trainer.train(resume_from_checkpoint=os.path.join(tmp, "checkpoint-4") if resume else None)
     wrapped = type(trainer.model_wrapped).__name__
     return U.flat(model), cb.sparse_state.iter, wrapped
+
+
+def _owed(directory):
+    return [torch.load(os.path.join(directory, "oktopk", f"oktopk-rank{r}-of2.pt"),
+                       weights_only=True)["state"]["reducers"][-1]["residual"] for r in (0, 1)]
 
 
 def test_trainer_callback_trains_and_resumes_bit_for_bit(tmp_path):
@@ -58,10 +81,12 @@ def test_trainer_callback_trains_and_resumes_bit_for_bit(tmp_path):
     for step in (4, 8):
         assert sorted(os.listdir(os.path.join(tmp, f"checkpoint-{step}", "oktopk"))) == [
             "oktopk-rank0-of2.pt", "oktopk-rank1-of2.pt"]
-    owed = [torch.load(os.path.join(tmp, "checkpoint-4", "oktopk", f"oktopk-rank{r}-of2.pt"),
-                       weights_only=True)["state"]["reducers"][-1]["residual"] for r in (0, 1)]
+    owed = _owed(os.path.join(tmp, "checkpoint-4"))
     assert owed[0].abs().sum() > 0 and not torch.equal(owed[0], owed[1])
     resumed = run_gloo(2, _run, tmp, True, timeout=300)
     for r, (w, it, _) in enumerate(resumed):
         assert it == EPOCHS * 4
         assert torch.equal(w, first[r][0]), (w - first[r][0]).abs().max()
+    # the save straight after the load wrote what each rank owed, as loaded
+    for a, b in zip(_owed(os.path.join(tmp, "again", "checkpoint-4")), owed):
+        assert torch.equal(a, b)
