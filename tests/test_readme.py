@@ -112,3 +112,15 @@ def test_readme_results_figures_are_in_the_docs():
     figures = set(re.findall(r"(?<![\w.^])\d+\.\d+(?![\w.])", results))
     assert len(figures) > 30
     assert not sorted(f for f in figures if f not in docs)
+
+
+def test_readme_result_files_exist():
+    """Every result file (or folder, or pattern) the README names under bench/results/ is there."""
+    import glob
+    paths = re.findall(r"`(bench/results/[^`]+)`", _readme())
+    assert len(paths) >= 5
+    for path in paths:
+        if "..." in path:
+            continue
+        pattern = re.sub(r"\{([^}]*)\}", lambda m: "[" + m.group(1).replace(",", "") + "]", path)
+        assert glob.glob(os.path.join(ROOT, pattern)), path
