@@ -54,8 +54,9 @@ if HAS_TRITON:
             n_valid = tl.minimum(tl.maximum(tl.load(cnt_ptr + s).to(tl.int64), 0), cap)
         valid = slots < n_valid
         idx = tl.load(idx_ptr + s * idx_stride + slots, mask=valid, other=0).to(tl.int64)
+        hi = tl.minimum(tl.maximum(idx >> 16, 0), C - 1)   # in the row whatever the input
         ones = tl.full([BLOCK], 1, tl.int32)
-        tl.atomic_add(out_ptr + s * out_stride + header + (idx >> 16), ones, mask=valid)
+        tl.atomic_add(out_ptr + s * out_stride + header + hi, ones, mask=valid)
 
     @triton.jit(do_not_specialize=["cap", "C", "header"])
     def _encode_kernel(idx_ptr, val_ptr, cnt_ptr, out_ptr, cursor_ptr, cap, C, header,
@@ -73,7 +74,7 @@ if HAS_TRITON:
         valid = slots < n_valid
         idx = tl.load(idx_ptr + s * idx_stride + slots, mask=valid, other=0).to(tl.int64)
         val = tl.load(val_ptr + s * val_stride + slots, mask=valid, other=0.0)
-        hi = idx >> 16
+        hi = tl.minimum(tl.maximum(idx >> 16, 0), C - 1)   # in the row whatever the input
         # bf16 round to nearest even in integer arithmetic, as torch's ``.to(bfloat16)`` does it
         # (the interpreter's float cast truncates); NaN -> the canonical quiet NaN
         bits = val.to(tl.int32, bitcast=True)
@@ -100,7 +101,7 @@ if HAS_TRITON:
         slots = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         inb = slots < cap
         total = tl.load(ends_ptr + s * C + C - 1).to(tl.int64)
-        valid = slots < total
+        valid = (slots < total) & inb
         lo = tl.zeros([BLOCK], tl.int64)
         hi = tl.full([BLOCK], 0, tl.int64) + C
         for _ in tl.static_range(STEPS):
@@ -120,7 +121,7 @@ if HAS_TRITON:
     def _encode_triton(indices, values, counts, out, C, header, ordered, block=1024):
         S, cap = indices.shape
         has = counts is not None
-        cnt = counts.reshape(-1) if has else indices
+        cnt = counts.reshape(-1).contiguous() if has else indices   # (a header column: strided)
         grid = (S, triton.cdiv(cap, block))
         out[:, header:header + C].zero_()
         if ordered:
@@ -197,7 +198,8 @@ def wire_encode(indices: Tensor, values: Tensor, counts: Optional[Tensor], out: 
     """Compact rows into ``out`` int32 [S, header + C + cap] (C = ceil(span/65536)): the chunk
     counts at ``header``, then one word per entry, grouped by chunk (``ordered``: the valid
     entries, the first ``min(counts[s], cap)`` slots, are ascending already and stay in
-    place), 0 past the count. The header words are not touched."""
+    place), 0 past the count. The header words are not touched. The indices must lie in
+    ``[0, span)`` (the kernels clamp the chunk so that no write leaves the row)."""
     S, cap = indices.shape
     C = max(1, -(-int(span) // (1 << CHUNK_BITS)))
     if out.shape != (S, header + C + cap) or out.dtype != torch.int32:

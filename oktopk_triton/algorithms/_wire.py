@@ -141,10 +141,14 @@ def encode(indices: torch.Tensor, values: torch.Tensor, counts: Optional[torch.T
     dev = indices.device
     if out is None:
         out = torch.zeros(S, row_words(cap, span, header, fmt), dtype=torch.int32, device=dev)
+    values = values.to(torch.float32)
+    if fmt == "compact" and order != "sort" and not return_wire:   # the kernels alone
+        K.wire_encode(indices, values, counts, out[:, :header + C + cap], span, header,
+                      ordered=order == "ascending", backend=backend)
+        return out
     slot = torch.arange(cap, device=dev)
     valid_in = slot < (cap if counts is None else
                        counts.to(torch.int64).reshape(S, 1).clamp(0, cap))
-    values = values.to(torch.float32)
     if fmt == "compact":
         if order == "sort":
             indices, values, counts = _sorted_rows(indices, values, counts, valid_in, span)
