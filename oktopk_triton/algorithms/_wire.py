@@ -7,15 +7,20 @@ ONE int32 word::
 
 The value's bf16 bits are the top half of its fp32 rounding (round to nearest even, as
 ``tensor.to(torch.bfloat16)``), so ``word & 0xFFFF0000`` read as fp32 is that rounding itself.
-The index's high bits are not sent: the entries of a row are sorted by index, and the row
+The index's high bits are not sent: the entries of a row are grouped by chunk (sorted by index,
+or in any order within a chunk with ``order="chunks"``), and the row
 starts with one int32 count per 65,536-element chunk of the span its indices live in (a region,
 a block, or all of n), ``chunks(span) = ceil(span / 65536)`` words; the receiver recovers the high
 bits of entry ``i`` as the number of chunks whose running count ends at or before ``i``.
 
 A row of capacity ``cap`` over a span of ``span`` elements is ``header + chunks(span) + cap``
-words (``header``: the algorithm's own words in front), against ``header' + 2·cap`` in fp32. The
-sort is one ``torch.sort`` of the row on the device (the selection kernels may fill rows in any
-order on CUDA), the counts one ``scatter_add``: static sizes, no host read.
+words (``header``: the algorithm's own words in front), against ``header' + 2·cap`` in fp32.
+Encode and decode are the Triton passes of ``kernels/wire.py`` (torch references beside them):
+a row already ascending (``order="ascending"``) is written in one launch and nothing is sorted;
+a row in any order is grouped by chunk (``order="chunks"``: per-chunk cursors, no sort) or
+sorted first (``order="sort"``, the default: one ``torch.sort``, for callers that need ascending
+entries back); decode finds each slot's chunk by a binary search over the running counts.
+Static sizes, no host read.
 
 Conservation: a sender keeps ``v - bf16(v)`` of every entry it sent in its own residual (what
 the wire dropped), so nothing is lost (:func:`bf16_rounding`).
