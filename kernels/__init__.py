@@ -13,7 +13,7 @@ from .elementwise import dense_zeros, fill_if, nonfinite_flag
 from .histogram import (HIST_BINS, abs_histogram, bin_threshold, exact_threshold,
                         histogram_threshold, kth_bin)
 from .region import clear_sent
-from .scatter import scatter_add, scatter_rows
+from .scatter import scatter_add, scatter_rows, scatter_rows_dense
 from .selection import (SELECT_HIST_BINS, SELECT_HIST_SHIFT, Selection, empty_selection,
                         fused_select, select_hist_edges)
 from .threshold import magnitude_threshold, window_pass
@@ -25,4 +25,4 @@ __all__ = ["Selection", "fused_select", "empty_selection", "HIST_BINS", "abs_his
            "scatter_rows", "SELECT_HIST_BINS", "SELECT_HIST_SHIFT", "select_hist_edges",
            "magnitude_threshold", "window_pass", "wire_encode", "wire_decode", "slot_chunks",
            "group_positions", "nonfinite_flag", "dense_zeros", "fill_if",
-           "step_bookkeeping", "BOOKKEEPING_STATS"]
+           "step_bookkeeping", "BOOKKEEPING_STATS", "scatter_rows_dense"]

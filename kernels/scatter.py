@@ -16,13 +16,13 @@ out).
 """
 from __future__ import annotations
 
-from typing import Union
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
 
 from . import _dispatch
-from ._dispatch import HAS_TRITON
+from ._dispatch import HAS_TRITON, ceil_log2
 
 if HAS_TRITON:
     import triton
@@ -110,6 +110,84 @@ if HAS_TRITON:
             )
 
 
+    @triton.jit
+    def _row_position(e, idx_ptr, cnt_ptr, offs_ptr, cap, idx_stride, mask):
+        """Absolute position of flat slot ``e`` of the rows ([S, cap], row-major), or its
+        region's end for a slot past the row's count: non-decreasing in ``e``."""
+        s = e // cap
+        i = e - s * cap
+        cnt = tl.minimum(tl.load(cnt_ptr + s, mask=mask, other=0).to(tl.int64), cap)
+        end = tl.load(offs_ptr + s + 1, mask=mask, other=0)
+        valid = mask & (i < cnt)
+        idx = tl.load(idx_ptr + s * idx_stride + i, mask=valid, other=0).to(tl.int64)
+        base = tl.load(offs_ptr + s, mask=valid, other=0)
+        return tl.where(valid, base + idx, end), valid, s, i
+
+    @triton.jit(do_not_specialize=["n", "cap", "total"])
+    def _scatter_rows_dense_kernel(
+        dense_ptr,     # *fp32 [n]        out: every element written
+        idx_ptr,       # *int32 [S, cap]  ascending region-relative indices, valid prefix
+        val_ptr,       # *fp32 [S, cap]
+        cnt_ptr,       # *int32 [S]
+        offs_ptr,      # *int64 [S+1]     region boundaries
+        flag_ptr,      # *int32 []        nonzero: NaN everywhere (if HAS_FLAG)
+        n, cap, total, idx_stride, val_stride,
+        STEPS: tl.constexpr, HAS_FLAG: tl.constexpr, BLOCK: tl.constexpr,
+        CHUNK: tl.constexpr,
+    ):
+        pid = tl.program_id(0).to(tl.int64)
+        b0 = pid * BLOCK
+        lane = tl.arange(0, BLOCK)
+        if HAS_FLAG:
+            bad = tl.load(flag_ptr + lane * 0) != 0
+        else:
+            bad = lane < 0
+        fill = tl.where(bad, float("nan"), 0.0)
+        tl.store(dense_ptr + b0 + lane, fill, mask=lane < n - b0)
+        # the slots whose positions fall in [b0, b0 + BLOCK): two lower bounds, one search
+        two = tl.arange(0, 2)
+        tgt = b0 + two.to(tl.int64) * BLOCK
+        lo = tl.zeros((2,), dtype=tl.int64)
+        hi = tl.zeros((2,), dtype=tl.int64) + total
+        for _ in range(STEPS):
+            live = lo < hi
+            mid = (lo + hi) // 2
+            pos, _v, _s, _i = _row_position(mid, idx_ptr, cnt_ptr, offs_ptr, cap, idx_stride,
+                                            live)
+            go = live & (pos < tgt)
+            lo = tl.where(go, mid + 1, lo)
+            hi = tl.where(live & ~go, mid, hi)
+        start = tl.sum(tl.where(two == 0, lo, 0), axis=0)
+        stop = tl.sum(tl.where(two == 1, lo, 0), axis=0)
+        tl.debug_barrier()      # the fill above lands before the values below
+        if HAS_FLAG:
+            nflag = tl.load(flag_ptr)
+        else:
+            nflag = 0
+        if nflag == 0:
+            for e0 in range(start, stop, CHUNK):
+                e = e0 + tl.arange(0, CHUNK).to(tl.int64)
+                em = e < stop
+                pos, valid, s, i = _row_position(e, idx_ptr, cnt_ptr, offs_ptr, cap, idx_stride,
+                                                 em)
+                valid = valid & (pos >= 0) & (pos < n)      # a slot outside dense: not written
+                val = tl.load(val_ptr + s * val_stride + i, mask=valid, other=0.0)
+                tl.store(dense_ptr + pos, val, mask=valid)
+
+    @_dispatch.serialized_when_interpreted
+    def _scatter_rows_dense_triton(dense, indices, values, counts, offsets, flag, block=1024):
+        n = dense.numel()
+        S, cap = indices.shape
+        if n == 0:
+            return
+        total = S * cap
+        _scatter_rows_dense_kernel[(triton.cdiv(n, block),)](
+            dense, indices, values, counts, offsets, flag if flag is not None else counts,
+            n, max(cap, 1), total, indices.stride(0), values.stride(0),
+            STEPS=ceil_log2(total) + 1, HAS_FLAG=flag is not None, BLOCK=block, CHUNK=128,
+            num_warps=4)
+
+
 def _scatter_add_torch(dense, indices, values, counts, base):
     S, cap = indices.shape
     dev = dense.device
@@ -173,6 +251,47 @@ def scatter_rows(dense: Tensor, indices: Tensor, values: Tensor, counts: Tensor,
     else:
         with _dispatch.inside_kernel():
             _scatter_rows_torch(dense.view(-1), indices, values, counts, row_base, add)
+
+
+def scatter_rows_dense(dense: Tensor, indices: Tensor, values: Tensor, counts: Tensor,
+                       region_offsets: Tensor, flag: Optional[Tensor] = None, *,
+                       backend: str = "auto") -> None:
+    """Write ALL of ``dense`` (fp32, contiguous, any contents: a fresh ``torch.empty`` will do):
+    ``values[s, i]`` at ``region_offsets[s] + indices[s, i]`` for ``i < min(counts[s], cap)``
+    and 0 elsewhere; NaN everywhere when the int32 device ``flag`` is nonzero. One launch and one
+    write of ``dense``: no memset before, no NaN pass after (what ``dense_zeros`` +
+    ``scatter_rows`` + ``fill_if`` cost in three launches).
+
+    The rows' valid slots must be their first ``min(counts[s], cap)`` (none negative),
+    ascending, inside region s (``[0, region_offsets[s+1] - region_offsets[s])``): each
+    program finds the slots that land in its block by a binary search over them."""
+    if indices.dim() != 2 or indices.shape != values.shape:
+        raise ValueError("indices and values must have the same shape [S, cap]")
+    if (indices.dtype != torch.int32 or values.dtype != torch.float32
+            or dense.dtype != torch.float32):
+        raise TypeError("indices must be int32, values and dense fp32")
+    if not dense.is_contiguous():
+        raise ValueError("dense must be contiguous")
+    S, cap = indices.shape
+    if (cap > 1 and (indices.stride(1) != 1 or values.stride(1) != 1)):
+        raise ValueError("indices/values need inner stride 1")
+    offs = region_offsets.reshape(-1)
+    counts = counts.reshape(-1)
+    if offs.numel() != S + 1 or offs.dtype != torch.int64 or counts.numel() != S:
+        raise ValueError(f"region_offsets needs int64 [{S + 1}] and counts [{S}]")
+    if flag is not None:
+        flag = flag.reshape(()).to(torch.int32)
+    n = dense.numel()
+    _dispatch.record(launches=1, bytes=4 * n + 12 * S * cap)
+    if _dispatch.choose(backend, dense.device) == "triton":
+        _scatter_rows_dense_triton(dense.view(-1), indices, values, counts, offs, flag)
+        return
+    with _dispatch.inside_kernel():
+        flat = dense.view(-1)
+        flat.zero_()
+        _scatter_rows_torch(flat, indices, values, counts, offs[:S], False)
+        if flag is not None:
+            flat.masked_fill_(flag != 0, float("nan"))
 
 
 def scatter_add(dense: Tensor, indices: Tensor, values: Tensor, counts: Tensor, *,

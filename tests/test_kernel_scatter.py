@@ -4,7 +4,7 @@ indices, strided and packed rows, shared bases, empty inputs)."""
 import oktopk_triton.kernels as K
 import pytest
 import torch
-from kernel_cases import BACKENDS, DEV, gen, needs_triton, same_bits
+from kernel_cases import BACKENDS, DEV, gen, needs_triton, region_layout, same_bits
 from oktopk_triton.kernels import scatter_add
 
 
@@ -147,3 +147,47 @@ def test_scatter_rows_empty():
     with pytest.raises(TypeError):
         K.scatter_rows(torch.zeros(4), torch.zeros(1, 2, dtype=torch.int64), torch.zeros(1, 2),
                        torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64))
+
+
+# ----------------------------------------------------------------------------------------------
+# scatter_rows_dense: the whole output in one launch (zeros, the rows, or NaN on a flag)
+# ----------------------------------------------------------------------------------------------
+def _ascending_rows(n, P, cap, seed):
+    g = gen(seed)
+    offs = region_layout(n, P, seed=seed).cpu()
+    idx = torch.full((P, cap + 1), -7, dtype=torch.int32)     # junk past the count
+    val = torch.randn(P, cap + 1, generator=g)
+    cnt = torch.zeros(P, dtype=torch.int32)
+    for j in range(P):
+        size = int(offs[j + 1] - offs[j])
+        c = min(size, int(torch.randint(0, cap + 1, (1,), generator=g)))
+        idx[j, :c] = torch.randperm(size, generator=g)[:c].sort().values.to(torch.int32)
+        cnt[j] = c if c < cap else cap + 3                     # a full row: true count past it
+    # strided views, as Ok-Topk passes them ([:, :cap] of a wider buffer)
+    return offs.to(DEV), idx[:, :cap].to(DEV), val[:, :cap].to(DEV), cnt.to(DEV)
+
+
+@needs_triton
+@pytest.mark.parametrize("P", [1, 3, 8])
+@pytest.mark.parametrize("flagged", [None, 0, 1])
+def test_scatter_rows_dense_matches_zeros_then_rows(P, flagged):
+    n, cap = 5000, 40
+    for seed in range(2):
+        offs, idx, val, cnt = _ascending_rows(n, P, cap, seed + 10 * P)
+        flag = None if flagged is None else torch.tensor(flagged, dtype=torch.int32, device=DEV)
+        want = torch.zeros(n, device=DEV)
+        K.scatter_rows(want, idx, val, cnt, offs[:P], backend="torch")
+        if flagged:
+            want.fill_(float("nan"))
+        for be in ("torch", "triton"):
+            out = torch.full((n,), 123.0, device=DEV)      # stale contents: all overwritten
+            K.scatter_rows_dense(out, idx, val, cnt, offs, flag, backend=be)
+            assert torch.equal(out, want) or (flagged and bool(out.isnan().all())), (be, seed)
+
+
+def test_scatter_rows_dense_checks_its_arguments():
+    out = torch.empty(10)
+    idx = torch.zeros(2, 3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="region_offsets needs int64"):
+        K.scatter_rows_dense(out, idx, torch.zeros(2, 3), torch.zeros(2, dtype=torch.int32),
+                             torch.tensor([0, 10]))

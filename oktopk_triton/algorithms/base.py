@@ -87,6 +87,10 @@ class Algorithm(abc.ABC):
     # True: step() receives the raw gradient and updates self.velocity itself (fused into its
     # selection pass), masking included; the dense warm-up steps still use the base's update
     fuses_velocity: ClassVar[bool] = False
+    # True: a sparse step() receives ``out`` uninitialised (``torch.empty``) and writes every
+    # element itself, NaN everywhere on a non-finite step (no memset, no NaN pass: one launch
+    # where zeros + scatter + fill_if took three); the dense steps still get zeros
+    fills_out: ClassVar[bool] = False
     # why ``wire_format="compact"`` cannot carry this algorithm's messages (None: it can; the
     # subclass then encodes its sparse messages with :mod:`._wire`)
     compact_refusal: ClassVar[Optional[str]] = "this algorithm does not implement it"
@@ -235,7 +239,9 @@ class Algorithm(abc.ABC):
             self.velocity.copy_(new_v)
             flat = torch.where(nonfinite > 0, flat.float(), new_v) if nonfinite is not None \
                 else new_v
-        out = K.dense_zeros(self.numel, self.device)
+        fills = self.fills_out and not dense_now
+        out = (torch.empty(self.numel, dtype=torch.float32, device=self.device) if fills
+               else K.dense_zeros(self.numel, self.device))
         if dense_now:
             self.dense_step(flat, out, nonfinite)      # momentum SGD: no masking
         else:
@@ -253,7 +259,7 @@ class Algorithm(abc.ABC):
                 err = torch.where(nonfinite > 0, torch.zeros_like(err), err)
             self.residual[s] += err
             out = out_lp
-        if nonfinite is not None:
+        if nonfinite is not None and not fills:
             K.fill_if(out, nonfinite, float("nan"))   # NaN everywhere only on a non-finite step
         self.stats["bytes_sent"] = self.comm.bytes_sent - bytes_before
         self.stats["warmup"] = self.step_count <= self.warmup_steps
@@ -273,7 +279,9 @@ class Algorithm(abc.ABC):
         Args:
             grad: flat, contiguous, ``numel`` elements, fp32/bf16/fp16, on ``self.device``.
                 Read only.
-            out: fp32 zeros of ``numel``; fill it with the average over ranks of the
+            out: fp32 zeros of ``numel`` (uninitialised where the class sets ``fills_out``:
+                then write every element, NaN everywhere when ``nonfinite > 0``); fill it with
+                the average over ranks of the
                 contributions. It must be bitwise identical on every rank.
             nonfinite: ``None`` when the check is off, else a 0-dim int32 device tensor, the
                 number of ranks whose gradient holds a NaN/Inf (identical on every rank). When it

@@ -126,6 +126,7 @@ class OkTopk(Algorithm):
     STATE = ("th_rows", "row_target", "th_global", "region_offsets", "_calibrated")
     SCALED = ("th_rows", "th_global", "_cap_rows")   # in the gradient's units
     fuses_velocity = True      # fused_select updates the velocity (and masks it) in its pass
+    fills_out = True           # scatter_rows_dense writes all of out (zeros, I, or NaN)
     compact_refusal = None     # rows and slots are region-relative: both phases go compact
     quantized_refusal = None   # senders keep v - q(v), the owner P·(sum/P - q(sum/P))
 
@@ -271,7 +272,8 @@ class OkTopk(Algorithm):
         self._reduce(sel)
         self._owner_select()
         keep, irow_idx, irow_val, irow_cnt = self._gather()
-        K.scatter_rows(out, irow_idx, irow_val, irow_cnt, offs[:self.P], backend=self.backend)
+        K.scatter_rows_dense(out, irow_idx, irow_val, irow_cnt, offs, nonfinite,
+                             backend=self.backend)
         K.clear_sent(self.residual, sel.indices, sel.counts, offs, irow_idx, irow_cnt,
                      velocity=self.velocity if self.momentum_masking else None,
                      keep_bf16_rounding=self.bf16_wire or (self.compact and not self._quantized),
@@ -324,7 +326,7 @@ class OkTopk(Algorithm):
         if self.velocity is not None:
             g = self.velocity.index_select(0, idx) * self.momentum + g
         acc = (self.residual.index_select(0, idx) + g).abs()
-        acc = torch.where(torch.isfinite(acc), acc, torch.zeros_like(acc))
+        acc = acc.nan_to_num(0.0, 0.0, 0.0)       # non-finite entries count as 0 (one op)
         x = torch.topk(acc, self._sample_k, sorted=False).values.min()
         x = torch.where(x > 0, x, self.th_rows.min())      # an all-zero sample keeps the old
         th = torch.maximum(x.expand(self.P), self._cap_rows).contiguous()
