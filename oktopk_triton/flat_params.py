@@ -14,11 +14,12 @@ from typing import Any, Iterable, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
+from . import kernels as K
 from .algorithms.base import FLOAT_DTYPES
 from .comm.base import resolve_device
 
 __all__ = ["FlatParams", "ParamSlice", "optimizer_step", "finite_or_zero", "nonfinite_mask",
-           "parse_params"]
+           "parse_params", "zero_if_flagged_"]
 
 
 class ParamSlice(NamedTuple):
@@ -182,3 +183,14 @@ def nonfinite_mask(x: torch.Tensor, nonfinite: Optional[torch.Tensor]) -> torch.
 def finite_or_zero(x: torch.Tensor, nonfinite: Optional[torch.Tensor]) -> torch.Tensor:
     """``x``, or zeros where :func:`nonfinite_mask` says it must not be applied (one pass)."""
     return torch.where(nonfinite_mask(x, nonfinite), 0.0, x)
+
+
+def zero_if_flagged_(x: torch.Tensor, nonfinite: Optional[torch.Tensor]) -> torch.Tensor:
+    """:func:`finite_or_zero` in place, on a temporary the caller owns (contiguous): on a
+    flagged step ``x[:] = 0`` (``kernels.fill_if``: on CUDA one launch that moves no memory
+    when the flag is 0, so an unflagged step pays no pass); without a flag, 0 where ``x`` is
+    not finite. Returns ``x``."""
+    if nonfinite is None:
+        return x.masked_fill_(~torch.isfinite(x), 0.0)
+    K.fill_if(x, nonfinite, 0.0)
+    return x

@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .flat_params import finite_or_zero, nonfinite_mask, optimizer_step
+from .flat_params import finite_or_zero, nonfinite_mask, optimizer_step, zero_if_flagged_
 from .moments import OPTIONS as MOMENT_OPTIONS
 from .moments import MomentSync
 
@@ -184,16 +184,16 @@ class LocalSteps:
         algorithm flagged non-finite (the velocity is kept then; flat_params.nonfinite_mask:
         the flag, no isfinite pass over ``out``)."""
         if self.outer_momentum == 0.0:
-            step = out if self.outer_lr == 1.0 else out * self.outer_lr
-            return finite_or_zero(step, nonfinite)
+            if self.outer_lr == 1.0:
+                return finite_or_zero(out, nonfinite)     # out is the caller's: a masked copy
+            return zero_if_flagged_(out * self.outer_lr, nonfinite)
         d = out.float()
         if self.velocity is None:
             self.velocity = torch.zeros_like(d)
         m = self.outer_momentum
         skip = nonfinite_mask(d, nonfinite)
-        self.velocity.copy_(torch.where(skip, self.velocity, self.velocity * m + d))
-        step = (d + self.velocity * m) * self.outer_lr
-        return torch.where(skip, 0.0, step)
+        torch.where(skip, self.velocity, self.velocity * m + d, out=self.velocity)
+        return zero_if_flagged_((d + self.velocity * m) * self.outer_lr, nonfinite)
 
     # -- state ------------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
