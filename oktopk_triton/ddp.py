@@ -412,8 +412,9 @@ class SparseAllreduceState:
 
     def fingerprint(self, model: Optional[torch.nn.Module] = None) -> Dict[str, Any]:
         """What a saved state must match: algorithm, mode, group size, and the parameters (their
-        canonical layout once the hook has seen an iteration; ``model``'s trainable parameters'
-        numel and shapes, in any order, when given)."""
+        canonical layout once the hook has seen an iteration or a state was loaded; ``model``'s
+        trainable parameters' numel and shapes, in any order, when given, with their names and
+        shapes in the model's order, which only the error message uses)."""
         group = self._world_size() if dist.is_available() and dist.is_initialized() else 1
         fp: Dict[str, Any] = {"algorithm": self.algorithm, "mode": self.mode,
                               "group_size": group}
