@@ -83,7 +83,8 @@ class SparseAllreduce(torch.nn.Module):
             every ``sync_every``-th call reduces the change since the last sync and moves every
             replica by the outer step. Defaults (1, 1.0, 0.0, 1.0): every call syncs, as plain
             :meth:`reduce_updates`. Needs parameters; not with :meth:`reduce_gradients`,
-            :meth:`reduce_adam`, ``forward`` or ``cuda_graph``. See
+            :meth:`reduce_adam` or ``forward``; with ``cuda_graph=True`` every sync replays the
+            captured step. See
             :class:`~oktopk_triton.local_steps.LocalSteps` (update rule, invariant, advice).
         moment_sync_every, moment_sync, moment_dtype: with local steps, average the optimizer's
             Adam moments over the ranks every ``moment_sync_every``-th sync (default 0: off;
@@ -347,8 +348,7 @@ def _check_modes(local_steps: Optional[LocalSteps], params: Optional[List[torch.
     if cuda_graph and (adam is not None or density_schedule is not None):
         raise ValueError("SparseAllreduce: cuda_graph=True replays one fixed step; it cannot "
                          "follow a density_schedule or adam='frozen'")
-    if local_steps is not None and (cuda_graph or adam is not None or params is None):
+    if local_steps is not None and (adam is not None or params is None):
         raise ValueError("SparseAllreduce: local steps (sync_every, outer_lr, "
                          "outer_momentum, residual_decay) need a reducer built from "
-                         "parameters, used with reduce_updates; not with cuda_graph=True or "
-                         "adam='frozen'")
+                         "parameters, used with reduce_updates; not with adam='frozen'")

@@ -352,7 +352,7 @@ def _local_steps_run(graphed: bool, calls: int):
     model = _model(5)
     sar = SparseAllreduce(model.parameters(), density=0.05, sync_every=2, outer_momentum=0.5,
                           residual_decay=0.9)
-    if graphed:      # what cuda_graph=True builds (SparseAllreduce refuses it with local steps)
+    if graphed:      # what cuda_graph=True builds on CUDA (a stand-in graph on the CPU)
         sar._graphed = _RerunGraphed(sar.algorithm)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(6)

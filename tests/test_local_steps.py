@@ -341,7 +341,6 @@ def test_cuda_local_steps_never_sync():
     (dict(outer_momentum=-0.1), r"outer_momentum must be a number in \[0, 1\)"),
     (dict(residual_decay=0.0), r"residual_decay must be a number in \(0, 1\]"),
     (dict(residual_decay=1.5), r"residual_decay must be a number in \(0, 1\]"),
-    (dict(sync_every=2, cuda_graph=True), "not with cuda_graph=True"),
     (dict(sync_every=2, adam="frozen", momentum=0.9), "adam='frozen'"),
 ])
 def test_bad_values_refused(kw, match):
@@ -450,3 +449,16 @@ def test_a_sync_adds_no_pass_of_its_own_for_the_nonfinite_check(monkeypatch):
     allocs = r["sync"].allocs
     assert any(where == "alg" for _, where in allocs)   # the algorithm's own were seen
     assert [op for op, where in allocs if where == "front"] == ["aten.where.self"], allocs
+
+
+def test_local_steps_take_cuda_graph():
+    """cuda_graph=True with local steps is refused only for what it needs (a CUDA device), not
+    for the local steps: every sync replays the captured step (tests/test_graph.py)."""
+    kw = dict(density=0.1, sync_every=2, cuda_graph=True)
+    if torch.cuda.is_available():
+        sar = SparseAllreduce(_model().cuda().parameters(), **kw)
+        assert sar.local_steps is not None and sar._graphed is not None
+        return
+    with pytest.raises(ValueError) as e:
+        SparseAllreduce(_model().parameters(), **kw)
+    assert "cuda" in str(e.value).lower() and "local steps" not in str(e.value)
