@@ -91,6 +91,7 @@ if HAS_TRITON:
         P, n, cg, cap_s, fill, mid,
         BP: tl.constexpr, B: tl.constexpr, SHIFT: tl.constexpr, REGION: tl.constexpr,
         UPDATE_TH: tl.constexpr, HAS_NF: tl.constexpr, BALANCE: tl.constexpr,
+        ZERO_HIST: tl.constexpr,
     ):
         rows = tl.arange(0, BP)
         rm = rows < P
@@ -154,6 +155,9 @@ if HAS_TRITON:
         else:
             tl.store(cap_ptr + rows, new, mask=rm)
         tl.store(thg_ptr, thg_new)
+        if ZERO_HIST:       # ready for the next select pass, which adds to them
+            tl.store(hist_ptr + rows[:, None] * B + cols[None, :], tl.zeros_like(h),
+                     mask=rm[:, None])
         if BALANCE:
             tl.store(offs_ptr + 1 + q, tl.where(empty, old, bnd), mask=qm)
         local = tl.sum(s64, axis=0)
@@ -168,7 +172,8 @@ if HAS_TRITON:
 
     @_dispatch.serialized_when_interpreted
     def _bookkeeping_triton(hist, th, cap, target, stage, sent, gathered, icnt, iidx, offs, thg,
-                            gmin, nf, stats, n, cg, cap_s, fill, mid, region, update_th):
+                            gmin, nf, stats, n, cg, cap_s, fill, mid, region, update_th,
+                            zero_hist):
         P = hist.shape[0]
         _bookkeeping_kernel[(1,)](
             hist, th, cap if cap is not None else th, target if target is not None else th,
@@ -177,7 +182,7 @@ if HAS_TRITON:
             P, n, cg, cap_s, float(fill), float(mid),
             BP=max(2, next_pow2(P)), B=SELECT_HIST_BINS, SHIFT=SELECT_HIST_SHIFT,
             REGION=region, UPDATE_TH=update_th, HAS_NF=nf is not None, BALANCE=P > 1,
-            num_warps=4)
+            ZERO_HIST=zero_hist, num_warps=4)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -236,7 +241,7 @@ def balanced_offsets(offs: Tensor, icnt: Tensor, gcnt: Tensor, iidx: Tensor, n: 
 
 
 def _bookkeeping_torch(hist, th, cap, target, stage, sent, gathered, icnt, iidx, offs, thg,
-                       gmin, nf, stats, n, cg, cap_s, fill, mid, region, update_th):
+                       gmin, nf, stats, n, cg, cap_s, fill, mid, region, update_th, zero_hist):
     P = hist.shape[0]
     bad = (nf > 0) if nf is not None else torch.zeros((), dtype=torch.bool, device=th.device)
     if region:
@@ -260,6 +265,8 @@ def _bookkeeping_torch(hist, th, cap, target, stage, sent, gathered, icnt, iidx,
         local, sent_t, (s64 - cap_s).clamp(min=0).sum(), delivered,
         gathered[:, 1].to(torch.int64).sum(),
         (gathered[:, 0].to(torch.int64).sum() - delivered).clamp(min=0), local - sent_t]))
+    if zero_hist:
+        hist.zero_()
 
 
 def step_bookkeeping(hist: Tensor, th: Tensor, stage_counts: Tensor, sent_counts: Tensor,
@@ -267,7 +274,8 @@ def step_bookkeeping(hist: Tensor, th: Tensor, stage_counts: Tensor, sent_counts
                      th_global: Tensor, gmin: Tensor, nonfinite: Optional[Tensor], *, n: int,
                      cap_s: int, cap: Optional[Tensor] = None, fill: float = 0.0,
                      row_target: Optional[Tensor] = None, mid: float = 0.0,
-                     update_th: bool = True, backend: str = "auto") -> Tensor:
+                     update_th: bool = True, zero_hist: bool = False,
+                     backend: str = "auto") -> Tensor:
     """Ok-Topk's next-step state in one launch; returns the stats (int64 [7], :data:`STATS`).
 
     Rank mode (``cap`` given): ``cap[j]`` becomes the |acc| at which row j's histogram holds
@@ -277,7 +285,8 @@ def step_bookkeeping(hist: Tensor, th: Tensor, stage_counts: Tensor, sent_counts
     becomes ``gmin`` (kept when it is inf or the step is non-finite); ``region_offsets``
     (P > 1) are re-balanced from the global set (``icnt`` entries per region at ``iidx``,
     ascending, and the gathered headers ``gathered[:, :2]`` = (count, count at the last global
-    threshold)), kept on an empty or non-finite step. In place, no host read."""
+    threshold)), kept on an empty or non-finite step. ``zero_hist``: ``hist`` is zeroed after it
+    is read (the next select pass adds to it). In place, no host read."""
     P = hist.shape[0]
     region = row_target is not None
     if region == (cap is not None):
@@ -290,7 +299,8 @@ def step_bookkeeping(hist: Tensor, th: Tensor, stage_counts: Tensor, sent_counts
     nf = None if nonfinite is None else nonfinite.reshape(())
     args = (hist, th, cap, row_target, stage_counts, sent_counts, gathered, icnt, iidx,
             region_offsets, th_global.reshape(()), gmin.reshape(()), nf, stats, int(n),
-            iidx.shape[1], int(cap_s), float(fill), float(mid), region, bool(update_th))
+            iidx.shape[1], int(cap_s), float(fill), float(mid), region, bool(update_th),
+            bool(zero_hist))
     _dispatch.record(launches=1, bytes=4 * hist.numel() + 8 * P * 8)
     if _dispatch.choose(backend, hist.device) == "triton" and P <= TRITON_MAX_P:
         _bookkeeping_triton(*args)

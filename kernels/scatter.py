@@ -13,6 +13,10 @@ them (padding at index 0 included): 40 ms per step at n = 2^26, P = 4 on an H100
 P = 4, 1%: scatter_rows 0.155 ms against 0.544 ms for index_put_(accumulate=True)
 (bench/results/kernels/gpu-kernel-variants-call1.json).  Bytes: 12 per written entry (index, value,
 out).
+
+``scatter_rows_dense`` writes a whole output in one launch (zeros, the rows, or NaN on a device
+flag): a step's ``out`` then needs no memset before and no NaN pass after, two launches and a
+pass over n fewer (``oktopk-bench launches``, docs/launch-budget.md).
 """
 from __future__ import annotations
 

@@ -8,6 +8,7 @@
     oktopk-bench train        --model gpt [--size 1m|25m|100m] [--device cuda] --seeds 0 1 2
     oktopk-bench demo         (what `make demo` runs)
     oktopk-bench project      --model bert-large --density 0.01 --net 100Gbps,5us [--plot PATH]
+    oktopk-bench launches     [--algorithms oktopk] [--modes gradients sync] [--check] [--json PATH]
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ SUBCOMMANDS = {
     "demo": ("train", "the main job: 4 ranks, dense and every sparse algorithm at density 1%"),
     "project": ("project", "project every algorithm's step time to 1024 GPUs for a model size "
                            "and a network"),
+    "launches": ("launches", "count what one steady step dispatches, launches, sends and reads "
+                             "on the host, per algorithm, wire format and mode (CPU trace)"),
 }
 
 

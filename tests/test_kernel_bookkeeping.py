@@ -130,3 +130,14 @@ def test_one_launch_recorded():
     assert counters()["launches"] - before == 1
     with pytest.raises(ValueError, match="exactly one of cap"):
         step_bookkeeping(**case, n=5000, cap_s=200)
+
+
+@needs_triton
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_zero_hist_clears_after_reading(backend):
+    case = _case(4, 5)
+    kept = _run(case, backend, region=False)
+    cleared = _run(case, backend, region=False, zero_hist=True)
+    assert torch.equal(kept[1], cleared[1])                    # read before it is cleared
+    assert torch.equal(kept[0]["hist"], case["hist"])          # default: left as it was
+    assert not bool(cleared[0]["hist"].any())

@@ -19,10 +19,12 @@ A steady step on rank r of P (k = density·n), all on the device, in the paper's
    step's global threshold (what the regions are balanced on).
 4. **Balanced gather and global selection** (:meth:`_gather`): ONE allgather of the slots; every
    rank takes as the global set I the k largest |values| among the P gathered slots (all of
-   them when they hold at most k), writes ``out[region_j + idx] = value`` for I (one
-   ``scatter_rows`` launch, regions are disjoint: bitwise identical on every rank) and clears its
+   them when they hold at most k), writes ``out[region_j + idx] = value`` for I and 0 elsewhere
+   (one ``scatter_rows_dense`` launch writes all of ``out``, uninitialised before: regions are
+   disjoint, bitwise identical on every rank) and clears its
    residual (and velocity: momentum factor masking) at ``S_r ∩ I`` (``clear_sent``).
-5. **Next step, on the device** (:meth:`_prepare_next`): ``row_threshold="rank"`` (default,
+5. **Next step, on the device** (:meth:`_prepare_next`, one launch of
+   ``K.step_bookkeeping`` by default): ``row_threshold="rank"`` (default,
    the paper's local threshold): one threshold for the rank, the k·m/n-th largest |acc| of
    this step's acc at m fixed random positions, taken just before the select pass
    (``threshold_sample``; with 0, where the rows' histograms together hold a steered target);
@@ -207,6 +209,12 @@ class OkTopk(Algorithm):
         self._quantized = self.wire_format in W.QUANTIZED
         self._inv_P = 1.0 / P
         self._zero = torch.zeros((), dtype=torch.float32, device=dev)
+        # 0-dim fill values for torch.where: a full_like per use was one launch each
+        self._neg1_f = torch.full((), -1.0, dtype=torch.float32, device=dev)
+        self._inf_f = torch.full((), float("inf"), dtype=torch.float32, device=dev)
+        self._neg1_i = torch.full((), -1, dtype=torch.int64, device=dev)
+        self._n_i = torch.full((), n, dtype=torch.int64, device=dev)
+        self._cg_i = torch.full((), cg, dtype=torch.int64, device=dev)
 
     # -- capacities -------------------------------------------------------------------------------
     @staticmethod
@@ -344,7 +352,8 @@ class OkTopk(Algorithm):
         residual, like everything below the threshold."""
         cr, P = self.cap_r, self.P
         stg = self._stage
-        self._hist.zero_()
+        # the histograms are zero here: step_bookkeeping cleared them after reading (and they
+        # start as zeros)
         K.fused_select(grad, self.residual, self.th_rows, self.region_offsets, self.cap_s,
                        skip=nonfinite, out=stg, velocity=self.velocity, momentum=self.momentum,
                        mask_velocity=self.momentum_masking and self.velocity is not None,
@@ -352,7 +361,7 @@ class OkTopk(Algorithm):
         msg = self._msg
         counts = stg.counts.reshape(P, 1)
         staged = torch.arange(self.cap_s, device=self.device) < counts
-        mag = torch.where(staged, stg.values.abs(), torch.full_like(stg.values, -1.0))
+        mag = torch.where(staged, stg.values.abs(), self._neg1_f)
         # a row with more than cap_r candidates sends its cap_r largest (all valid, in any
         # order); one with fewer sends them as staged (valid ones first). Unsorted: the sorted
         # top-k cost 1.3 ms of a 33 ms CPU step (n = 2^20, P = 4), the unsorted 0.57
@@ -398,7 +407,7 @@ class OkTopk(Algorithm):
             idx = rows[:, _HEADER:_HEADER + cr].to(torch.int64)
             counts = rows[:, 0]
         valid = torch.arange(cr, device=self.device) < counts.reshape(P, 1)   # slot < count
-        key = torch.where(valid, idx, torch.full_like(idx, self.numel)).reshape(-1)
+        key = torch.where(valid, idx, self._n_i).reshape(-1)
         sidx, perm = torch.sort(key, stable=True)               # ascending; padding last
         first = torch.ones_like(sidx, dtype=torch.bool)
         first[1:] = sidx[1:] != sidx[:-1]                       # one slot per position
@@ -418,24 +427,24 @@ class OkTopk(Algorithm):
         sidx, first, slot = self._sorted
         cval = self._sums.gather(0, slot) * self._inv_P
         valid = first & (sidx < self.numel) & (cval != 0)
-        cidx = torch.where(valid, sidx, torch.full_like(sidx, -1)).to(torch.int32)
+        cidx = torch.where(valid, sidx, self._neg1_i).to(torch.int32)
         m = P * cr                                              # every nonzero sum is here
-        mag = torch.where(valid, cval.abs(), torch.full_like(cval, -1.0))
+        mag = torch.where(valid, cval.abs(), self._neg1_f)
         if m > cg:
             kth = torch.topk(mag, cg, sorted=False).values.min()
             keep = valid & (mag >= kth)
         else:
             keep = valid
         pos = torch.cumsum(keep.to(torch.int32), 0) - 1
-        tgt = torch.where(keep & (pos < cg), pos, torch.full_like(pos, cg)).to(torch.int64)
+        tgt = torch.where(keep & (pos < cg), pos, self._cg_i)
         slot = self._slot
         ext_i = torch.full((cg + 1,), -1, dtype=torch.int32,
                            device=self.device).scatter_(0, tgt, cidx)
         ext_v = torch.zeros(cg + 1, dtype=torch.float32, device=self.device).scatter_(0, tgt, cval)
         slot[_HEADER:_HEADER + cg] = ext_i[:cg]
         slot[_HEADER + cg:] = ext_v[:cg].view(torch.int32)
-        slot[0] = keep.sum().clamp(max=cg).to(torch.int32)
-        slot[1] = (valid & (mag >= self.th_global)).sum().to(torch.int32)
+        slot[0] = keep.sum(dtype=torch.int32).clamp(max=cg)
+        slot[1] = (valid & (mag >= self.th_global)).sum(dtype=torch.int32)
         if self.compact:   # already ascending: the wire keeps the slot's order
             cs = self._cslot.view(1, -1)
             W.encode(slot[_HEADER:_HEADER + cg].view(1, cg), ext_v[:cg].view(1, cg),
@@ -467,19 +476,19 @@ class OkTopk(Algorithm):
         gval = gathered[:, _HEADER + cg:].view(torch.float32)
         valid = gidx >= 0
         if P * cg > k:
-            mag = torch.where(valid, gval.abs(), torch.full_like(gval, -1.0))
+            mag = torch.where(valid, gval.abs(), self._neg1_f)
             kth = torch.topk(mag.reshape(-1), k, sorted=False).values.min()
             keep = valid & (mag >= kth)
         else:
             keep = valid
         pos = torch.cumsum(keep.to(torch.int32), 1) - 1
-        tgt = torch.where(keep, pos, torch.full_like(pos, cg)).to(torch.int64)
+        tgt = torch.where(keep, pos, self._cg_i)
         irow_idx = torch.full((P, cg + 1), -1, dtype=torch.int32, device=self.device) \
             .scatter_(1, tgt, gidx)[:, :cg]
         irow_val = torch.zeros(P, cg + 1, dtype=torch.float32, device=self.device) \
             .scatter_(1, tgt, gval)[:, :cg]
         irow_cnt = keep.sum(1, dtype=torch.int32)
-        self._gval_keep = torch.where(keep, gval.abs(), torch.full_like(gval, float("inf")))
+        self._gval_keep = torch.where(keep, gval.abs(), self._inf_f)
         return keep, irow_idx, irow_val, irow_cnt
 
     def _keep_row_error(self, sel: K.Selection, offs: torch.Tensor, irow_idx: torch.Tensor,
@@ -529,14 +538,15 @@ class OkTopk(Algorithm):
         # _STAGE_FILL (a full row keeps entries by position); region mode, at row_target entries
         # of this step's histogram, steered so that the staged count lands at stage_mid
         rank = self.rank_threshold
+        hist_read_after = rank and self._sample_idx is None   # the rank threshold below
         stats = K.step_bookkeeping(
             self._hist, self.th_rows, self._stage.counts, sel.counts, self._gathered, irow_cnt,
             irow_idx, self.region_offsets, self.th_global, self._gval_keep.min(), nonfinite,
             n=self.numel, cap_s=self.cap_s, cap=self._cap_rows if rank else None,
             fill=self.cap_s * _STAGE_FILL, row_target=None if rank else self.row_target,
             mid=self.stage_mid, update_th=not self.opts["exact_thresholds"],
-            backend=self.backend)
-        if rank and self._sample_idx is None:
+            zero_hist=not hist_read_after, backend=self.backend)
+        if hist_read_after:
             # the rank's threshold: where its rows together hold row_target entries of this
             # step's histograms, steered so the rank stages about k (torch ops: not the default)
             kf = float(self.k)
@@ -549,6 +559,7 @@ class OkTopk(Algorithm):
                 self.th_rows.copy_(self._keep_if_nonfinite(th, self.th_rows, nonfinite))
             self.row_target.copy_(self._keep_if_nonfinite(target.expand(P), self.row_target,
                                                           nonfinite))
+            self._hist.zero_()
         self.stats.update(zip(K.BOOKKEEPING_STATS, stats.unbind(0)))
         self.stats.update(th_rows=self.th_rows, th_global=self.th_global, cap_r=cr, cap_g=cg)
 

@@ -1,0 +1,83 @@
+"""The launch budget (docs/launch-budget.md): a steady call of each row below issues at most what
+oktopk_triton/bench/launch_budget.json records (dispatches, kernel-launching ops, collectives,
+host reads, full-length passes), traced on CPU by ``oktopk-bench launches``; and the counter's
+rules themselves."""
+import json
+
+import pytest
+import torch
+
+import oktopk_triton.kernels as K
+from oktopk_triton import cli
+from oktopk_triton.bench import launches as L
+from oktopk_triton.comm.local import SingleCommunicator
+
+ROWS = [("oktopk", "fp32", "gradients"), ("oktopk", "compact", "gradients"),
+        ("oktopk", "fp32", "local"), ("oktopk", "fp32", "sync"), ("oktopk", "fp32", "updates"),
+        ("dense", "fp32", "gradients"), ("topka", "fp32", "gradients")]
+
+
+def _budget_n():
+    with open(L.BUDGET_FILE) as f:
+        return json.load(f)["n"]
+
+
+@pytest.mark.parametrize("algorithm,wire,mode", ROWS)
+def test_steady_call_within_its_budget(algorithm, wire, mode):
+    budget = L.load_budget()
+    key = L.row_key(algorithm, wire, mode)
+    assert key in budget, f"{key} has no recorded budget"
+    row = {"algorithm": algorithm, "wire": wire, "mode": mode,
+           **L.count_step(algorithm, wire, mode, n=_budget_n())}
+    assert L.over_budget(row, budget) == [], row["glue_ops"]
+    assert row["host_reads"] == 0          # a steady step never waits for the host
+
+
+def test_the_goals_met_stay_met_in_the_budget():
+    """docs/launch-budget.md: a steady Ok-Topk step dispatches at most 150 ops and a non-sync
+    local-steps call at most the optimizer's ops + 5 (the launch goals are not met yet)."""
+    b = L.load_budget()
+    assert b["oktopk/fp32/gradients"]["dispatches"] <= 150
+    assert b["oktopk/fp32/local"]["launches"] <= b["oktopk/fp32/optimizer"]["launches"] + 5
+    assert all(v["host_reads"] == 0 for v in b.values())
+
+
+def test_counter_rules():
+    """Views and empty allocations are dispatches but no launch; a kernel's reference ops are
+    its recorded launches, not glue; a collective and a host read are counted as such."""
+    n = 64
+    comm = SingleCommunicator()
+    x = torch.randn(n)
+    flag = torch.zeros((), dtype=torch.int32)
+
+    def call():
+        y = x.view(8, 8)                   # view: dispatch, no launch
+        torch.empty(n)                     # allocation: dispatch, no launch
+        z = y + 1                          # launch, full pass (n elements)
+        z[:2].sum()                        # slice (view) + sum (launch)
+        K.fill_if(x, flag, 0.0)            # kernel: 1 launch, its ops not glue
+        comm.allreduce(z)                  # collective
+        int(z[0, 0].item() > 0)            # host read
+    c = L.trace_call(call, n, comm)
+    assert c["glue"] == 2 and c["kernel"] == 1 and c["launches"] == 3
+    assert c["collectives"] == 1 and c["host_reads"] == 1
+    assert c["full_passes"] == 1
+    assert c["dispatches"] >= 6
+
+
+def test_over_budget_names_the_column():
+    row = {"algorithm": "oktopk", "wire": "fp32", "mode": "gradients", "dispatches": 10 ** 6,
+           "launches": 0, "collectives": 0, "host_reads": 0, "full_passes": 0}
+    over = L.over_budget(row, L.load_budget())
+    assert len(over) == 1 and over[0].startswith("dispatches 1000000 >")
+
+
+def test_cli_writes_the_table(tmp_path, capsys):
+    path = tmp_path / "rows.json"
+    assert cli.main(["launches", "--algorithms", "dense", "--modes", "gradients", "optimizer",
+                     "--n", "4096", "--json", str(path)]) == 0
+    assert "| dense | fp32 | gradients |" in capsys.readouterr().out
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["gradients", "optimizer"]
+    assert rows[0]["collectives"] == 2       # dense: the non-finite flag's allreduce, the data's
+    assert rows[1]["collectives"] == 0 and rows[1]["launches"] > 0   # the optimizer alone
