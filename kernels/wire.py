@@ -43,110 +43,160 @@ _HIGH = -(1 << CHUNK_BITS)      # 0xFFFF0000 as an int32
 
 if HAS_TRITON:
 
-    @triton.jit(do_not_specialize=["cap", "C", "header"])
-    def _chunk_count_kernel(idx_ptr, cnt_ptr, out_ptr, cap, C, header, idx_stride, out_stride,
-                            HAS_COUNTS: tl.constexpr, BLOCK: tl.constexpr):
-        """out[s, header + (idx >> 16)] += 1 for every valid slot (integer atomics)."""
-        s = tl.program_id(0).to(tl.int64)
-        slots = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        n_valid = cap
-        if HAS_COUNTS:
-            n_valid = tl.minimum(tl.maximum(tl.load(cnt_ptr + s).to(tl.int64), 0), cap)
-        valid = slots < n_valid
-        idx = tl.load(idx_ptr + s * idx_stride + slots, mask=valid, other=0).to(tl.int64)
-        hi = tl.minimum(tl.maximum(idx >> 16, 0), C - 1)   # in the row whatever the input
-        ones = tl.full([BLOCK], 1, tl.int32)
-        tl.atomic_add(out_ptr + s * out_stride + header + hi, ones, mask=valid)
-
-    @triton.jit(do_not_specialize=["cap", "C", "header"])
-    def _encode_kernel(idx_ptr, val_ptr, cnt_ptr, out_ptr, cursor_ptr, cap, C, header,
-                       idx_stride, val_stride, out_stride,
-                       HAS_COUNTS: tl.constexpr, GROUPED: tl.constexpr, BLOCK: tl.constexpr):
-        """Words ``bf16(v) << 16 | (idx & 0xFFFF)``: at the slot itself (ordered rows, which
-        also count their chunks here) or at the slot a per-chunk cursor hands out (GROUPED).
-        Slots past the count write 0 at their own position (the valid ones fill the prefix)."""
-        s = tl.program_id(0).to(tl.int64)
-        slots = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        inb = slots < cap
-        n_valid = cap
-        if HAS_COUNTS:
-            n_valid = tl.minimum(tl.maximum(tl.load(cnt_ptr + s).to(tl.int64), 0), cap)
-        valid = slots < n_valid
-        idx = tl.load(idx_ptr + s * idx_stride + slots, mask=valid, other=0).to(tl.int64)
-        val = tl.load(val_ptr + s * val_stride + slots, mask=valid, other=0.0)
-        hi = tl.minimum(tl.maximum(idx >> 16, 0), C - 1)   # in the row whatever the input
-        # bf16 round to nearest even in integer arithmetic, as torch's ``.to(bfloat16)`` does it
-        # (the interpreter's float cast truncates); NaN -> the canonical quiet NaN
+    @triton.jit
+    def _word(idx, val, valid):
+        """``bf16(v) << 16 | idx & 0xFFFF`` (0 where not valid): round to nearest even in
+        integer arithmetic, as torch's ``.to(bfloat16)`` (the interpreter's float cast
+        truncates); NaN -> the canonical quiet NaN."""
         bits = val.to(tl.int32, bitcast=True)
         bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
         bits = tl.where(val != val, 0x7FC00000, bits)
-        word = tl.where(valid, bits | (idx & 0xFFFF).to(tl.int32), 0)
-        if GROUPED:
-            ones = tl.full([BLOCK], 1, tl.int32)
-            pos = tl.atomic_add(cursor_ptr + s * C + hi, ones, mask=valid).to(tl.int64)
-            pos = tl.where(valid, pos, slots)
-        else:
-            ones = tl.full([BLOCK], 1, tl.int32)
-            tl.atomic_add(out_ptr + s * out_stride + header + hi, ones, mask=valid)
-            pos = slots
-        tl.store(out_ptr + s * out_stride + header + C + pos, word, mask=inb)
+        return tl.where(valid, bits | (idx & 0xFFFF).to(tl.int32), 0)
 
-    @triton.jit(do_not_specialize=["cap", "C", "header"])
-    def _decode_kernel(msg_ptr, ends_ptr, idx_out, val_out, cap, C, header, msg_stride,
-                       STEPS: tl.constexpr, BLOCK: tl.constexpr):
-        """Slot i of row s: its chunk is the number of running counts ``ends[s, c] <= i`` (a
-        binary search of STEPS loads), its index ``chunk << 16 | low``, its value the word's
-        top half as fp32; -1 / 0 past the row's count."""
-        s = tl.program_id(0).to(tl.int64)
-        slots = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        inb = slots < cap
-        total = tl.load(ends_ptr + s * C + C - 1).to(tl.int64)
-        valid = (slots < total) & inb
-        lo = tl.zeros([BLOCK], tl.int64)
-        hi = tl.full([BLOCK], 0, tl.int64) + C
+    @triton.jit
+    def _count_below(row_ptr, n_valid, key, STEPS: tl.constexpr):
+        """Per lane: how many of the ascending ``row[0:n_valid]`` are below ``key``."""
+        lo = tl.zeros(key.shape, tl.int64)
+        hi = tl.zeros(key.shape, tl.int64) + n_valid
         for _ in tl.static_range(STEPS):
             active = lo < hi
             mid = (lo + hi) // 2
-            e = tl.load(ends_ptr + s * C + mid, mask=active & inb, other=0).to(tl.int64)
-            up = active & (e <= slots)
-            lo = tl.where(up, mid + 1, lo)
-            hi = tl.where(active & (e > slots), mid, hi)
-        w = tl.load(msg_ptr + s * msg_stride + header + C + slots, mask=valid, other=0)
-        idx = (lo.to(tl.int32) << 16) | (w & 0xFFFF)
+            a = tl.load(row_ptr + mid, mask=active, other=0).to(tl.int64)
+            lo = tl.where(active & (a < key), mid + 1, lo)
+            hi = tl.where(active & (a >= key), mid, hi)
+        return lo
+
+    @triton.jit
+    def _sum_below(cnt_ptr, chunk, C, BLOCK: tl.constexpr, BC: tl.constexpr):
+        """Per lane: ``sum(cnt[c] for c < chunk)`` (the chunk's first slot), BC chunks a step."""
+        acc = tl.zeros([BLOCK], tl.int64)
+        for c0 in range(0, C, BC):
+            cs = c0 + tl.arange(0, BC)
+            cc = tl.load(cnt_ptr + cs, mask=cs < C, other=0).to(tl.int64)
+            acc += tl.sum(tl.where(cs[None, :] < chunk[:, None], cc[None, :], 0), axis=1)
+        return acc
+
+    @triton.jit(do_not_specialize=["cap", "C", "header"])
+    def _encode_ordered_kernel(idx_ptr, val_ptr, cnt_ptr, out_ptr, cap, C, header,
+                               idx_stride, val_stride, out_stride, HAS_COUNTS: tl.constexpr,
+                               STEPS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr):
+        """Ascending rows in ONE launch: program (s, b) writes slots [b·BLOCK, ...) in place and
+        the counts of chunks [b·BLOCK_C, ...), each the difference of two binary searches."""
+        s = tl.program_id(0).to(tl.int64)
+        b = tl.program_id(1).to(tl.int64)
+        n_valid = cap
+        if HAS_COUNTS:
+            n_valid = tl.minimum(tl.maximum(tl.load(cnt_ptr + s).to(tl.int64), 0), cap)
+        row = idx_ptr + s * idx_stride
+        slots = b * BLOCK + tl.arange(0, BLOCK)
+        valid = slots < n_valid
+        idx = tl.load(row + slots, mask=valid, other=0).to(tl.int64)
+        val = tl.load(val_ptr + s * val_stride + slots, mask=valid, other=0.0)
+        base = out_ptr + s * out_stride + header
+        tl.store(base + C + slots, _word(idx, val, valid), mask=slots < cap)
+        cs = b * BLOCK_C + tl.arange(0, BLOCK_C)
+        below = _count_below(row, n_valid, cs << 16, STEPS)
+        upto = _count_below(row, n_valid, (cs + 1) << 16, STEPS)
+        tl.store(base + cs, (upto - below).to(tl.int32), mask=cs < C)
+
+    @triton.jit(do_not_specialize=["cap", "C"])
+    def _chunk_count_kernel(idx_ptr, cnt_ptr, scratch_ptr, cap, C, idx_stride,
+                            HAS_COUNTS: tl.constexpr, BLOCK: tl.constexpr):
+        """scratch[s, idx >> 16] += 1 for every valid slot (integer atomics)."""
+        s = tl.program_id(0).to(tl.int64)
+        slots = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        n_valid = cap
+        if HAS_COUNTS:
+            n_valid = tl.minimum(tl.maximum(tl.load(cnt_ptr + s).to(tl.int64), 0), cap)
+        valid = slots < n_valid
+        idx = tl.load(idx_ptr + s * idx_stride + slots, mask=valid, other=0).to(tl.int64)
+        hi = tl.minimum(tl.maximum(idx >> 16, 0), C - 1)   # in the row whatever the input
+        tl.atomic_add(scratch_ptr + s * 2 * C + hi, tl.full([BLOCK], 1, tl.int32), mask=valid)
+
+    @triton.jit(do_not_specialize=["cap", "C", "header"])
+    def _place_kernel(idx_ptr, val_ptr, cnt_ptr, out_ptr, scratch_ptr, cap, C, header,
+                      idx_stride, val_stride, out_stride, HAS_COUNTS: tl.constexpr,
+                      BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, BC: tl.constexpr):
+        """Rows in any order, grouped by chunk: an entry goes to its chunk's first slot (the
+        counts below it) plus what an integer atomic on the chunk's cursor hands out; program
+        (s, b) also copies the counts of chunks [b·BLOCK_C, ...) into the row. Slots past the
+        count write 0 at their own place (the valid entries fill the prefix)."""
+        s = tl.program_id(0).to(tl.int64)
+        b = tl.program_id(1).to(tl.int64)
+        n_valid = cap
+        if HAS_COUNTS:
+            n_valid = tl.minimum(tl.maximum(tl.load(cnt_ptr + s).to(tl.int64), 0), cap)
+        counts = scratch_ptr + s * 2 * C
+        slots = b * BLOCK + tl.arange(0, BLOCK)
+        valid = slots < n_valid
+        idx = tl.load(idx_ptr + s * idx_stride + slots, mask=valid, other=0).to(tl.int64)
+        val = tl.load(val_ptr + s * val_stride + slots, mask=valid, other=0.0)
+        hi = tl.minimum(tl.maximum(idx >> 16, 0), C - 1)
+        first = _sum_below(counts, hi, C, BLOCK, BC)
+        nth = tl.atomic_add(counts + C + hi, tl.full([BLOCK], 1, tl.int32), mask=valid)
+        pos = tl.where(valid, first + nth.to(tl.int64), slots)
+        base = out_ptr + s * out_stride + header
+        tl.store(base + C + pos, _word(idx, val, valid), mask=slots < cap)
+        cs = b * BLOCK_C + tl.arange(0, BLOCK_C)
+        tl.store(base + cs, tl.load(counts + cs, mask=cs < C, other=0), mask=cs < C)
+
+    @triton.jit(do_not_specialize=["cap", "C", "header"])
+    def _decode_kernel(msg_ptr, idx_out, val_out, cnt_out, cap, C, header, msg_stride,
+                       idx_stride, val_stride, cnt_stride, BLOCK: tl.constexpr,
+                       BC: tl.constexpr):
+        """Slot i of row s: its chunk is the number of running counts at or below i (BC counts
+        a step), its index ``chunk << 16 | low``, its value the word's top half as fp32; -1 / 0
+        past the row's count, which program (s, 0) writes."""
+        s = tl.program_id(0).to(tl.int64)
+        b = tl.program_id(1)
+        slots = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        row = msg_ptr + s * msg_stride + header
+        chunk = tl.zeros([BLOCK], tl.int64)
+        total = tl.sum(tl.zeros([BC], tl.int64), 0)
+        for c0 in range(0, C, BC):
+            cs = c0 + tl.arange(0, BC)
+            cc = tl.load(row + cs, mask=cs < C, other=0).to(tl.int64)
+            ends = tl.cumsum(cc, 0) + total
+            below = (ends[None, :] <= slots[:, None]) & (cs < C)[None, :]
+            chunk += tl.sum(below.to(tl.int64), axis=1)
+            total += tl.sum(cc, 0)
+        inb = slots < cap
+        valid = (slots < total) & inb
+        w = tl.load(row + C + slots, mask=valid, other=0)
+        idx = (chunk.to(tl.int32) << 16) | (w & 0xFFFF)
         val = (w & -65536).to(tl.float32, bitcast=True)
-        tl.store(idx_out + s * cap + slots, tl.where(valid, idx, -1), mask=inb)
-        tl.store(val_out + s * cap + slots, tl.where(valid, val, 0.0), mask=inb)
+        tl.store(idx_out + s * idx_stride + slots, tl.where(valid, idx, -1), mask=inb)
+        tl.store(val_out + s * val_stride + slots, tl.where(valid, val, 0.0), mask=inb)
+        tl.store(cnt_out + s * cnt_stride, total.to(tl.int32), mask=b == 0)
+
+    _BLOCK, _BLOCK_C, _BC = 1024, 256, 32
 
     @_dispatch.serialized_when_interpreted
-    def _encode_triton(indices, values, counts, out, C, header, ordered, block=1024):
+    def _encode_triton(indices, values, counts, out, C, header, ordered):
         S, cap = indices.shape
         has = counts is not None
         cnt = counts.reshape(-1).contiguous() if has else indices   # (a header column: strided)
-        grid = (S, triton.cdiv(cap, block))
-        out[:, header:header + C].zero_()
+        grid = (S, max(triton.cdiv(cap, _BLOCK), triton.cdiv(C, _BLOCK_C)))
         if ordered:
-            _encode_kernel[grid](indices, values, cnt, out, out, cap, C, header,
-                                 indices.stride(0), values.stride(0), out.stride(0),
-                                 HAS_COUNTS=has, GROUPED=False, BLOCK=block, num_warps=4)
+            _encode_ordered_kernel[grid](
+                indices, values, cnt, out, cap, C, header, indices.stride(0),
+                values.stride(0), out.stride(0), HAS_COUNTS=has,
+                STEPS=_dispatch.ceil_log2(cap + 1), BLOCK=_BLOCK, BLOCK_C=_BLOCK_C, num_warps=4)
             return
-        _chunk_count_kernel[grid](indices, cnt, out, cap, C, header, indices.stride(0),
-                                  out.stride(0), HAS_COUNTS=has, BLOCK=block, num_warps=4)
-        cc = out[:, header:header + C]
-        cursor = torch.cumsum(cc, 1, dtype=torch.int32) - cc      # each chunk's first slot
-        _encode_kernel[grid](indices, values, cnt, out, cursor, cap, C, header,
-                             indices.stride(0), values.stride(0), out.stride(0),
-                             HAS_COUNTS=has, GROUPED=True, BLOCK=block, num_warps=4)
+        scratch = torch.zeros(S, 2 * C, dtype=torch.int32, device=out.device)   # counts, cursors
+        _chunk_count_kernel[(S, triton.cdiv(cap, _BLOCK))](
+            indices, cnt, scratch, cap, C, indices.stride(0), HAS_COUNTS=has, BLOCK=_BLOCK,
+            num_warps=4)
+        _place_kernel[grid](indices, values, cnt, out, scratch, cap, C, header,
+                            indices.stride(0), values.stride(0), out.stride(0), HAS_COUNTS=has,
+                            BLOCK=_BLOCK, BLOCK_C=_BLOCK_C, BC=_BC, num_warps=4)
 
     @_dispatch.serialized_when_interpreted
-    def _decode_triton(msg, ends, cap, C, header, block=1024):
+    def _decode_triton(msg, idx, val, count, cap, C, header):
         S = msg.shape[0]
-        idx = torch.empty(S, cap, dtype=torch.int32, device=msg.device)
-        val = torch.empty(S, cap, dtype=torch.float32, device=msg.device)
-        if cap:
-            _decode_kernel[(S, triton.cdiv(cap, block))](
-                msg, ends, idx, val, cap, C, header, msg.stride(0),
-                STEPS=_dispatch.ceil_log2(C + 1), BLOCK=block, num_warps=4)
-        return idx, val
+        _decode_kernel[(S, max(1, triton.cdiv(cap, _BLOCK)))](
+            msg, idx, val, count, cap, C, header, msg.stride(0), idx.stride(0), val.stride(0),
+            count.stride(0), BLOCK=_BLOCK, BC=_BC, num_warps=4)
 
 
 def _valid_slots(counts: Optional[Tensor], S: int, cap: int, dev) -> Tensor:
@@ -207,9 +257,14 @@ def wire_encode(indices: Tensor, values: Tensor, counts: Optional[Tensor], out: 
                          f"{out.dtype} {list(out.shape)}")
     if out.stride(1) != 1:
         raise ValueError("wire_encode: out needs inner stride 1")
-    indices = indices.contiguous()
-    values = values.to(torch.float32).contiguous()
-    _dispatch.record(launches=1 if ordered else 2, bytes=12 * S * cap)
+    if indices.stride(1) != 1:      # a row view of a wider buffer is fine as it is
+        indices = indices.contiguous()
+    values = values.to(torch.float32)
+    if values.stride(1) != 1:
+        values = values.contiguous()
+    # what the CUDA path launches: one pass (ordered); the counts' and cursors' memset, the
+    # count pass and the placement pass (grouped)
+    _dispatch.record(launches=1 if ordered else 3, bytes=12 * S * cap)
     if _dispatch.choose(backend, indices.device) == "triton":
         _encode_triton(indices, values, counts, out, C, header, ordered)
     else:
@@ -241,22 +296,37 @@ def _decode_torch(msg, cap, C, header):
 
 
 def wire_decode(msg: Tensor, cap: int, span: int, header: int = 0, *,
+                out: Optional[Tuple[Tensor, Tensor, Tensor]] = None,
                 backend: str = "auto") -> Tuple[Tensor, Tensor, Tensor]:
     """Compact rows [S, header + C + cap] -> ``(indices int32 [S, cap] (-1 past the count),
     values fp32 [S, cap] (the bf16 values, 0 past the count), counts int32 [S])``; the entries
-    in the row's order (grouped by chunk)."""
+    in the row's order (grouped by chunk). ``out``: those three tensors to write (rows may be
+    views into a wider buffer: inner stride 1), e.g. the caller's own layout. One launch."""
     S = msg.shape[0]
     C = max(1, -(-int(span) // (1 << CHUNK_BITS)))
     if msg.dtype != torch.int32 or msg.shape[1] < header + C + cap:
         raise ValueError(f"wire_decode: msg must be int32 [S, >= {header + C + cap}], got "
                          f"{msg.dtype} {list(msg.shape)}")
+    if out is None:
+        out = (torch.empty(S, cap, dtype=torch.int32, device=msg.device),
+               torch.empty(S, cap, dtype=torch.float32, device=msg.device),
+               torch.empty(S, dtype=torch.int32, device=msg.device))
+    idx, val, count = out
+    if (idx.shape != (S, cap) or val.shape != (S, cap) or count.shape != (S,)
+            or idx.dtype != torch.int32 or val.dtype != torch.float32
+            or count.dtype != torch.int32 or (cap > 1 and (idx.stride(1) != 1
+                                                           or val.stride(1) != 1))):
+        raise ValueError(f"wire_decode: out must be (int32 [{S}, {cap}], fp32 [{S}, {cap}], "
+                         f"int32 [{S}]) with inner stride 1")
     _dispatch.record(launches=1, bytes=12 * S * cap)
     if _dispatch.choose(backend, msg.device) == "triton":
-        msg = msg if msg.stride(1) == 1 else msg.contiguous()
-        ends = torch.cumsum(msg[:, header:header + C], 1, dtype=torch.int32).contiguous()
-        idx, val = _decode_triton(msg, ends, cap, C, header)
-        return idx, val, ends[:, -1].contiguous()
+        if msg.stride(1) != 1:
+            msg = msg.contiguous()
+        _decode_triton(msg, idx, val, count, cap, C, header)
+        return idx, val, count
     with _dispatch.inside_kernel():
-        idx, val = _decode_torch(msg, cap, C, header)
-        count = msg[:, header:header + C].sum(1, dtype=torch.int32)
+        i, v = _decode_torch(msg, cap, C, header)
+        idx.copy_(i)
+        val.copy_(v)
+        count.copy_(msg[:, header:header + C].sum(1, dtype=torch.int32))
     return idx, val, count

@@ -274,20 +274,22 @@ def _encode_quantized(body: torch.Tensor, vals: torch.Tensor, valid: torch.Tenso
 
 
 def decode(msg: torch.Tensor, cap: int, span: int, header: int = 0,
-           fmt: str = "compact", *, backend: str = "auto"
+           fmt: str = "compact", *, backend: str = "auto",
+           out: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Packed rows ``[S, row_words(cap, span, header, fmt)]`` -> ``(indices int32 [S, cap]
     (in the row's order: ascending unless encoded with ``order="chunks"``; -1 past the count),
     values fp32 [S, cap] (what the wire carries: bf16 values or the quantized levels; 0 past
     the count), counts int32 [S])``. The same bits give the same result on every rank. The
-    compact format runs as a Triton pass (``kernels/wire.py``); no op reads the host."""
+    compact format runs as a Triton pass (``kernels/wire.py``); no op reads the host. ``out``:
+    the three tensors to write (views into the caller's own layout are fine)."""
     if msg.dim() == 1:
         msg = msg.unsqueeze(0)
     S = msg.shape[0]
     C = chunks(span)
     dev = msg.device
     if fmt == "compact":
-        return K.wire_decode(msg, cap, span, header, backend=backend)
+        return K.wire_decode(msg, cap, span, header, out=out, backend=backend)
     hi, count = K.slot_chunks(msg[:, header:header + C], cap)               # chunk of slot i
     slot = torch.arange(cap, device=dev, dtype=torch.int64).expand(S, cap)
     b = QUANTIZED[fmt]
@@ -303,4 +305,9 @@ def decode(msg: torch.Tensor, cap: int, span: int, header: int = 0,
     valid = slot < count
     idx = torch.where(valid, idx, torch.full_like(idx, -1)).to(torch.int32)
     vals = torch.where(valid, vals, torch.zeros_like(vals))
-    return idx, vals, count.reshape(S).to(torch.int32)
+    res = (idx, vals, count.reshape(S).to(torch.int32))
+    if out is None:
+        return res
+    for dst, src in zip(out, res):
+        dst.copy_(src)
+    return out

@@ -462,12 +462,11 @@ class OkTopk(Algorithm):
                 self.comm.allgather(cg_wire, self._cslot)
             else:
                 cg_wire[0].copy_(self._cslot)
-            widx, wval, wcnt = W.decode(cg_wire, cg, self.numel, header=1,
-                                        fmt=self.wire_format, backend=self.backend)
-            gathered[:, 0] = wcnt
+            W.decode(cg_wire, cg, self.numel, header=1, fmt=self.wire_format,
+                     backend=self.backend, out=(gathered[:, _HEADER:_HEADER + cg],
+                                                gathered[:, _HEADER + cg:].view(torch.float32),
+                                                gathered[:, 0]))
             gathered[:, 1] = cg_wire[:, 0]
-            gathered[:, _HEADER:_HEADER + cg] = widx
-            gathered[:, _HEADER + cg:] = wval.view(torch.int32)
         elif P > 1:
             self.comm.allgather(gathered, self._slot)
         else:
@@ -522,11 +521,9 @@ class OkTopk(Algorithm):
         f32 = self._slot[_HEADER + cg:].view(torch.float32)
         wire = self._gathered[r, _HEADER + cg:].view(torch.float32)
         err = ((f32 - wire) * float(self.P)).view(1, cg)
-        idx = torch.where(mine, self._slot[_HEADER:_HEADER + cg],
-                          torch.full_like(self._slot[_HEADER:_HEADER + cg], -1)).view(1, cg)
-        K.scatter_rows(self.residual, idx, err, torch.full((1,), cg, dtype=torch.int32,
-                                                           device=self.device),
-                       offs[r:r + 1], add=True, backend=self.backend)
+        idx = torch.where(mine, self._slot[_HEADER:_HEADER + cg], -1).view(1, cg)
+        K.scatter_rows(self.residual, idx, err, self._slot[:1], offs[r:r + 1], add=True,
+                       backend=self.backend)   # the slot's own count: -1 past it anyway
 
     def _prepare_next(self, sel: K.Selection, keep: torch.Tensor, irow_idx: torch.Tensor,
                       irow_cnt: torch.Tensor, nonfinite: Optional[torch.Tensor]) -> None:
