@@ -6,16 +6,20 @@ Ok-Topk slot that is already ascending), counted chunks with ``scatter_add`` and
 slot's chunk with ``searchsorted``: about 96 kernel-launching ops a step, three sorts, and one
 host synchronisation per steady step on an H100 (against none for fp32). Here:
 
-* :func:`wire_encode` writes a row's chunk counts and its words in ONE launch when the row is
-  already ascending (``ordered``: Ok-Topk's slots, TopkA's and Gaussiank's messages): nothing
-  is sorted. An unordered row (Ok-Topk's reduce rows, filled in any order by the selection) is
-  grouped by chunk, not sorted: a count launch, an exclusive cumsum of the ``[rows, chunks]``
-  counts, and a placement launch whose integer ``atomic_add`` on a per-chunk cursor gives each
-  entry its slot. Decoding needs the entries grouped by chunk only (the low bits are explicit),
-  so within a chunk the order is the atomics' (any order on a GPU, slot order in the
-  interpreter and the torch reference); Ok-Topk's owner sorts what it receives anyway.
-* :func:`wire_decode` finds each slot's chunk by a binary search over the running counts
-  (``ceil(log2(C+1))`` loads a slot) in the same launch that unpacks index and value.
+* :func:`wire_encode` writes a row that is already ascending (``ordered``: Ok-Topk's slots,
+  TopkA's and Gaussiank's messages) in ONE launch: each program writes its block of words in
+  place and the counts of its block of chunks, each the difference of two binary searches in
+  the row. Nothing is sorted, nothing is zeroed first. A row in any order (Ok-Topk's reduce
+  rows, filled in any order by the selection) is grouped by chunk, not sorted, in THREE
+  launches: a memset of the ``[rows, 2·chunks]`` counts and cursors, a count pass (integer
+  atomics), and a placement pass in which each entry adds the counts of the chunks below its
+  own (32 a step) to what an ``atomic_add`` on its chunk's cursor hands out. Decoding needs
+  the entries grouped by chunk only (the low bits are explicit), so within a chunk the order
+  is the atomics' (any order on a GPU, slot order in the interpreter and the torch
+  reference); Ok-Topk's owner sorts what it receives anyway.
+* :func:`wire_decode` is ONE launch: each program sums the row's running counts (32 chunks a
+  step) to find its slots' chunks, unpacks index and value, and can write straight into the
+  caller's layout (Ok-Topk's gathered slots).
 * :func:`slot_chunks` is that search for the quantized formats' torch decode: static-size
   ``scatter_add`` and ``cumsum``, no ``searchsorted``.
 
