@@ -81,3 +81,11 @@ def test_cli_writes_the_table(tmp_path, capsys):
     assert [r["mode"] for r in rows] == ["gradients", "optimizer"]
     assert rows[0]["collectives"] == 2       # dense: the non-finite flag's allreduce, the data's
     assert rows[1]["collectives"] == 0 and rows[1]["launches"] > 0   # the optimizer alone
+
+
+def test_interpreted_needs_the_interpreter(monkeypatch, capsys):
+    monkeypatch.setattr(L._dispatch, "INTERPRET", False)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["launches", "--interpreted", "--algorithms", "dense"])
+    assert e.value.code == 2
+    assert "TRITON_INTERPRET=1" in capsys.readouterr().err

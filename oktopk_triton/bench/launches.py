@@ -27,6 +27,9 @@ calibrate) rank 0 traces ONE call with a ``TorchDispatchMode``. Columns (per ste
   only when its index or a new output has n), plus kernel calls that move at least 2n bytes (a
   bf16 read of n; the kernels' byte formulas).
 
+The kernels run their torch references (each records the launches of its CUDA path);
+``--interpreted`` (with ``TRITON_INTERPRET=1``) traces the Triton path itself instead.
+
 Modes: ``gradients`` (``SparseAllreduce.forward``), ``updates`` (``reduce_updates`` with SGD),
 ``local`` (a non-sync ``reduce_updates`` call with ``sync_every=4``), ``sync`` (its sync call),
 ``optimizer`` (the optimizer's step alone, what ``local`` is measured against).
@@ -225,8 +228,6 @@ def _rank_body(comm, algorithm: str, wire: str, mode: str, n: int, density: floa
         def fn():
             sar.reduce_updates(opt)
     res = trace_call(fn, n, comm) if comm.rank == 0 else fn()
-    if mode == "optimizer" and comm.rank == 0:   # the others took a reduce_updates call
-        pass
     comm.barrier()
     return res if comm.rank == 0 else None
 
@@ -323,6 +324,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 BUDGET_COLUMNS = ("dispatches", "launches", "collectives", "host_reads", "full_passes")
+
+
+def check_args(args: argparse.Namespace) -> str:
+    """One line when the options cannot run together (the CLI exits 2 with it)."""
+    if args.interpreted and not _dispatch.INTERPRET:
+        return "--interpreted needs TRITON_INTERPRET=1 in the environment (set before the start)"
+    return ""
 
 
 def load_budget() -> Dict[str, Dict[str, int]]:
