@@ -215,6 +215,8 @@ class OkTopk(Algorithm):
         self._neg1_i = torch.full((), -1, dtype=torch.int64, device=dev)
         self._n_i = torch.full((), n, dtype=torch.int64, device=dev)
         self._cg_i = torch.full((), cg, dtype=torch.int64, device=dev)
+        self._slots_s = torch.arange(self.cap_s, dtype=torch.int32, device=dev)   # staging slots
+        self._slots_r = torch.arange(cr, dtype=torch.int32, device=dev).reshape(1, -1)   # row's
 
     # -- capacities -------------------------------------------------------------------------------
     @staticmethod
@@ -360,16 +362,16 @@ class OkTopk(Algorithm):
                        hist=self._hist, backend=self.backend)
         msg = self._msg
         counts = stg.counts.reshape(P, 1)
-        staged = torch.arange(self.cap_s, device=self.device) < counts
+        staged = self._slots_s < counts
         mag = torch.where(staged, stg.values.abs(), self._neg1_f)
         # a row with more than cap_r candidates sends its cap_r largest (all valid, in any
         # order); one with fewer sends them as staged (valid ones first). Unsorted: the sorted
         # top-k cost 1.3 ms of a 33 ms CPU step (n = 2^20, P = 4), the unsorted 0.57
         pos = torch.topk(mag, cr, dim=1, sorted=False).indices
-        pos = torch.where(counts > cr, pos, torch.arange(cr, device=self.device).reshape(1, -1))
+        pos = torch.where(counts > cr, pos, self._slots_r)
         msg[:, 0] = stg.counts.clamp(max=cr)
         msg[:, 1] = stg.nonfinite
-        msg[:, _HEADER:_HEADER + cr] = stg.indices.gather(1, pos)
+        torch.gather(stg.indices, 1, pos, out=msg[:, _HEADER:_HEADER + cr])
         vals = stg.values.gather(1, pos)
         if self.bf16_wire:   # rounded on the wire; clear_sent keeps the rounding in the residual
             self._wire_vals[:, :cr] = vals
@@ -406,12 +408,12 @@ class OkTopk(Algorithm):
                     else vals.view(torch.float32))
             idx = rows[:, _HEADER:_HEADER + cr].to(torch.int64)
             counts = rows[:, 0]
-        valid = torch.arange(cr, device=self.device) < counts.reshape(P, 1)   # slot < count
+        valid = self._slots_r < counts.reshape(P, 1)                          # slot < count
         key = torch.where(valid, idx, self._n_i).reshape(-1)
         sidx, perm = torch.sort(key, stable=True)               # ascending; padding last
         first = torch.ones_like(sidx, dtype=torch.bool)
         first[1:] = sidx[1:] != sidx[:-1]                       # one slot per position
-        slot = torch.cumsum(first.to(torch.int64), 0) - 1
+        slot = torch.cumsum(first, 0, dtype=torch.int64) - 1
         slot_of = torch.empty_like(slot).scatter_(0, perm, slot).to(torch.int32).view(P, cr)
         self._sums.zero_()
         K.scatter_add(self._sums, slot_of, vals, counts, base=0, backend=self.backend)
@@ -435,7 +437,7 @@ class OkTopk(Algorithm):
             keep = valid & (mag >= kth)
         else:
             keep = valid
-        pos = torch.cumsum(keep.to(torch.int32), 0) - 1
+        pos = torch.cumsum(keep, 0, dtype=torch.int64) - 1
         tgt = torch.where(keep & (pos < cg), pos, self._cg_i)
         slot = self._slot
         ext_i = torch.full((cg + 1,), -1, dtype=torch.int32,
@@ -480,7 +482,7 @@ class OkTopk(Algorithm):
             keep = valid & (mag >= kth)
         else:
             keep = valid
-        pos = torch.cumsum(keep.to(torch.int32), 1) - 1
+        pos = torch.cumsum(keep, 1, dtype=torch.int64) - 1
         tgt = torch.where(keep, pos, self._cg_i)
         irow_idx = torch.full((P, cg + 1), -1, dtype=torch.int32, device=self.device) \
             .scatter_(1, tgt, gidx)[:, :cg]
