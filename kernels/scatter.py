@@ -228,6 +228,23 @@ def _scatter_rows_torch(dense, indices, values, counts, row_base, add):
         _dispatch.scatter_valid(dense, pos, values, valid)
 
 
+def _check_rows(dense: Tensor, indices: Tensor, values: Tensor):
+    """The row layout scatter_rows and scatter_rows_dense share: int32 ``indices`` and fp32
+    ``values`` of one shape [S, cap] with inner stride 1, a contiguous fp32 ``dense``.
+    Returns ``(S, cap)``."""
+    if indices.dim() != 2 or indices.shape != values.shape:
+        raise ValueError("indices and values must have the same shape [S, cap]")
+    if (indices.dtype != torch.int32 or values.dtype != torch.float32
+            or dense.dtype != torch.float32):
+        raise TypeError("indices must be int32, values and dense fp32")
+    if not dense.is_contiguous():
+        raise ValueError("dense must be contiguous")
+    S, cap = indices.shape
+    if cap > 1 and (indices.stride(1) != 1 or values.stride(1) != 1):
+        raise ValueError("indices/values need inner stride 1")
+    return S, cap
+
+
 def scatter_rows(dense: Tensor, indices: Tensor, values: Tensor, counts: Tensor,
                  row_base: Tensor, *, add: bool = False, backend: str = "auto") -> None:
     """``dense[row_base[s] + indices[s, i]] = values[s, i]`` (``+=`` with ``add``) for every
@@ -237,16 +254,7 @@ def scatter_rows(dense: Tensor, indices: Tensor, values: Tensor, counts: Tensor,
     inner stride 1), ``counts`` int32 [S], ``row_base`` int64 [S] (device: no host read).  Without
     ``add`` the rows must hit disjoint positions (one launch); with ``add`` rows are added in
     order s = 0..S-1 (deterministic).  ``dense`` fp32, contiguous."""
-    if indices.dim() != 2 or indices.shape != values.shape:
-        raise ValueError("indices and values must have the same shape [S, cap]")
-    if (indices.dtype != torch.int32 or values.dtype != torch.float32
-            or dense.dtype != torch.float32):
-        raise TypeError("indices must be int32, values and dense fp32")
-    if not dense.is_contiguous():
-        raise ValueError("dense must be contiguous")
-    if (indices.shape[1] > 1 and (indices.stride(1) != 1 or values.stride(1) != 1)):
-        raise ValueError("indices/values need inner stride 1")
-    S, cap = indices.shape
+    S, cap = _check_rows(dense, indices, values)
     row_base = row_base.reshape(-1).to(torch.int64)
     counts = counts.reshape(-1)
     if row_base.numel() != S or counts.numel() != S:
@@ -271,16 +279,7 @@ def scatter_rows_dense(dense: Tensor, indices: Tensor, values: Tensor, counts: T
     The rows' valid slots must be their first ``min(counts[s], cap)`` (none negative),
     ascending, inside region s (``[0, region_offsets[s+1] - region_offsets[s])``): each
     program finds the slots that land in its block by a binary search over them."""
-    if indices.dim() != 2 or indices.shape != values.shape:
-        raise ValueError("indices and values must have the same shape [S, cap]")
-    if (indices.dtype != torch.int32 or values.dtype != torch.float32
-            or dense.dtype != torch.float32):
-        raise TypeError("indices must be int32, values and dense fp32")
-    if not dense.is_contiguous():
-        raise ValueError("dense must be contiguous")
-    S, cap = indices.shape
-    if (cap > 1 and (indices.stride(1) != 1 or values.stride(1) != 1)):
-        raise ValueError("indices/values need inner stride 1")
+    S, cap = _check_rows(dense, indices, values)
     offs = region_offsets.reshape(-1)
     counts = counts.reshape(-1)
     if offs.numel() != S + 1 or offs.dtype != torch.int64 or counts.numel() != S:
