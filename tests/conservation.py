@@ -272,3 +272,28 @@ def first_step_body(comm, name, n, density, seed):
     a = get_algorithm(name)(n, comm, density)
     out = a(grad)
     return grad, out, a.residual.clone(), a.stats["bytes_sent"], a.k
+
+
+def steady_steps_never_sync(alg, comm, n: int) -> bool:
+    """CUDA: two steps (calibration and one steady step, syncs allowed), then three steady steps
+    under ``torch.cuda.set_sync_debug_mode("error")`` on rank 0: any host synchronisation in a
+    steady step raises. Returns True when none did."""
+    fn = mixed(2)
+    for t in range(2):                         # calibration + one steady step, syncs allowed
+        alg(fn(comm.rank, t, n).to(comm.device))
+    torch.cuda.synchronize()
+    grads = [fn(comm.rank, t, n).to(comm.device) for t in range(2, 5)]
+    torch.cuda.synchronize()
+    comm.barrier()
+    if comm.rank == 0:
+        torch.cuda.set_sync_debug_mode("error")
+    comm.barrier()
+    try:
+        for g in grads:
+            alg(g)
+    finally:
+        comm.barrier()
+        if comm.rank == 0:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return True

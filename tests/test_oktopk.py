@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conservation import (assert_bitwise_agreement, assert_conservation, mixed, moving_hotspots,
-                          one_big_rank, run_steps, student_t)
+                          one_big_rank, run_steps, steady_steps_never_sync, student_t)
 from oktopk_triton.algorithms.oktopk import OkTopk, source_order
 from oktopk_triton.comm.local import LocalCluster
 
@@ -382,25 +382,7 @@ def test_bf16_wire_keeps_the_rounding_in_the_residual(P):
 def _sync_body(comm, n, momentum, wire):
     fmt = {"wire_format": "compact"} if wire == "compact" else {"wire_dtype": wire}
     alg = OkTopk(n, comm, 0.01, momentum=momentum, device=comm.device, **fmt)
-    fn = mixed(2)
-    for t in range(2):                         # calibration + one steady step, syncs allowed
-        alg(fn(comm.rank, t, n).to(comm.device))
-    torch.cuda.synchronize()
-    grads = [fn(comm.rank, t, n).to(comm.device) for t in range(2, 5)]
-    torch.cuda.synchronize()
-    comm.barrier()
-    if comm.rank == 0:
-        torch.cuda.set_sync_debug_mode("error")
-    comm.barrier()
-    try:
-        for g in grads:
-            alg(g)
-    finally:
-        comm.barrier()
-        if comm.rank == 0:
-            torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
-    return True
+    return steady_steps_never_sync(alg, comm, n)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -13,7 +13,8 @@ import os
 import pytest
 import torch
 
-from conservation import assert_bitwise_agreement, assert_conservation, mixed, run_steps
+from conservation import (assert_bitwise_agreement, assert_conservation, mixed, run_steps,
+                          steady_steps_never_sync)
 from oktopk_triton import SparseAllreduce
 from oktopk_triton.algorithms import _wire as W
 from oktopk_triton.algorithms.schedule import bytes_per_step, density_for_bytes, schedule_of
@@ -270,25 +271,7 @@ def test_oktopk_q2_triton_kernels_match_torch():
 def _sync_body(comm, name, n, fmt):
     from oktopk_triton.algorithms import get_algorithm
     alg = get_algorithm(name)(n, comm, 0.01, momentum=0.9, device=comm.device, wire_format=fmt)
-    fn = mixed(2)
-    for t in range(2):                         # calibration + one steady step, syncs allowed
-        alg(fn(comm.rank, t, n).to(comm.device))
-    torch.cuda.synchronize()
-    grads = [fn(comm.rank, t, n).to(comm.device) for t in range(2, 5)]
-    torch.cuda.synchronize()
-    comm.barrier()
-    if comm.rank == 0:
-        torch.cuda.set_sync_debug_mode("error")
-    comm.barrier()
-    try:
-        for g in grads:
-            alg(g)
-    finally:
-        comm.barrier()
-        if comm.rank == 0:
-            torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
-    return True
+    return steady_steps_never_sync(alg, comm, n)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
