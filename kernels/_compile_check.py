@@ -33,6 +33,8 @@ def variants():
     yield from _region_variants()
     yield from _threshold_variants()
     yield from _elementwise_variants()
+    yield from _bookkeeping_variants()
+    yield from _wire_variants()
 
 
 def _selection_variants():
@@ -105,12 +107,30 @@ def _scatter_variants():
                 "idx_row_stride": "i32", "val_row_stride": "i32", "counts_stride": "i32",
                 "row_base_stride": "i32", "ADD": "constexpr", "BLOCK": "constexpr"},
                {"ADD": add, "BLOCK": 1024}, [0, 1, 2, 3, 4], 4)
+    for dense in ("*bf16", "*fp16"):     # scatter_add's dense may be any float (the torch ref too)
+        yield (f"scatter_add dense={dense[1:]}", scatter._scatter_add_kernel,
+               {"dense_ptr": dense, "indices_ptr": "*i32", "values_ptr": "*fp32",
+                "count_ptr": "*i32", "base_ptr": "*i64", "base_int": "i64", "capacity": "i32",
+                "BASE_IS_PTR": "constexpr", "BLOCK": "constexpr"},
+               {"BASE_IS_PTR": False, "BLOCK": 1024}, [0, 1, 2, 3, 4], 4)
+    # scatter_rows_dense: as _scatter_rows_dense_triton launches it (n, cap, total not
+    # specialised; without a flag the counts stand in for its pointer)
+    dsig = {"dense_ptr": "*fp32", "idx_ptr": "*i32", "val_ptr": "*fp32", "cnt_ptr": "*i32",
+            "offs_ptr": "*i64", "flag_ptr": "*i32", "n": "i64", "cap": "i32", "total": "i64",
+            "idx_stride": "i32", "val_stride": "i32", "STEPS": "constexpr",
+            "HAS_FLAG": "constexpr", "BLOCK": "constexpr", "CHUNK": "constexpr"}
+    for flag, P in ((True, 4), (False, 4), (True, 128)):
+        yield (f"scatter_rows_dense flag={flag} P={P}", scatter._scatter_rows_dense_kernel,
+               dsig, {"STEPS": 25 + P.bit_length(), "HAS_FLAG": flag, "BLOCK": 4096,
+                      "CHUNK": 128},
+               ["dense_ptr", "idx_ptr", "val_ptr", "cnt_ptr", "offs_ptr", "flag_ptr",
+                "idx_stride", "val_stride"], 4)
 
 
 def _region_variants():
     """clear_sent (region_count and region_write went with region_select, commit c368816)."""
     from . import region
-    for vel, bf in ((False, False), (True, False), (True, True)):
+    for vel, bf in ((False, False), (True, False), (False, True), (True, True)):
         yield (f"clear_sent velocity={vel} keep_bf16={bf}", region._clear_sent_kernel,
                {"residual_ptr": "*fp32", "velocity_ptr": "*fp32", "sent_indices_ptr": "*i32",
                 "sent_counts_ptr": "*i32", "region_offsets_ptr": "*i64",
@@ -136,6 +156,87 @@ def _threshold_variants():
                     "RANGE_IS_PTR": "constexpr", "NSEG": "constexpr", "BLOCK": "constexpr"},
                    {"RANGE_IS_PTR": ranged, "NSEG": 32, "BLOCK": 4096},
                    [0, 1, 2, 3, 4, 5, 6], 8)
+
+
+def _bookkeeping_variants():
+    """_bookkeeping_kernel as _bookkeeping_triton launches it: rank and region mode, P = 1
+    (specialised to a constexpr, no balancing), 4 and TRITON_MAX_P, with and without the
+    non-finite flag (without it the stats stand in for its pointer), zero_hist on and off."""
+    from . import bookkeeping as bk
+    from ._dispatch import next_pow2
+    sig = {"hist_ptr": "*i32", "th_ptr": "*fp32", "cap_ptr": "*fp32", "target_ptr": "*fp32",
+           "stage_ptr": "*i32", "sent_ptr": "*i32", "sent_stride": "i32", "gath_ptr": "*i32",
+           "gath_stride": "i32", "icnt_ptr": "*i32", "iidx_ptr": "*i32", "iidx_stride": "i32",
+           "offs_ptr": "*i64", "thg_ptr": "*fp32", "gmin_ptr": "*fp32", "nf_ptr": "*i32",
+           "stats_ptr": "*i64", "P": "i32", "n": "i64", "cg": "i32", "cap_s": "i32",
+           "fill": "fp32", "mid": "fp32", "BP": "constexpr", "B": "constexpr",
+           "SHIFT": "constexpr", "REGION": "constexpr", "UPDATE_TH": "constexpr",
+           "HAS_NF": "constexpr", "BALANCE": "constexpr", "ZERO_HIST": "constexpr"}
+    div16 = ["hist_ptr", "th_ptr", "cap_ptr", "target_ptr", "stage_ptr", "sent_ptr", "gath_ptr",
+             "icnt_ptr", "iidx_ptr", "offs_ptr", "thg_ptr", "gmin_ptr", "nf_ptr", "stats_ptr",
+             "n"]
+    # (region, update_th, P, has_nf, zero_hist)
+    for region, upd, P, nf, zero in ((False, False, 4, True, False),
+                                     (False, False, bk.TRITON_MAX_P, False, True),
+                                     (False, False, 1, True, True),
+                                     (True, True, 4, True, True),
+                                     (True, False, bk.TRITON_MAX_P, True, False),
+                                     (True, True, bk.TRITON_MAX_P, False, True),
+                                     (True, True, 1, False, False)):
+        vsig = {**sig, "nf_ptr": "*i32" if nf else "*i64"}
+        consts = {"BP": max(2, next_pow2(P)), "B": bk.SELECT_HIST_BINS,
+                  "SHIFT": bk.SELECT_HIST_SHIFT, "REGION": region, "UPDATE_TH": upd,
+                  "HAS_NF": nf, "BALANCE": P > 1, "ZERO_HIST": zero}
+        if P == 1:          # the JIT specialises an int argument equal to 1
+            vsig.update(P="constexpr", sent_stride="constexpr")
+            consts.update(P=1, sent_stride=1)
+        yield (f"bookkeeping {'region' if region else 'rank'} update_th={upd} P={P} "
+               f"nonfinite={nf} zero_hist={zero}", bk._bookkeeping_kernel, vsig, consts,
+               div16, 4)
+
+
+def _wire_variants():
+    """The compact wire's passes as _encode_triton and _decode_triton launch them: the
+    ascending rows' single pass (order "ascending", and "sort" after its sort), the grouped
+    rows' count and placement passes (order "chunks"), the decode; each with and without the
+    rows' counts, rows aligned to 16 bytes (strides divisible by 16) and not, and cap as i64."""
+    from . import wire
+    ptrs = ["idx_ptr", "val_ptr", "cnt_ptr", "out_ptr", "scratch_ptr"]
+    strides = ["idx_stride", "val_stride", "out_stride"]
+    steps = 21                                      # ceil_log2(cap + 1) for cap near 2^20
+    for has, aligned, cap in ((False, True, "i32"), (True, False, "i32"), (True, True, "i64")):
+        tag = f"counts={has} aligned={aligned} cap={cap}"
+        div = ptrs + (strides if aligned else [])
+        yield (f"wire encode_ordered {tag}", wire._encode_ordered_kernel,
+               {"idx_ptr": "*i32", "val_ptr": "*fp32", "cnt_ptr": "*i32", "out_ptr": "*i32",
+                "cap": cap, "C": "i32", "header": "i32", "idx_stride": "i32",
+                "val_stride": "i32", "out_stride": "i32", "HAS_COUNTS": "constexpr",
+                "STEPS": "constexpr", "BLOCK": "constexpr", "BLOCK_C": "constexpr"},
+               {"HAS_COUNTS": has, "STEPS": steps, "BLOCK": wire._BLOCK,
+                "BLOCK_C": wire._BLOCK_C}, div[:4] + div[5:], 4)
+        yield (f"wire chunk_count {tag}", wire._chunk_count_kernel,
+               {"idx_ptr": "*i32", "cnt_ptr": "*i32", "scratch_ptr": "*i32", "cap": cap,
+                "C": "i32", "idx_stride": "i32", "HAS_COUNTS": "constexpr",
+                "BLOCK": "constexpr"}, {"HAS_COUNTS": has, "BLOCK": wire._BLOCK},
+               ["idx_ptr", "cnt_ptr", "scratch_ptr"] + (["idx_stride"] if aligned else []), 4)
+        yield (f"wire place {tag}", wire._place_kernel,
+               {"idx_ptr": "*i32", "val_ptr": "*fp32", "cnt_ptr": "*i32", "out_ptr": "*i32",
+                "scratch_ptr": "*i32", "cap": cap, "C": "i32", "header": "i32",
+                "idx_stride": "i32", "val_stride": "i32", "out_stride": "i32",
+                "HAS_COUNTS": "constexpr", "BLOCK": "constexpr", "BLOCK_C": "constexpr",
+                "BC": "constexpr"},
+               {"HAS_COUNTS": has, "BLOCK": wire._BLOCK, "BLOCK_C": wire._BLOCK_C,
+                "BC": wire._BC}, div, 4)
+        dsig = {"msg_ptr": "*i32", "idx_out": "*i32", "val_out": "*fp32", "cnt_out": "*i32",
+                "cap": cap, "C": "i32", "header": "i32", "msg_stride": "i32",
+                "idx_stride": "i32", "val_stride": "i32", "cnt_stride": "i32",
+                "BLOCK": "constexpr", "BC": "constexpr"}
+        dconst = {"BLOCK": wire._BLOCK, "BC": wire._BC}
+        if not has:         # stands for a count column of stride 1 (specialised to 1)
+            dsig["cnt_stride"], dconst["cnt_stride"] = "constexpr", 1
+        yield (f"wire decode aligned={aligned} cap={cap}", wire._decode_kernel, dsig, dconst,
+               ["msg_ptr", "idx_out", "val_out", "cnt_out"]
+               + (["msg_stride", "idx_stride", "val_stride"] if aligned else []), 4)
 
 
 def _elementwise_variants():
