@@ -1,16 +1,26 @@
 """Compile every kernel for a CUDA target without a GPU (ttir -> ... -> cubin).
 
-    python -m oktopk_triton.kernels._compile_check [--arch 90] [--verbose]
+    python -m oktopk_triton.kernels._compile_check [--arch 90] [--verbose] [--jobs N]
 
 Catches errors of the compiled path (types, loop-carried values, constexpr specialisation)
-that the interpreter does not see, and reports whether the streaming loads of the fused select
-and the histogram are vectorised.  Lengths and offsets are compiled as i64 (n > 2^31: the
-interpreter tests cannot allocate such n).  fused_select is compiled as its launcher launches it
-(``enable_fp_fusion=False``), and a variant with a velocity FAILS if its PTX holds an fma (16 of
-them with fusion on): the velocity update ``u * momentum + grad`` must round twice, bitwise like
-the torch reference.  Must run in a process WITHOUT ``TRITON_INTERPRET=1`` (the kernels are then
-decorated as compiled JIT functions); tests/test_kernel_dispatch.py runs it in a subprocess.
-Exit status 1 when a variant fails to compile.
+that the interpreter does not see.  Each variant is compiled with the signature and constexprs
+its launcher passes; lengths and offsets as i64 (n > 2^31: the interpreter tests cannot
+allocate such n).  The variants are this file's (:func:`variants`) and those of every module
+of the kernels package that defines ``compile_variants()``, a generator of the same 6-tuples
+(:func:`discovered_variants`); a module that fails to import, or whose generator raises, counts
+as a failure.  fused_select is compiled as its launcher launches it (``enable_fp_fusion=False``),
+and a variant with a velocity FAILS if its PTX holds an fma (16 of them with fusion on): the
+velocity update ``u * momentum + grad`` must round twice, bitwise like the torch reference.
+
+The report ends with one line per streaming kernel (:data:`STREAMING`): in how many of its
+variants the op that streams compiled to a vector load or store (``ld.global.v4``), and which
+did not.  It says what the PTX holds, not why: a mask by a length the JIT does not specialise
+(``do_not_specialize``, or a count read on the device) or an offset of unknown alignment keeps
+a stream scalar.
+
+Must run in a process WITHOUT ``TRITON_INTERPRET=1`` (the kernels are then decorated as
+compiled JIT functions); tests/test_kernel_dispatch.py runs it in a subprocess.  Variants
+compile in ``--jobs`` forked processes.  Exit status 1 when a variant fails to compile.
 
 Why it exists: the first H100 run found a fused_select failure that only the compiled kernel
 had (an overflowing row held unselected indices; docs/gpu-measurements.md), and the interpreter
@@ -247,44 +257,159 @@ def _elementwise_variants():
             "BLOCK": "constexpr"}, {"BLOCK": 1024}, [0, 1, 3], 4)
 
 
+def discovered_variants():
+    """``(module name, its compile_variants())`` for every other module of the kernels package
+    that defines ``compile_variants()`` (a generator of the same 6-tuples as :func:`variants`).
+    A module that fails to import is yielded with the exception instead of a generator."""
+    import importlib
+    import pkgutil
+    package = importlib.import_module(__package__)
+    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
+        if info.name == "_compile_check":
+            continue
+        try:
+            module = importlib.import_module(f"{__package__}.{info.name}")
+        except Exception as exc:              # a broken module is a failure, not a crash
+            yield info.name, exc
+            continue
+        gen = getattr(module, "compile_variants", None)
+        if callable(gen):
+            yield info.name, gen
+
+
+# The kernels that stream an array (the ops that should be vectorised: ld, st or both); the
+# others gather or scatter at data-dependent positions, or are one small program.
+STREAMING = {"_fused_select_kernel": "ld", "_abs_histogram_kernel": "ld",
+             "_window_pass_kernel": "ld", "_fill_if_kernel": "st",
+             "_scatter_rows_dense_kernel": "st", "_encode_ordered_kernel": "ld st",
+             "_chunk_count_kernel": "ld", "_place_kernel": "ld", "_decode_kernel": "ld st"}
+
+
+def widest(ptx: str, op: str) -> int:
+    """Bytes per thread of the widest VECTOR ``ld.global`` / ``st.global`` (op "ld" / "st") in
+    ``ptx``: 16 for ``.v4.b32``, 8 for ``.v2.b32``; 0 when every one is scalar (a ``.b64``
+    load of an int64 is scalar, not a vectorised stream)."""
+    best = 0
+    for m in re.finditer(rf"\b{op}\.global[\w.:]*?\.v(\d)\.[bfsu](\d+)\b", ptx):
+        best = max(best, int(m.group(1)) * int(m.group(2)) // 8)
+    return best
+
+
+def _kernel_name(fn) -> str:
+    return getattr(getattr(fn, "fn", fn), "__name__", str(fn))
+
+
+def _compile_one(name, fn, sig, consts, div16, warps, target):
+    """Compile one variant; returns its report line and {op: widest bytes}. Raises on error."""
+    import triton
+    from triton.compiler import ASTSource
+    names = list(sig)
+    attrs = {(names.index(a) if isinstance(a, str) else a,): [["tt.divisibility", 16]]
+             for a in div16}
+    options = {"num_warps": warps}
+    if _kernel_name(fn) == "_fused_select_kernel":
+        options["enable_fp_fusion"] = False          # as _fused_select_triton launches it
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                       target=target, options=options)
+    ptx = k.asm["ptx"]
+    loads = sorted(set(re.findall(r"ld\.global[\.\w]*", ptx)))
+    atomics = sorted(set(re.findall(r"(?:atom|red)\.global[\.\w]*", ptx)))
+    fma = len(re.findall(r"\bfma\.rn\.f32", ptx))
+    if consts.get("HAS_VELOCITY") and fma:
+        raise AssertionError(f"{fma} fma.rn.f32 in the velocity update: it must round "
+                             "twice (u * momentum, then + grad) like the torch reference")
+    width = {op: widest(ptx, op) for op in ("ld", "st")}
+    return (f"ok    {name:<40} loads {loads} atomics {atomics} fma {fma} "
+            f"vector ld {width['ld']} B st {width['st']} B"), width
+
+
+def _vector_report(widths):
+    """One line per streaming kernel compiled: in how many of its variants the op that streams
+    is vectorised (``.v2``/``.v4``), and which are not."""
+    lines = ["streaming kernels (vectorised: a .v2/.v4 global load or store, the widest in "
+             "bytes per thread):"]
+    for kernel, ops in STREAMING.items():
+        seen = widths.get(kernel)
+        if not seen:
+            continue
+        for op in ops.split():
+            vec = [v for v, w in seen if w[op]]
+            best = max(w[op] for _, w in seen)
+            verdict = "yes " if len(vec) == len(seen) else ("part" if vec else "NO  ")
+            lines.append(f"vec   {verdict} {kernel} {op}: {len(vec)}/{len(seen)} variants, "
+                         f"widest {best} B")
+            if vec and len(vec) < len(seen):
+                not_vec = [v for v, w in seen if not w[op]]
+                lines.append(f"        not vectorised: {'; '.join(not_vec)}")
+    return lines
+
+
+def _sources():
+    """[(module name, variant generator or the exception its import raised)]: this file's
+    variants first, then every module's compile_variants()."""
+    return [("_compile_check", variants)] + list(discovered_variants())
+
+
+def _job(job):
+    """Compile variant ``i`` of source ``src`` (run in a worker: the variants are regenerated
+    there, kernels are not pickled). Returns (kernel, variant, report line, widths, error)."""
+    src, i, arch, verbose = job
+    from triton.backends.compiler import GPUTarget
+    _, gen = _sources()[src]
+    for j, variant in enumerate(gen()):
+        if j == i:
+            break
+    name, fn = variant[0], variant[1]
+    try:
+        line, width = _compile_one(*variant, GPUTarget("cuda", arch, 32))
+        return _kernel_name(fn), name, line, width, None
+    except Exception:
+        return _kernel_name(fn), name, f"FAIL  {name}", None, traceback.format_exc(
+            limit=None if verbose else 2)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
+                    help="compile in this many processes (default: the cores, at most 8)")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET: the kernels must be decorated as compiled JIT functions")
         return 2
-    import triton
-    from triton.backends.compiler import GPUTarget
-
-    from . import selection
-    from triton.compiler import ASTSource
-    target = GPUTarget("cuda", args.arch, 32)
-    failed = 0
-    for name, fn, sig, consts, div16, warps in variants():
-        names = list(sig)
-        attrs = {(names.index(a) if isinstance(a, str) else a,): [["tt.divisibility", 16]]
-                 for a in div16}
-        options = {"num_warps": warps}
-        if fn is selection._fused_select_kernel:
-            options["enable_fp_fusion"] = False          # as _fused_select_triton launches it
-        try:
-            k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                               target=target, options=options)
-            ptx = k.asm["ptx"]
-            loads = sorted(set(re.findall(r"ld\.global[\.\w]*", ptx)))
-            atomics = sorted(set(re.findall(r"(?:atom|red)\.global[\.\w]*", ptx)))
-            fma = len(re.findall(r"\bfma\.rn\.f32", ptx))
-            if consts.get("HAS_VELOCITY") and fma:
-                raise AssertionError(f"{fma} fma.rn.f32 in the velocity update: it must round "
-                                     "twice (u * momentum, then + grad) like the torch reference")
-            print(f"ok    {name:<40} loads {loads} atomics {atomics} fma {fma}")
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")   # Triton 3.9's default, unwarned
+    failed, jobs, sources = 0, [], _sources()
+    for src, (module, gen) in enumerate(sources):
+        try:                                # the module's import or its generator may break
+            if isinstance(gen, Exception):
+                raise gen
+            jobs += [(src, i, args.arch, args.verbose) for i, _ in enumerate(gen())]
         except Exception:
             failed += 1
-            print(f"FAIL  {name}")
+            print(f"FAIL  kernels.{module}: its compile_variants() could not run")
             traceback.print_exc(limit=None if args.verbose else 2)
-    print(f"{failed} failed")
+    if args.jobs > 1 and len(jobs) > 1:
+        import multiprocessing
+        pool = multiprocessing.get_context("fork").Pool(args.jobs)
+        results = pool.imap(_job, jobs)
+    else:
+        pool, results = None, map(_job, jobs)
+    compiled, widths = 0, {}
+    for kernel, name, line, width, error in results:
+        print(line, flush=True)
+        if error is None:
+            compiled += 1
+            widths.setdefault(kernel, []).append((name, width))
+        else:
+            failed += 1
+            print(error, end="")
+    if pool is not None:
+        pool.close()
+        pool.join()
+    print("\n".join(_vector_report(widths)))
+    print(f"{compiled} compiled, {failed} failed "
+          f"(modules: {', '.join(m for m, _ in sources)})")
     return 1 if failed else 0
 
 
