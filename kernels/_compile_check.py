@@ -257,18 +257,19 @@ def _elementwise_variants():
             "BLOCK": "constexpr"}, {"BLOCK": 1024}, [0, 1, 3], 4)
 
 
-def discovered_variants():
-    """``(module name, its compile_variants())`` for every other module of the kernels package
-    that defines ``compile_variants()`` (a generator of the same 6-tuples as :func:`variants`).
-    A module that fails to import is yielded with the exception instead of a generator."""
+def discovered_variants(package: str = __package__):
+    """``(module name, its compile_variants())`` for every other module of ``package`` (the
+    kernels package) that defines ``compile_variants()`` (a generator of the same 6-tuples as
+    :func:`variants`), by name. A module that fails to import is yielded with the exception
+    instead of a generator."""
     import importlib
     import pkgutil
-    package = importlib.import_module(__package__)
-    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
+    pkg = importlib.import_module(package)
+    for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name):
         if info.name == "_compile_check":
             continue
         try:
-            module = importlib.import_module(f"{__package__}.{info.name}")
+            module = importlib.import_module(f"{package}.{info.name}")
         except Exception as exc:              # a broken module is a failure, not a crash
             yield info.name, exc
             continue
