@@ -104,10 +104,11 @@ def _histogram_variants():
 def _scatter_variants():
     """scatter_add and scatter_rows."""
     from . import scatter
-    for base_ptr in (False, True):
+    for base_ptr in (False, True):      # without a base tensor the counts stand in for it
         yield (f"scatter_add base_ptr={base_ptr}", scatter._scatter_add_kernel,
                {"dense_ptr": "*fp32", "indices_ptr": "*i32", "values_ptr": "*fp32",
-                "count_ptr": "*i32", "base_ptr": "*i64", "base_int": "i64", "capacity": "i32",
+                "count_ptr": "*i32", "base_ptr": "*i64" if base_ptr else "*i32",
+                "base_int": "i64", "capacity": "i32",
                 "BASE_IS_PTR": "constexpr",
                 "BLOCK": "constexpr"}, {"BASE_IS_PTR": base_ptr, "BLOCK": 1024}, [0, 1, 2, 3, 4], 4)
     for add in (False, True):
@@ -120,7 +121,7 @@ def _scatter_variants():
     for dense in ("*bf16", "*fp16"):     # scatter_add's dense may be any float (the torch ref too)
         yield (f"scatter_add dense={dense[1:]}", scatter._scatter_add_kernel,
                {"dense_ptr": dense, "indices_ptr": "*i32", "values_ptr": "*fp32",
-                "count_ptr": "*i32", "base_ptr": "*i64", "base_int": "i64", "capacity": "i32",
+                "count_ptr": "*i32", "base_ptr": "*i32", "base_int": "i64", "capacity": "i32",
                 "BASE_IS_PTR": "constexpr", "BLOCK": "constexpr"},
                {"BASE_IS_PTR": False, "BLOCK": 1024}, [0, 1, 2, 3, 4], 4)
     # scatter_rows_dense: as _scatter_rows_dense_triton launches it (n, cap, total not
@@ -294,6 +295,39 @@ def widest(ptx: str, op: str) -> int:
     for m in re.finditer(rf"\b{op}\.global[\w.:]*?\.v(\d)\.[bfsu](\d+)\b", ptx):
         best = max(best, int(m.group(1)) * int(m.group(2)) // 8)
     return best
+
+
+def launch_signature(kernel, args, kwargs):
+    """``(signature, constexprs, divisible-by-16 args)`` the CUDA JIT would compile the launch
+    ``kernel[grid](*args, **kwargs)`` with: Triton's own specialisation of each argument (an int
+    equal to 1 becomes a constexpr, one divisible by 16 and a 16-byte aligned tensor are marked,
+    ``do_not_specialize`` is honoured); the launch options (num_warps, ...) are dropped. Works
+    on CPU tensors and on an interpreted kernel: what a test compares a variant with."""
+    import inspect
+
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import native_specialize_impl
+    fn = getattr(kernel, "fn", kernel)
+    params = inspect.signature(fn).parameters
+    dns = getattr(kernel, "do_not_specialize", None)
+    if dns is None:                                  # an interpreted kernel keeps its kwargs
+        dns = getattr(kernel, "kwargs", {}).get("do_not_specialize")
+    dns = set(dns or [])
+    bound = inspect.signature(fn).bind(*args, **{k: v for k, v in kwargs.items()
+                                                 if k in params})
+    sig, consts, div16 = {}, {}, []
+    for i, (name, value) in enumerate(bound.arguments.items()):
+        if "constexpr" in str(params[name].annotation):
+            sig[name], consts[name] = "constexpr", value
+            continue
+        spec = name not in dns and i not in dns
+        kind, attr = native_specialize_impl(BaseBackend, value, False, spec, True)
+        sig[name] = kind
+        if kind == "constexpr":
+            consts[name] = value
+        elif attr == "D":
+            div16.append(name)
+    return sig, consts, div16
 
 
 def _kernel_name(fn) -> str:

@@ -115,3 +115,112 @@ def test_compile_check_vector_width():
                                "_other_kernel": [("c", {"ld": 16, "st": 0})]})
     assert lines[1] == "vec   part _fill_if_kernel st: 1/2 variants, widest 16 B"
     assert lines[2].endswith("not vectorised: b") and len(lines) == 3
+
+
+_SIZE_DEPENDENT = ("STEPS", "SEARCH_STEPS")   # constexprs that follow the sizes, not the mode
+
+
+def _covers(variant, sig, consts):
+    """A compile variant covers a recorded launch: the same parameters, the same pointer and
+    float types, the same mode constexprs; an int may be i32, i64 or a specialised 1 (which of
+    them the JIT picks follows the sizes, not the mode)."""
+    _, _, vsig, vconsts, _, _ = variant
+    if list(vsig) != list(sig):
+        return False
+    for name, kind in sig.items():
+        want = vsig[name]
+        if name in consts and kind == "constexpr" and not isinstance(consts[name], int) \
+                or isinstance(consts.get(name), bool):
+            if want != "constexpr" or vconsts.get(name) != consts[name]:
+                return False
+        elif kind in ("i32", "i64") or (kind == "constexpr" and consts.get(name) == 1
+                                          and want != "constexpr"):
+            if want not in ("i32", "i64", "constexpr"):
+                return False
+        elif kind == "constexpr":
+            if name not in _SIZE_DEPENDENT and vconsts.get(name) != consts[name]:
+                return False
+        elif want != kind:
+            return False
+    return True
+
+
+@pytest.mark.skipif(not K.INTERPRET, reason="records launches of CPU tensors (interpreter)")
+def test_compile_variants_cover_the_launches(monkeypatch):
+    """Every launch the public functions make of the kernels no GPU has run (bookkeeping, the
+    wire passes, scatter_rows_dense) and of clear_sent / scatter_add / scatter_rows, in each
+    mode, is covered by a variant of the sm_90 compile check with the same argument types and
+    constexprs: the check compiles what the launchers launch, not a guess of it."""
+    pytest.importorskip("triton")
+    from oktopk_triton.kernels import _compile_check as cc
+    from oktopk_triton.kernels import bookkeeping, region, scatter, wire
+    variants = list(cc.variants())        # the real kernels, before they are patched
+    log = []
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: log.append((self.kernel, a, kw))
+
+    for mod, name in ((bookkeeping, "_bookkeeping_kernel"), (wire, "_encode_ordered_kernel"),
+                      (wire, "_chunk_count_kernel"), (wire, "_place_kernel"),
+                      (wire, "_decode_kernel"), (scatter, "_scatter_rows_dense_kernel"),
+                      (scatter, "_scatter_add_kernel"), (scatter, "_scatter_rows_kernel"),
+                      (region, "_clear_sent_kernel")):
+        monkeypatch.setattr(mod, name, Recorder(getattr(mod, name)))
+    i32, f32 = torch.int32, torch.float32
+    for P, region_mode, upd, nf, zero in ((4, False, False, True, False),
+                                          (128, False, False, False, True),
+                                          (1, False, False, True, True),
+                                          (4, True, True, True, True),
+                                          (128, True, False, True, False),
+                                          (128, True, True, False, True),
+                                          (1, True, True, False, False)):
+        cg = 8
+        K.step_bookkeeping(
+            torch.zeros(P, K.SELECT_HIST_BINS, dtype=i32), torch.ones(P),
+            torch.zeros(P, dtype=i32), torch.zeros(P, dtype=i32),
+            torch.zeros(P, 2 + 2 * cg, dtype=i32), torch.zeros(P, dtype=i32),
+            torch.zeros(P, cg + 1, dtype=i32)[:, :cg], torch.arange(P + 1) * 10,
+            torch.ones(()), torch.ones(()), torch.zeros(1, dtype=i32) if nf else None,
+            n=10 * P, cap_s=cg, cap=None if region_mode else torch.ones(P), fill=3.0,
+            row_target=torch.ones(P) if region_mode else None, mid=4.0, update_th=upd,
+            zero_hist=zero, backend="triton")
+    S, cap, span = 3, 40, 1 << 17
+    idx = torch.arange(S * cap, dtype=i32).reshape(S, cap)
+    vals = torch.randn(S, cap)
+    cnts = torch.full((S,), 20, dtype=i32)
+    for ordered in (True, False):
+        for counts in (None, cnts):
+            out = torch.zeros(S, 5 + 2 + cap, dtype=i32)
+            K.wire_encode(idx, vals, counts, out, span, header=5, ordered=ordered,
+                          backend="triton")
+    msg = torch.zeros(S, 5 + 2 + cap, dtype=i32)
+    K.wire_decode(msg, cap, span, header=5, backend="triton")
+    buf = torch.zeros(S, 2 + 2 * cap, dtype=i32)
+    K.wire_decode(msg, cap, span, header=5, backend="triton",
+                  out=(buf[:, 2:2 + cap], buf[:, 2 + cap:].view(f32), buf[:, 0]))
+    offs = torch.tensor([0, 40, 90, 200])
+    for flag in (None, torch.zeros(1, dtype=i32)):
+        K.scatter_rows_dense(torch.empty(200), idx, vals, cnts, offs, flag, backend="triton")
+    for vel, bf in ((None, False), (torch.zeros(200), False), (None, True),
+                    (torch.zeros(200), True)):
+        K.clear_sent(torch.zeros(200), idx, cnts, offs, idx, cnts, velocity=vel,
+                     keep_bf16_rounding=bf, backend="triton")
+    for dense, base in ((torch.zeros(300), 0), (torch.zeros(300), torch.tensor(5)),
+                        (torch.zeros(300, dtype=torch.bfloat16), 0),
+                        (torch.zeros(300, dtype=torch.float16), 0)):
+        K.scatter_add(dense, idx, vals, cnts, base=base, backend="triton")
+    for add in (False, True):
+        K.scatter_rows(torch.zeros(300), idx, vals, cnts, offs[:S], add=add, backend="triton")
+    kernels = set()
+    for kernel, args, kwargs in log:
+        sig, consts, _ = cc.launch_signature(kernel, args, kwargs)
+        name = cc._kernel_name(kernel)
+        kernels.add(name)
+        own = [v for v in variants if cc._kernel_name(v[1]) == name]
+        assert any(_covers(v, sig, consts) for v in own), (
+            f"no compile variant of {name} covers the launch {sig} {consts}")
+    assert len(kernels) == 9 and len(log) >= 30
