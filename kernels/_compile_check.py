@@ -63,15 +63,18 @@ def _selection_variants():
     sel_const = {"HIST_BINS": selection.SELECT_HIST_BINS, "HIST_SHIFT": selection.SELECT_HIST_SHIFT,
                  "SEARCH_STEPS": 4, "BLOCK": 2048}
     ptr16 = list(range(11)) + [11]        # pointers and n divisible by 16 (as the JIT specialises)
+    # (skip, velocity, mask_velocity, hist, per-row thresholds); Ok-Topk's select is the last
+    # three (skip: the non-finite flag; momentum correction with masking or without)
+    modes = ((False, False, False, False, False), (True, False, False, False, True),
+             (False, True, True, True, True), (True, True, True, False, False),
+             (False, False, False, True, True), (True, False, False, True, True),
+             (True, True, False, True, True), (True, True, True, True, True))
     for gd in ("*fp32", "*bf16", "*fp16"):
-        for skip, vel, hist, per_region in ((False, False, False, False),
-                                            (True, False, False, True),
-                                            (False, True, True, True), (True, True, False, False),
-                                            (False, False, True, True)):
-            yield (f"fused_select grad={gd[1:]} skip={skip} velocity={vel} hist={hist} "
-                   f"thr_per_region={per_region}", selection._fused_select_kernel,
+        for skip, vel, mask, hist, per_region in modes:
+            yield (f"fused_select grad={gd[1:]} skip={skip} velocity={vel} mask={mask} "
+                   f"hist={hist} thr_per_region={per_region}", selection._fused_select_kernel,
                    {**sel_sig, "grad_ptr": gd},
-                   {**sel_const, "HAS_SKIP": skip, "HAS_VELOCITY": vel, "MASK_VELOCITY": vel,
+                   {**sel_const, "HAS_SKIP": skip, "HAS_VELOCITY": vel, "MASK_VELOCITY": mask,
                     "HAS_HIST": hist, "THR_PER_REGION": per_region}, ptr16, 4)
     # n == 1 specialised to a constexpr
     yield ("fused_select n=1", selection._fused_select_kernel, {**sel_sig, "n": "constexpr"},
@@ -81,7 +84,8 @@ def _selection_variants():
 
 
 def _histogram_variants():
-    """abs_histogram: both levels and dtypes, and the device-range form."""
+    """abs_histogram: both levels, every dtype, with and without the skip flag (without it the
+    output stands in for its pointer), and the device-range form."""
     from . import histogram
     hsig = {"x_ptr": "*fp32", "hist_ptr": "*i64", "prefix_ptr": "*i64", "start_ptr": "*i64",
             "end_ptr": "*i64", "skip_ptr": "*i32", "start_int": "i32", "end_int": "i64",
@@ -90,12 +94,14 @@ def _histogram_variants():
             "SHIFT": "constexpr", "BLOCK": "constexpr"}
     hconst = {"HIST_BINS": histogram.HIST_BINS, "BLOCK": 1024}
     for lvl in (0, 1):
-        for x in ("*fp32", "*bf16"):
-            yield (f"abs_histogram level={lvl} x={x[1:]}", histogram._abs_histogram_kernel,
-                   {**hsig, "x_ptr": x, "start_int": "constexpr"},
-                   {**hconst, "start_int": 0, "HAS_SKIP": lvl == 1, "LEVEL": lvl,
-                    "START_IS_PTR": False, "END_IS_PTR": False, "SHIFT": 20 if lvl == 0 else 9},
-                   [0, 1, 2, 3, 4, 5, 7], 8)
+        for x in ("*fp32", "*bf16", "*fp16"):
+            for skip in (False, True):
+                yield (f"abs_histogram level={lvl} x={x[1:]} skip={skip}",
+                       histogram._abs_histogram_kernel,
+                       {**hsig, "x_ptr": x, "skip_ptr": "*i32" if skip else "*i64"},
+                       {**hconst, "HAS_SKIP": skip, "LEVEL": lvl, "START_IS_PTR": False,
+                        "END_IS_PTR": False, "SHIFT": 20 if lvl == 0 else 9},
+                       [0, 1, 2, 3, 4, 5, 6, 7], 8)     # start_int 0: divisible by 16
     yield ("abs_histogram device range", histogram._abs_histogram_kernel, hsig,
            {**hconst, "HAS_SKIP": True, "LEVEL": 1, "START_IS_PTR": True, "END_IS_PTR": True,
             "SHIFT": 9}, [0, 1, 2, 3, 4, 5], 8)
@@ -251,11 +257,12 @@ def _wire_variants():
 
 
 def _elementwise_variants():
-    """fill_if."""
+    """fill_if on every float dtype, at its launcher's block."""
     from . import elementwise
-    yield ("fill_if", elementwise._fill_if_kernel,
-           {"out_ptr": "*fp32", "flag_ptr": "*i32", "value": "fp32", "n": "i64",
-            "BLOCK": "constexpr"}, {"BLOCK": 1024}, [0, 1, 3], 4)
+    for out in ("*fp32", "*bf16", "*fp16"):
+        yield (f"fill_if out={out[1:]}", elementwise._fill_if_kernel,
+               {"out_ptr": out, "flag_ptr": "*i32", "value": "fp32", "n": "i64",
+                "BLOCK": "constexpr"}, {"BLOCK": 4096}, [0, 1, 3], 4)
 
 
 def discovered_variants(package: str = __package__):

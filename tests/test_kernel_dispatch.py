@@ -79,7 +79,8 @@ def test_kernels_compile_for_cuda_target():
         if line.startswith(("ok    fused_select grad=", "ok    abs_histogram level=0 x=fp32",
                             "ok    abs_histogram level=1 x=fp32")):
             assert "vector ld 16 B" in line, line
-    assert re.search(r"^vec   yes  _fill_if_kernel st: 1/1 variants, widest 16 B", p.stdout, re.M)
+    assert re.search(r"^vec   yes  _fill_if_kernel st: (\d+)/\1 variants, widest 16 B", p.stdout,
+                     re.M)
 
 
 def test_compile_check_discovers_compile_variants(tmp_path, monkeypatch):
@@ -122,8 +123,8 @@ _SIZE_DEPENDENT = ("STEPS", "SEARCH_STEPS")   # constexprs that follow the sizes
 
 def _covers(variant, sig, consts):
     """A compile variant covers a recorded launch: the same parameters, the same pointer and
-    float types, the same mode constexprs; an int may be i32, i64 or a specialised 1 (which of
-    them the JIT picks follows the sizes, not the mode)."""
+    float types, the same mode constexprs; an int argument is compiled as i32 or i64 (which
+    one, and whether a 1 is specialised to a constexpr, follows the sizes, not the mode)."""
     _, _, vsig, vconsts, _, _ = variant
     if list(vsig) != list(sig):
         return False
@@ -133,9 +134,11 @@ def _covers(variant, sig, consts):
                 or isinstance(consts.get(name), bool):
             if want != "constexpr" or vconsts.get(name) != consts[name]:
                 return False
-        elif kind in ("i32", "i64") or (kind == "constexpr" and consts.get(name) == 1
-                                          and want != "constexpr"):
-            if want not in ("i32", "i64", "constexpr"):
+        elif kind in ("i32", "i64"):
+            if want not in ("i32", "i64"):
+                return False
+        elif kind == "constexpr" and consts.get(name) == 1 and want != "constexpr":
+            if want not in ("i32", "i64"):
                 return False
         elif kind == "constexpr":
             if name not in _SIZE_DEPENDENT and vconsts.get(name) != consts[name]:
@@ -143,6 +146,38 @@ def _covers(variant, sig, consts):
         elif want != kind:
             return False
     return True
+
+
+def _record_launches(monkeypatch, targets):
+    """Replace each ``(module, kernel name)`` by a recorder of its launches: the list of
+    ``(kernel, args, kwargs)`` they append to (nothing runs)."""
+    log = []
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: log.append((self.kernel, a, kw))
+
+    for mod, name in targets:
+        monkeypatch.setattr(mod, name, Recorder(getattr(mod, name)))
+    return log
+
+
+def _assert_covered(log, variants):
+    """Each recorded launch has a compile variant of its kernel that covers it; returns the
+    names of the kernels launched."""
+    from oktopk_triton.kernels import _compile_check as cc
+    kernels = set()
+    for kernel, args, kwargs in log:
+        sig, consts, _ = cc.launch_signature(kernel, args, kwargs)
+        name = cc._kernel_name(kernel)
+        kernels.add(name)
+        own = [v for v in variants if cc._kernel_name(v[1]) == name]
+        assert any(_covers(v, sig, consts) for v in own), (
+            f"no compile variant of {name} covers the launch {sig} {consts}")
+    return kernels
 
 
 @pytest.mark.skipif(not K.INTERPRET, reason="records launches of CPU tensors (interpreter)")
@@ -155,21 +190,11 @@ def test_compile_variants_cover_the_launches(monkeypatch):
     from oktopk_triton.kernels import _compile_check as cc
     from oktopk_triton.kernels import bookkeeping, region, scatter, wire
     variants = list(cc.variants())        # the real kernels, before they are patched
-    log = []
-
-    class Recorder:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            return lambda *a, **kw: log.append((self.kernel, a, kw))
-
-    for mod, name in ((bookkeeping, "_bookkeeping_kernel"), (wire, "_encode_ordered_kernel"),
-                      (wire, "_chunk_count_kernel"), (wire, "_place_kernel"),
-                      (wire, "_decode_kernel"), (scatter, "_scatter_rows_dense_kernel"),
-                      (scatter, "_scatter_add_kernel"), (scatter, "_scatter_rows_kernel"),
-                      (region, "_clear_sent_kernel")):
-        monkeypatch.setattr(mod, name, Recorder(getattr(mod, name)))
+    log = _record_launches(monkeypatch, (
+        (bookkeeping, "_bookkeeping_kernel"), (wire, "_encode_ordered_kernel"),
+        (wire, "_chunk_count_kernel"), (wire, "_place_kernel"), (wire, "_decode_kernel"),
+        (scatter, "_scatter_rows_dense_kernel"), (scatter, "_scatter_add_kernel"),
+        (scatter, "_scatter_rows_kernel"), (region, "_clear_sent_kernel")))
     i32, f32 = torch.int32, torch.float32
     for P, region_mode, upd, nf, zero in ((4, False, False, True, False),
                                           (128, False, False, False, True),
@@ -215,12 +240,57 @@ def test_compile_variants_cover_the_launches(monkeypatch):
         K.scatter_add(dense, idx, vals, cnts, base=base, backend="triton")
     for add in (False, True):
         K.scatter_rows(torch.zeros(300), idx, vals, cnts, offs[:S], add=add, backend="triton")
-    kernels = set()
-    for kernel, args, kwargs in log:
-        sig, consts, _ = cc.launch_signature(kernel, args, kwargs)
-        name = cc._kernel_name(kernel)
-        kernels.add(name)
-        own = [v for v in variants if cc._kernel_name(v[1]) == name]
-        assert any(_covers(v, sig, consts) for v in own), (
-            f"no compile variant of {name} covers the launch {sig} {consts}")
+    kernels = _assert_covered(log, variants)
     assert len(kernels) == 9 and len(log) >= 30
+
+
+@pytest.mark.skipif(not K.INTERPRET, reason="records launches of CPU tensors (interpreter)")
+def test_compile_variants_cover_the_streaming_launches(monkeypatch):
+    """The same for fused_select, abs_histogram, window_pass and fill_if, launched as on a GPU
+    (the launchers' compiled block sizes: INTERPRET off while they are called directly), in
+    the modes the library launches: Ok-Topk's select with a skip flag, histograms, per-row
+    thresholds and a velocity with or without masking; every gradient dtype."""
+    pytest.importorskip("triton")
+    from oktopk_triton.kernels import _compile_check as cc
+    from oktopk_triton.kernels import _dispatch, elementwise, histogram, selection, threshold
+    variants = list(cc.variants())
+    log = _record_launches(monkeypatch, (
+        (selection, "_fused_select_kernel"), (histogram, "_abs_histogram_kernel"),
+        (threshold, "_window_pass_kernel"), (elementwise, "_fill_if_kernel")))
+    monkeypatch.setattr(_dispatch, "INTERPRET", False)
+    i32 = torch.int32
+    P, cap, n = 4, 16, 4096
+    offs = torch.tensor([0, 1000, 2000, 3000, n])
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        grad = torch.zeros(n, dtype=dt)
+        # (skip, velocity, mask_velocity, hist, per-row threshold)
+        for skip, vel, mask, hist, rows in ((False, False, False, False, False),
+                                            (True, False, False, True, True),
+                                            (True, True, False, True, True),
+                                            (True, True, True, True, True),
+                                            (False, True, True, True, True),
+                                            (False, False, False, True, True)):
+            selection._fused_select_triton(
+                grad, torch.zeros(n), torch.ones(P) if rows else torch.ones(()), offs, cap,
+                torch.zeros((), dtype=i32) if skip else None, K.empty_selection(P, cap, "cpu"),
+                torch.zeros(n) if vel else None, 0.9, mask,
+                torch.zeros(P, K.SELECT_HIST_BINS, dtype=i32) if hist else None)
+        for prefix in (None, torch.tensor(3)):
+            histogram._abs_histogram_triton(grad, prefix, None, None,
+                                            torch.zeros(K.HIST_BINS, dtype=torch.int64),
+                                            None if prefix is None else torch.zeros((), dtype=i32))
+        for ranged in (False, True):
+            s, e = (torch.tensor(5), torch.tensor(n)) if ranged else (5, n)
+            threshold._window_pass_triton(grad, torch.tensor([1, 2], dtype=i32), s, e, n - 5,
+                                          torch.zeros(32, 64, dtype=i32),
+                                          torch.zeros(32, dtype=torch.int64),
+                                          torch.zeros(2, dtype=torch.int64))
+        elementwise._fill_if_triton(grad, torch.zeros(1, dtype=i32), 0.0)
+    histogram._abs_histogram_triton(torch.zeros(n), torch.tensor(3), torch.tensor(5),
+                                    torch.tensor(n), torch.zeros(K.HIST_BINS, dtype=torch.int64),
+                                    torch.zeros((), dtype=i32))
+    selection._fused_select_triton(torch.zeros(1), torch.zeros(1), torch.ones(()),
+                                   torch.tensor([0, 1]), cap, None,
+                                   K.empty_selection(1, cap, "cpu"), None, 0.0, False, None)
+    kernels = _assert_covered(log, variants)
+    assert len(kernels) == 4 and len(log) == 35
