@@ -94,6 +94,7 @@ from typing import Any, Optional
 import torch
 
 from .. import kernels as K
+from ..kernels import compaction as KC
 from . import _wire as W
 from . import schedule as S
 from .base import Algorithm
@@ -424,40 +425,33 @@ class OkTopk(Algorithm):
 
         The nonzero sums sit where the rows landed, so they are read there (P·cap_r gathers
         after one sort of the received indices), not by scanning the region: the step's only
-        pass over n stays the select pass."""
-        P, cr, cg = self.P, self.cap_r, self.cap_g
-        sidx, first, slot = self._sorted
-        cval = self._sums.gather(0, slot) * self._inv_P
-        valid = first & (sidx < self.numel) & (cval != 0)
-        cidx = torch.where(valid, sidx, self._neg1_i).to(torch.int32)
-        m = P * cr                                              # every nonzero sum is here
-        mag = torch.where(valid, cval.abs(), self._neg1_f)
-        if m > cg:
-            kth = torch.topk(mag, cg, sorted=False).values.min()
-            keep = valid & (mag >= kth)
-        else:
-            keep = valid
-        pos = torch.cumsum(keep, 0, dtype=torch.int64) - 1
-        tgt = torch.where(keep & (pos < cg), pos, self._cg_i)
+        pass over n stays the select pass. Launches (``kernels/compaction.py``): the
+        candidates' magnitudes, the top-k and its min (when they outnumber cap_g), their flags,
+        one cumsum, one kernel writing the slot (and the compact slot's header word)."""
+        P, cr, cg, be = self.P, self.cap_r, self.cap_g, self.backend
+        sidx, first, slot_ids = self._sorted
+        mag = KC.owner_magnitudes(self._sums, sidx, first, slot_ids, self.numel, self._inv_P,
+                                  backend=be)                     # every nonzero sum is here
+        kth = torch.topk(mag, cg, sorted=False).values.min() if P * cr > cg else None
+        flags = KC.keep_flags(mag.view(1, -1), kth=kth, th=self.th_global, backend=be)
         slot = self._slot
-        ext_i = torch.full((cg + 1,), -1, dtype=torch.int32,
-                           device=self.device).scatter_(0, tgt, cidx)
-        ext_v = torch.zeros(cg + 1, dtype=torch.float32, device=self.device).scatter_(0, tgt, cval)
-        slot[_HEADER:_HEADER + cg] = ext_i[:cg]
-        slot[_HEADER + cg:] = ext_v[:cg].view(torch.int32)
-        slot[0] = keep.sum(dtype=torch.int32).clamp(max=cg)
-        slot[1] = (valid & (mag >= self.th_global)).sum(dtype=torch.int32)
+        KC.owner_slot(slot, flags, torch.cumsum(flags, 1), sidx, slot_ids, self._sums,
+                      self._inv_P, header_out=self._cslot[:1] if self.compact else None,
+                      backend=be)
         if self.compact:   # already ascending: the wire keeps the slot's order
-            cs = self._cslot.view(1, -1)
-            W.encode(slot[_HEADER:_HEADER + cg].view(1, cg), ext_v[:cg].view(1, cg),
-                     slot[:1], self.numel, header=1, out=cs, fmt=self.wire_format,
-                     order="ascending", backend=self.backend)
-            cs[0, 0] = slot[1]
+            W.encode(slot[_HEADER:_HEADER + cg].view(1, cg),
+                     slot[_HEADER + cg:].view(torch.float32).view(1, cg), slot[:1], self.numel,
+                     header=1, out=self._cslot.view(1, -1), fmt=self.wire_format,
+                     order="ascending", backend=be)
 
     def _gather(self):
-        """One allgather; I = the k largest |values| of the gathered slots, as ascending rows."""
-        P, cg, k = self.P, self.cap_g, self.k
+        """One allgather; I = the k largest |values| of the gathered slots, as ascending rows.
+        Returns ``(keep, irow_idx, irow_val, irow_cnt)``; ``keep`` int64 [P, cg]: bit 0 marks
+        the gathered entries in I (``kernels/compaction.py``: their flags, a top-k and its min
+        when the slots hold more than k, one cumsum, one kernel writing the rows)."""
+        P, cg, k, be = self.P, self.cap_g, self.k, self.backend
         gathered = self._gathered
+        th_counts = None
         if self.compact:   # the wire's bf16 slots, read back into the fp32 layout
             cg_wire = self._cgathered
             if P > 1:
@@ -468,28 +462,21 @@ class OkTopk(Algorithm):
                      backend=self.backend, out=(gathered[:, _HEADER:_HEADER + cg],
                                                 gathered[:, _HEADER + cg:].view(torch.float32),
                                                 gathered[:, 0]))
-            gathered[:, 1] = cg_wire[:, 0]
+            th_counts = cg_wire[:, 0]            # to gathered[:, 1], by gather_rows
         elif P > 1:
             self.comm.allgather(gathered, self._slot)
         else:
             gathered[0].copy_(self._slot)
         gidx = gathered[:, _HEADER:_HEADER + cg]
-        gval = gathered[:, _HEADER + cg:].view(torch.float32)
-        valid = gidx >= 0
         if P * cg > k:
-            mag = torch.where(valid, gval.abs(), self._neg1_f)
+            mag = KC.row_magnitudes(gidx, gathered[:, _HEADER + cg:].view(torch.float32),
+                                    backend=be)
             kth = torch.topk(mag.reshape(-1), k, sorted=False).values.min()
-            keep = valid & (mag >= kth)
+            keep = KC.keep_flags(mag, kth=kth, backend=be)
         else:
-            keep = valid
-        pos = torch.cumsum(keep, 1, dtype=torch.int64) - 1
-        tgt = torch.where(keep, pos, self._cg_i)
-        irow_idx = torch.full((P, cg + 1), -1, dtype=torch.int32, device=self.device) \
-            .scatter_(1, tgt, gidx)[:, :cg]
-        irow_val = torch.zeros(P, cg + 1, dtype=torch.float32, device=self.device) \
-            .scatter_(1, tgt, gval)[:, :cg]
-        irow_cnt = keep.sum(1, dtype=torch.int32)
-        self._gval_keep = torch.where(keep, gval.abs(), self._inf_f)
+            keep = KC.keep_flags(indices=gidx, backend=be)
+        irow_idx, irow_val, irow_cnt, self._gval_keep = KC.gather_rows(
+            gathered, keep, torch.cumsum(keep, 1), th_counts=th_counts, backend=be)
         return keep, irow_idx, irow_val, irow_cnt
 
     def _keep_row_error(self, sel: K.Selection, offs: torch.Tensor, irow_idx: torch.Tensor,
@@ -516,16 +503,9 @@ class OkTopk(Algorithm):
         what the rounding dropped, times P (``out`` is the sum over P), in its residual at its
         delivered entries. The wire kept the slot's (ascending) order: position i of the
         gathered row is position i of the slot."""
-        r, cg = self.rank, self.cap_g
-        mine = keep[r]
-        if nonfinite is not None:
-            mine = mine & (nonfinite == 0)
-        f32 = self._slot[_HEADER + cg:].view(torch.float32)
-        wire = self._gathered[r, _HEADER + cg:].view(torch.float32)
-        err = ((f32 - wire) * float(self.P)).view(1, cg)
-        idx = torch.where(mine, self._slot[_HEADER:_HEADER + cg], -1).view(1, cg)
-        K.scatter_rows(self.residual, idx, err, self._slot[:1], offs[r:r + 1], add=True,
-                       backend=self.backend)   # the slot's own count: -1 past it anyway
+        r = self.rank
+        KC.keep_slot_rounding(self.residual, self._slot, self._gathered[r], keep[r],
+                              offs[r:r + 1], self.P, nonfinite, backend=self.backend)
 
     def _prepare_next(self, sel: K.Selection, keep: torch.Tensor, irow_idx: torch.Tensor,
                       irow_cnt: torch.Tensor, nonfinite: Optional[torch.Tensor]) -> None:
