@@ -6,11 +6,12 @@ Catches errors of the compiled path (types, loop-carried values, constexpr speci
 that the interpreter does not see.  Each variant is compiled with the signature and constexprs
 its launcher passes; lengths and offsets as i64 (n > 2^31: the interpreter tests cannot
 allocate such n).  The variants are this file's (:func:`variants`) and those of every module
-of the kernels package that defines ``compile_variants()``, a generator of the same 6-tuples
+of the kernels package that defines ``compile_variants()``, a generator of the same tuples
 (:func:`discovered_variants`); a module that fails to import, or whose generator raises, counts
-as a failure.  fused_select is compiled as its launcher launches it (``enable_fp_fusion=False``),
-and a variant with a velocity FAILS if its PTX holds an fma (16 of them with fusion on): the
-velocity update ``u * momentum + grad`` must round twice, bitwise like the torch reference.
+as a failure.  A variant carries the compile options its launcher passes (fused_select:
+``enable_fp_fusion=False``), and a variant with a velocity FAILS if its PTX holds an fma (16
+of them with fusion on): the velocity update ``u * momentum + grad`` must round twice,
+bitwise like the torch reference.
 
 The report ends with one line per streaming kernel (:data:`STREAMING`): in how many of its
 variants the op that streams compiled to a vector load or store (``ld.global.v4``), and which
@@ -36,7 +37,9 @@ import traceback
 
 
 def variants():
-    """(name, kernel, signature, constexprs, divisible-by-16 args, num_warps) per variant."""
+    """(name, kernel, signature, constexprs, divisible-by-16 args, num_warps[, options]) per
+    variant: ``options`` (optional) are the other compile options its launcher passes, e.g.
+    ``{"enable_fp_fusion": False}``."""
     yield from _selection_variants()
     yield from _histogram_variants()
     yield from _scatter_variants()
@@ -63,6 +66,7 @@ def _selection_variants():
     sel_const = {"HIST_BINS": selection.SELECT_HIST_BINS, "HIST_SHIFT": selection.SELECT_HIST_SHIFT,
                  "SEARCH_STEPS": 4, "BLOCK": 2048}
     ptr16 = list(range(11)) + [11]        # pointers and n divisible by 16 (as the JIT specialises)
+    no_fma = {"enable_fp_fusion": False}  # as _fused_select_triton launches it
     # (skip, velocity, mask_velocity, hist, per-row thresholds); Ok-Topk's select is the last
     # three (skip: the non-finite flag; momentum correction with masking or without)
     modes = ((False, False, False, False, False), (True, False, False, False, True),
@@ -75,12 +79,12 @@ def _selection_variants():
                    f"hist={hist} thr_per_region={per_region}", selection._fused_select_kernel,
                    {**sel_sig, "grad_ptr": gd},
                    {**sel_const, "HAS_SKIP": skip, "HAS_VELOCITY": vel, "MASK_VELOCITY": mask,
-                    "HAS_HIST": hist, "THR_PER_REGION": per_region}, ptr16, 4)
+                    "HAS_HIST": hist, "THR_PER_REGION": per_region}, ptr16, 4, no_fma)
     # n == 1 specialised to a constexpr
     yield ("fused_select n=1", selection._fused_select_kernel, {**sel_sig, "n": "constexpr"},
            {**sel_const, "n": 1, "HAS_SKIP": False, "HAS_VELOCITY": False, "MASK_VELOCITY": False,
             "HAS_HIST": False, "THR_PER_REGION": False, "SEARCH_STEPS": 1},
-           list(range(11)), 4)
+           list(range(11)), 4, no_fma)
 
 
 def _histogram_variants():
@@ -267,7 +271,7 @@ def _elementwise_variants():
 
 def discovered_variants(package: str = __package__):
     """``(module name, its compile_variants())`` for every other module of ``package`` (the
-    kernels package) that defines ``compile_variants()`` (a generator of the same 6-tuples as
+    kernels package) that defines ``compile_variants()`` (a generator of the same tuples as
     :func:`variants`), by name. A module that fails to import is yielded with the exception
     instead of a generator."""
     import importlib
@@ -308,8 +312,9 @@ def launch_signature(kernel, args, kwargs):
     """``(signature, constexprs, divisible-by-16 args)`` the CUDA JIT would compile the launch
     ``kernel[grid](*args, **kwargs)`` with: Triton's own specialisation of each argument (an int
     equal to 1 becomes a constexpr, one divisible by 16 and a 16-byte aligned tensor are marked,
-    ``do_not_specialize`` is honoured); the launch options (num_warps, ...) are dropped. Works
-    on CPU tensors and on an interpreted kernel: what a test compares a variant with."""
+    ``do_not_specialize`` is honoured), and the launch options (num_warps, enable_fp_fusion,
+    ...) as a 4th item. Works on CPU tensors and on an interpreted kernel: what a test compares
+    a variant with."""
     import inspect
 
     from triton.backends.compiler import BaseBackend
@@ -334,23 +339,21 @@ def launch_signature(kernel, args, kwargs):
             consts[name] = value
         elif attr == "D":
             div16.append(name)
-    return sig, consts, div16
+    return sig, consts, div16, {k: v for k, v in kwargs.items() if k not in params}
 
 
 def _kernel_name(fn) -> str:
     return getattr(getattr(fn, "fn", fn), "__name__", str(fn))
 
 
-def _compile_one(name, fn, sig, consts, div16, warps, target):
+def _compile_one(name, fn, sig, consts, div16, warps, options, target):
     """Compile one variant; returns its report line and {op: widest bytes}. Raises on error."""
     import triton
     from triton.compiler import ASTSource
     names = list(sig)
     attrs = {(names.index(a) if isinstance(a, str) else a,): [["tt.divisibility", 16]]
              for a in div16}
-    options = {"num_warps": warps}
-    if _kernel_name(fn) == "_fused_select_kernel":
-        options["enable_fp_fusion"] = False          # as _fused_select_triton launches it
+    options = {"num_warps": warps, **options}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                        target=target, options=options)
     ptx = k.asm["ptx"]
@@ -403,7 +406,8 @@ def _job(job):
             break
     name, fn = variant[0], variant[1]
     try:
-        line, width = _compile_one(*variant, GPUTarget("cuda", arch, 32))
+        options = variant[6] if len(variant) > 6 else {}
+        line, width = _compile_one(*variant[:6], options, GPUTarget("cuda", arch, 32))
         return _kernel_name(fn), name, line, width, None
     except Exception:
         return _kernel_name(fn), name, f"FAIL  {name}", None, traceback.format_exc(

@@ -121,12 +121,15 @@ def test_compile_check_vector_width():
 _SIZE_DEPENDENT = ("STEPS", "SEARCH_STEPS")   # constexprs that follow the sizes, not the mode
 
 
-def _covers(variant, sig, consts):
+def _covers(variant, sig, consts, options):
     """A compile variant covers a recorded launch: the same parameters, the same pointer and
-    float types, the same mode constexprs; an int argument is compiled as i32 or i64 (which
-    one, and whether a 1 is specialised to a constexpr, follows the sizes, not the mode)."""
-    _, _, vsig, vconsts, _, _ = variant
-    if list(vsig) != list(sig):
+    float types, the same mode constexprs, the same num_warps and fp fusion; an int argument is
+    compiled as i32 or i64 (which one, and whether a 1 is specialised to a constexpr, follows
+    the sizes, not the mode)."""
+    vsig, vconsts, warps = variant[2], variant[3], variant[5]
+    vopts = variant[6] if len(variant) > 6 else {}
+    if list(vsig) != list(sig) or options.get("num_warps") != warps or \
+            options.get("enable_fp_fusion", True) != vopts.get("enable_fp_fusion", True):
         return False
     for name, kind in sig.items():
         want = vsig[name]
@@ -171,12 +174,12 @@ def _assert_covered(log, variants):
     from oktopk_triton.kernels import _compile_check as cc
     kernels = set()
     for kernel, args, kwargs in log:
-        sig, consts, _ = cc.launch_signature(kernel, args, kwargs)
+        sig, consts, _, options = cc.launch_signature(kernel, args, kwargs)
         name = cc._kernel_name(kernel)
         kernels.add(name)
         own = [v for v in variants if cc._kernel_name(v[1]) == name]
-        assert any(_covers(v, sig, consts) for v in own), (
-            f"no compile variant of {name} covers the launch {sig} {consts}")
+        assert any(_covers(v, sig, consts, options) for v in own), (
+            f"no compile variant of {name} covers the launch {sig} {consts} {options}")
     return kernels
 
 
