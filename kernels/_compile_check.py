@@ -13,11 +13,11 @@ as a failure.  A variant carries the compile options its launcher passes (fused_
 of them with fusion on): the velocity update ``u * momentum + grad`` must round twice,
 bitwise like the torch reference.
 
-The report ends with one line per streaming kernel (:data:`STREAMING`): in how many of its
-variants the op that streams compiled to a vector load or store (``ld.global.v4``), and which
-did not.  It says what the PTX holds, not why: a mask by a length the JIT does not specialise
-(``do_not_specialize``, or a count read on the device) or an offset of unknown alignment keeps
-a stream scalar.
+The report ends with one line per streaming kernel (:data:`STREAMING`, and a module's own
+``COMPILE_STREAMING`` of the same form): in how many of its variants the op that streams
+compiled to a vector load or store (``ld.global.v4``), and which did not.  It says what the
+PTX holds, not why: a mask by a length the JIT does not specialise (``do_not_specialize``, or
+a count read on the device) or an offset of unknown alignment keeps a stream scalar.
 
 Must run in a process WITHOUT ``TRITON_INTERPRET=1`` (the kernels are then decorated as
 compiled JIT functions); tests/test_kernel_dispatch.py runs it in a subprocess.  Variants
@@ -298,6 +298,16 @@ STREAMING = {"_fused_select_kernel": "ld", "_abs_histogram_kernel": "ld",
              "_chunk_count_kernel": "ld", "_place_kernel": "ld", "_decode_kernel": "ld st"}
 
 
+def streaming_kernels(sources):
+    """:data:`STREAMING` and the ``COMPILE_STREAMING`` of every module in ``sources`` (the
+    ``(name, compile_variants)`` pairs of :func:`discovered_variants`)."""
+    streaming = dict(STREAMING)
+    for _, gen in sources:
+        module = sys.modules.get(getattr(gen, "__module__", None) or "")
+        streaming.update(getattr(module, "COMPILE_STREAMING", {}))
+    return streaming
+
+
 def widest(ptx: str, op: str) -> int:
     """Bytes per thread of the widest VECTOR ``ld.global`` / ``st.global`` (op "ld" / "st") in
     ``ptx``: 16 for ``.v4.b32``, 8 for ``.v2.b32``; 0 when every one is scalar (a ``.b64``
@@ -368,12 +378,12 @@ def _compile_one(name, fn, sig, consts, div16, warps, options, target):
             f"vector ld {width['ld']} B st {width['st']} B"), width
 
 
-def _vector_report(widths):
+def _vector_report(widths, streaming=None):
     """One line per streaming kernel compiled: in how many of its variants the op that streams
     is vectorised (``.v2``/``.v4``), and which are not."""
     lines = ["streaming kernels (vectorised: a .v2/.v4 global load or store, the widest in "
              "bytes per thread):"]
-    for kernel, ops in STREAMING.items():
+    for kernel, ops in (streaming or STREAMING).items():
         seen = widths.get(kernel)
         if not seen:
             continue
@@ -453,7 +463,7 @@ def main(argv=None) -> int:
     if pool is not None:
         pool.close()
         pool.join()
-    print("\n".join(_vector_report(widths)))
+    print("\n".join(_vector_report(widths, streaming_kernels(sources))))
     print(f"{compiled} compiled, {failed} failed "
           f"(modules: {', '.join(m for m, _ in sources)})")
     return 1 if failed else 0

@@ -90,7 +90,8 @@ def test_compile_check_discovers_compile_variants(tmp_path, monkeypatch):
     pkg = tmp_path / "fake_kernels"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    (pkg / "alpha.py").write_text("def compile_variants():\n    yield ('a', None, {}, {}, [], 4)\n")
+    (pkg / "alpha.py").write_text("COMPILE_STREAMING = {'_alpha_kernel': 'ld st'}\n"
+                                  "def compile_variants():\n    yield ('a', None, {}, {}, [], 4)\n")
     (pkg / "beta.py").write_text("X = 1\n")
     (pkg / "gamma.py").write_text("raise ImportError('half written')\n")
     (pkg / "_compile_check.py").write_text("def compile_variants():\n    yield 1\n")
@@ -99,6 +100,8 @@ def test_compile_check_discovers_compile_variants(tmp_path, monkeypatch):
     assert sorted(found) == ["alpha", "gamma"]
     assert [v[0] for v in found["alpha"]()] == ["a"]
     assert isinstance(found["gamma"], ImportError) and "half written" in str(found["gamma"])
+    streaming = cc.streaming_kernels(list(found.items()))
+    assert streaming["_alpha_kernel"] == "ld st" and streaming["_fused_select_kernel"] == "ld"
 
 
 def test_compile_check_vector_width():
