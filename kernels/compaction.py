@@ -531,7 +531,8 @@ def keep_slot_rounding(residual: Tensor, slot: Tensor, wire_slot: Tensor, keep: 
 # the CPU compile check (kernels/_compile_check.py): every kernel as its launcher launches it
 # ----------------------------------------------------------------------------------------------
 def compile_variants():
-    """(name, kernel, signature, constexprs, divisible-by-16 args, num_warps) per variant."""
+    """(name, kernel, signature, constexprs, divisible-by-16 args, num_warps[, options]) per
+    variant, as the launchers launch them (the rounding kernel without fp fusion)."""
     yield ("compaction owner_magnitudes", _owner_magnitudes_kernel,
            {"sums_ptr": "*fp32", "key_ptr": "*i64", "first_ptr": "*i1", "slot_ptr": "*i64",
             "mag_ptr": "*fp32", "m": "i64", "n": "i64", "inv_p": "fp32", "BLOCK": "constexpr"},
@@ -566,4 +567,4 @@ def compile_variants():
                {"res_ptr": "*fp32", "slot_ptr": "*i32", "wire_ptr": "*i32", "keep_ptr": "*i64",
                 "base_ptr": "*i64", "nf_ptr": "*i32", "cg": "i64", "p_f": "fp32",
                 "HAS_NF": "constexpr", "BLOCK": "constexpr"},
-               {"HAS_NF": nf, "BLOCK": _BLOCK}, [0, 1, 3, 4, 5], 4)
+               {"HAS_NF": nf, "BLOCK": _BLOCK}, [0, 1, 3, 4, 5], 4, {"enable_fp_fusion": False})

@@ -287,8 +287,9 @@ def test_compile_variants_name_every_kernel_argument():
     """The compile check's signatures list the kernels' arguments in order (a missing or
     misspelled one would only fail in a process without the interpreter)."""
     seen = set()
-    for name, fn, sig, consts, div16, warps in C.compile_variants():
+    for name, fn, sig, consts, div16, warps, *options in C.compile_variants():
         assert list(sig) == list(fn.arg_names), name
+        assert options == ([{"enable_fp_fusion": False}] if "rounding" in name else [])
         assert set(consts) <= set(sig) and all(0 <= a < len(sig) for a in div16)
         seen.add(fn.fn.__name__ if hasattr(fn, "fn") else fn.__name__)
     assert {"_owner_magnitudes_kernel", "_row_magnitudes_kernel", "_keep_flags_kernel",
