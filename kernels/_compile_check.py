@@ -1,6 +1,7 @@
 """Compile every kernel for a CUDA target without a GPU (ttir -> ... -> cubin).
 
     python -m oktopk_triton.kernels._compile_check [--arch 90] [--verbose] [--jobs N]
+                                                   [--resources]
 
 Catches errors of the compiled path (types, loop-carried values, constexpr specialisation)
 that the interpreter does not see.  Each variant is compiled with the signature and constexprs
@@ -356,7 +357,27 @@ def _kernel_name(fn) -> str:
     return getattr(getattr(fn, "fn", fn), "__name__", str(fn))
 
 
-def _compile_one(name, fn, sig, consts, div16, warps, options, target):
+def resources(ptx: str, arch: int, fmad: bool = True) -> str:
+    """``"regs R spill S B"``: the registers per thread and the bytes spilled to local memory
+    that ptxas reports for ``ptx`` (run again, verbose: the compile does not keep its log)."""
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        log = subprocess.run([get_ptxas(arch).path, "-v", *([] if fmad else ["--fmad=false"]),
+                              f"--gpu-name={sm_arch_from_capability(arch)}", src, "-o",
+                              os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True, check=True).stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spill = re.search(r"(\d+) bytes spill stores", log)
+    return f"regs {regs.group(1) if regs else '?'} spill {spill.group(1) if spill else '?'} B"
+
+
+def _compile_one(name, fn, sig, consts, div16, warps, options, target, with_resources=False):
     """Compile one variant; returns its report line and {op: widest bytes}. Raises on error."""
     import triton
     from triton.compiler import ASTSource
@@ -374,8 +395,10 @@ def _compile_one(name, fn, sig, consts, div16, warps, options, target):
         raise AssertionError(f"{fma} fma.rn.f32 in the velocity update: it must round "
                              "twice (u * momentum, then + grad) like the torch reference")
     width = {op: widest(ptx, op) for op in ("ld", "st")}
+    extra = (" " + resources(ptx, target.arch, options.get("enable_fp_fusion", True))
+             if with_resources else "")
     return (f"ok    {name:<40} loads {loads} atomics {atomics} fma {fma} "
-            f"vector ld {width['ld']} B st {width['st']} B"), width
+            f"vector ld {width['ld']} B st {width['st']} B{extra}"), width
 
 
 def _vector_report(widths, streaming=None):
@@ -408,7 +431,7 @@ def _sources():
 def _job(job):
     """Compile variant ``i`` of source ``src`` (run in a worker: the variants are regenerated
     there, kernels are not pickled). Returns (kernel, variant, report line, widths, error)."""
-    src, i, arch, verbose = job
+    src, i, arch, verbose, with_resources = job
     from triton.backends.compiler import GPUTarget
     _, gen = _sources()[src]
     for j, variant in enumerate(gen()):
@@ -417,7 +440,8 @@ def _job(job):
     name, fn = variant[0], variant[1]
     try:
         options = variant[6] if len(variant) > 6 else {}
-        line, width = _compile_one(*variant[:6], options, GPUTarget("cuda", arch, 32))
+        line, width = _compile_one(*variant[:6], options, GPUTarget("cuda", arch, 32),
+                                   with_resources)
         return _kernel_name(fn), name, line, width, None
     except Exception:
         return _kernel_name(fn), name, f"FAIL  {name}", None, traceback.format_exc(
@@ -430,6 +454,8 @@ def main(argv=None) -> int:
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
                     help="compile in this many processes (default: the cores, at most 8)")
+    ap.add_argument("--resources", action="store_true",
+                    help="also report each variant's registers and spills (ptxas -v once more)")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET: the kernels must be decorated as compiled JIT functions")
@@ -440,7 +466,8 @@ def main(argv=None) -> int:
         try:                                # the module's import or its generator may break
             if isinstance(gen, Exception):
                 raise gen
-            jobs += [(src, i, args.arch, args.verbose) for i, _ in enumerate(gen())]
+            jobs += [(src, i, args.arch, args.verbose, args.resources)
+                     for i, _ in enumerate(gen())]
         except Exception:
             failed += 1
             print(f"FAIL  kernels.{module}: its compile_variants() could not run")
