@@ -46,7 +46,7 @@ if HAS_TRITON:
     def _owner_magnitudes_kernel(
         sums_ptr,      # *fp32  [>= slots]  the owner's sums, one slot per distinct index
         key_ptr,       # *int64 [m]         sorted received indices (n: padding)
-        first_ptr,     # *int1  [m]         run starts (one per distinct index)
+        first_ptr,     # *bool  [m]         run starts (one per distinct index)
         slot_ptr,      # *int64 [m]         the slot of each sorted index
         mag_ptr,       # *fp32  [m]         out: |sum * inv_p| of a valid run start, else -1
         m, n, inv_p,
@@ -222,8 +222,8 @@ if HAS_TRITON:
     def _keep_flags_triton(src, kth, th, flags, rows):
         R, L = src.shape
         _keep_flags_kernel[(R, triton.cdiv(L, _BLOCK))](
-            src, src.stride(0), kth if kth is not None else flags,
-            th if th is not None else flags, flags, L, ROWS=rows, HAS_KTH=kth is not None,
+            src, src.stride(0), kth if kth is not None else src,
+            th if th is not None else src, flags, L, ROWS=rows, HAS_KTH=kth is not None,
             HAS_TH=th is not None, BLOCK=_BLOCK, num_warps=4)
 
     @_dispatch.serialized_when_interpreted
@@ -534,7 +534,7 @@ def compile_variants():
     """(name, kernel, signature, constexprs, divisible-by-16 args, num_warps[, options]) per
     variant, as the launchers launch them (the rounding kernel without fp fusion)."""
     yield ("compaction owner_magnitudes", _owner_magnitudes_kernel,
-           {"sums_ptr": "*fp32", "key_ptr": "*i64", "first_ptr": "*i1", "slot_ptr": "*i64",
+           {"sums_ptr": "*fp32", "key_ptr": "*i64", "first_ptr": "*u1", "slot_ptr": "*i64",
             "mag_ptr": "*fp32", "m": "i64", "n": "i64", "inv_p": "fp32", "BLOCK": "constexpr"},
            {"BLOCK": _BLOCK}, [0, 1, 2, 3, 4], 4)
     yield ("compaction row_magnitudes", _row_magnitudes_kernel,
@@ -546,7 +546,7 @@ def compile_variants():
             "HAS_TH": "constexpr", "BLOCK": "constexpr"}
     for rows, kth, th in ((False, True, True), (False, False, True), (False, True, False),
                           (True, False, False)):
-        sig = dict(ksig, src_ptr="*i32") if rows else ksig
+        sig = dict(ksig, src_ptr="*i32", kth_ptr="*i32", th_ptr="*i32") if rows else ksig
         yield (f"compaction keep_flags rows={rows} kth={kth} th={th}", _keep_flags_kernel, sig,
                {"ROWS": rows, "HAS_KTH": kth, "HAS_TH": th, "BLOCK": _BLOCK}, [0, 4], 4)
     for hdr in (False, True):

@@ -294,3 +294,33 @@ def test_compile_variants_name_every_kernel_argument():
         seen.add(fn.fn.__name__ if hasattr(fn, "fn") else fn.__name__)
     assert {"_owner_magnitudes_kernel", "_row_magnitudes_kernel", "_keep_flags_kernel",
             "_owner_slot_kernel", "_gather_rows_kernel", "_slot_rounding_kernel"} <= seen
+
+
+@pytest.mark.skipif(not C._dispatch.INTERPRET, reason="records launches of CPU tensors")
+def test_compile_variants_cover_the_launches(monkeypatch):
+    """Every launch the public functions make, in each mode, is covered by a variant of the
+    sm_90 compile check (same argument types, mode constexprs, num_warps, fp fusion)."""
+    from test_kernel_dispatch import _assert_covered, _record_launches
+    variants = list(C.compile_variants())
+    names = ("_owner_magnitudes_kernel", "_row_magnitudes_kernel", "_keep_flags_kernel",
+             "_owner_slot_kernel", "_gather_rows_kernel", "_slot_rounding_kernel")
+    log = _record_launches(monkeypatch, [(C, name) for name in names])
+    sums, sidx, first, slot_ids = _owner_case(3, 20, 900, 0)
+    mag = C.owner_magnitudes(sums, sidx, first, slot_ids, 900, 1 / 3, backend="triton")
+    one = torch.ones(())
+    for kth, th in ((one, one), (None, one), (one, None)):
+        C.keep_flags(mag.view(1, -1), kth=kth, th=th, backend="triton")
+    flags = torch.zeros(1, sidx.numel(), dtype=torch.int64)
+    for hdr in (None, torch.zeros(1, dtype=torch.int32)):
+        C.owner_slot(torch.zeros(2 + 2 * 9, dtype=torch.int32), flags, flags, sidx, slot_ids,
+                     sums, 1 / 3, header_out=hdr, backend="triton")
+    g = _gathered_case(3, 9, 0)
+    C.row_magnitudes(g[:, H:H + 9], g[:, H + 9:].view(torch.float32), backend="triton")
+    C.keep_flags(indices=g[:, H:H + 9], backend="triton")
+    f3 = torch.zeros(3, 9, dtype=torch.int64)
+    for hs in (None, g[:, 0]):
+        C.gather_rows(g, f3, f3, th_counts=hs, backend="triton")
+    for nf in (None, torch.zeros(1, dtype=torch.int32)):
+        C.keep_slot_rounding(torch.zeros(100), g[0].contiguous(), g[1].contiguous(), f3[0],
+                             torch.zeros(1, dtype=torch.int64), 3, nf, backend="triton")
+    assert _assert_covered(log, variants) == set(names)
