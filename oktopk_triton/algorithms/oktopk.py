@@ -95,6 +95,8 @@ import torch
 
 from .. import kernels as K
 from ..kernels import compaction as KC
+from ..kernels import message as KM
+from ..kernels import sample as KS
 from . import _wire as W
 from . import schedule as S
 from .base import Algorithm
@@ -195,8 +197,6 @@ class OkTopk(Algorithm):
         self._gathered = torch.zeros(P, _HEADER + 2 * cg, dtype=torch.int32, device=dev)
         self._hist = torch.zeros(P, K.SELECT_HIST_BINS, dtype=torch.int32, device=dev)
         self._stage = K.empty_selection(P, self.cap_s, dev)
-        if self.bf16_wire:   # cap_r values padded to an even count: whole int32 words
-            self._wire_vals = torch.zeros(P, 2 * ((cr + 1) // 2), dtype=torch.bfloat16, device=dev)
         # the owner's sums: one slot per distinct received index (at most P·cap_r), not an
         # n-sized scratch (that was 1.0n of the 2.33n words this reducer kept between steps)
         self._sums = torch.zeros(P * cr, dtype=torch.float32, device=dev)
@@ -211,12 +211,10 @@ class OkTopk(Algorithm):
         self._inv_P = 1.0 / P
         self._zero = torch.zeros((), dtype=torch.float32, device=dev)
         # 0-dim fill values for torch.where: a full_like per use was one launch each
-        self._neg1_f = torch.full((), -1.0, dtype=torch.float32, device=dev)
         self._inf_f = torch.full((), float("inf"), dtype=torch.float32, device=dev)
         self._neg1_i = torch.full((), -1, dtype=torch.int64, device=dev)
         self._n_i = torch.full((), n, dtype=torch.int64, device=dev)
         self._cg_i = torch.full((), cg, dtype=torch.int64, device=dev)
-        self._slots_s = torch.arange(self.cap_s, dtype=torch.int32, device=dev)   # staging slots
         self._slots_r = torch.arange(cr, dtype=torch.int32, device=dev).reshape(1, -1)   # row's
 
     # -- capacities -------------------------------------------------------------------------------
@@ -330,18 +328,14 @@ class OkTopk(Algorithm):
         random positions (the k·m/n-th largest of the sample), so a step whose scale jumped
         (Adam's updates during a learning-rate warm-up double from one step to the next) is
         not selected with last step's threshold; no row above its staging-fill threshold from
-        the last histogram. Costs a gather of m entries of grad and residual and a top-k of m
-        (torch ops, not counted in ``kernel_launches``); no pass over n, no host read."""
-        idx = self._sample_idx
-        g = grad.reshape(-1).index_select(0, idx).float()
-        if self.velocity is not None:
-            g = self.velocity.index_select(0, idx) * self.momentum + g
-        acc = (self.residual.index_select(0, idx) + g).abs()
-        acc = acc.nan_to_num(0.0, 0.0, 0.0)       # non-finite entries count as 0 (one op)
-        x = torch.topk(acc, self._sample_k, sorted=False).values.min()
-        x = torch.where(x > 0, x, self.th_rows.min())      # an all-zero sample keeps the old
-        th = torch.maximum(x.expand(self.P), self._cap_rows).contiguous()
-        self.th_rows.copy_(self._keep_if_nonfinite(th, self.th_rows, nonfinite))
+        the last histogram. Three launches (``kernels/sample.py``): the sample's |acc| (a gather
+        of m entries of grad and residual, non-finite ones as 0), a top-k of m, the rows'
+        thresholds (one program; kept on a non-finite step); no pass over n, no host read."""
+        be = self.backend
+        acc = KS.sample_magnitudes(grad.reshape(-1), self.residual, self._sample_idx,
+                                   velocity=self.velocity, momentum=self.momentum, backend=be)
+        top = torch.topk(acc, self._sample_k, sorted=False).values
+        KS.sample_threshold(top, self.th_rows, self._cap_rows, nonfinite, backend=be)
 
     def _velocity_preview(self, grad: torch.Tensor) -> torch.Tensor:
         """What fused_select will accumulate: grad, or (u·m) + grad with momentum correction."""
@@ -352,33 +346,23 @@ class OkTopk(Algorithm):
     def _select(self, grad: torch.Tensor, nonfinite: Optional[torch.Tensor]) -> K.Selection:
         """The select pass into the staging rows, then each row's cap_r largest into the message
         (a row with fewer candidates sends them all). Entries staged but not sent stay in the
-        residual, like everything below the threshold."""
-        cr, P = self.cap_r, self.P
+        residual, like everything below the threshold. After the select pass, three launches
+        (``kernels/message.py``): the staged magnitudes, each row's top-k, the message."""
+        cr, be = self.cap_r, self.backend
         stg = self._stage
         # the histograms are zero here: step_bookkeeping cleared them after reading (and they
         # start as zeros)
         K.fused_select(grad, self.residual, self.th_rows, self.region_offsets, self.cap_s,
                        skip=nonfinite, out=stg, velocity=self.velocity, momentum=self.momentum,
                        mask_velocity=self.momentum_masking and self.velocity is not None,
-                       hist=self._hist, backend=self.backend)
+                       hist=self._hist, backend=be)
         msg = self._msg
-        counts = stg.counts.reshape(P, 1)
-        staged = self._slots_s < counts
-        mag = torch.where(staged, stg.values.abs(), self._neg1_f)
         # a row with more than cap_r candidates sends its cap_r largest (all valid, in any
         # order); one with fewer sends them as staged (valid ones first). Unsorted: the sorted
         # top-k cost 1.3 ms of a 33 ms CPU step (n = 2^20, P = 4), the unsorted 0.57
-        pos = torch.topk(mag, cr, dim=1, sorted=False).indices
-        pos = torch.where(counts > cr, pos, self._slots_r)
-        msg[:, 0] = stg.counts.clamp(max=cr)
-        msg[:, 1] = stg.nonfinite
-        torch.gather(stg.indices, 1, pos, out=msg[:, _HEADER:_HEADER + cr])
-        vals = stg.values.gather(1, pos)
-        if self.bf16_wire:   # rounded on the wire; clear_sent keeps the rounding in the residual
-            self._wire_vals[:, :cr] = vals
-            msg[:, _HEADER + cr:] = self._wire_vals.view(torch.int32)
-        else:
-            msg[:, _HEADER + cr:] = vals.view(torch.int32)
+        pos = torch.topk(KM.staged_magnitudes(stg, backend=be), cr, dim=1, sorted=False).indices
+        # bf16 wire: rounded on the wire; clear_sent keeps the rounding in the residual
+        vals = KM.pack_rows(msg, stg, pos, bf16=self.bf16_wire, backend=be)
         if self.compact:   # sorted by index; clear_sent keeps the rounding in the residual
             # grouped by chunk, not sorted (the owner sorts what it receives anyway)
             enc = W.encode(msg[:, _HEADER:_HEADER + cr], vals, msg[:, 0], self.numel,
