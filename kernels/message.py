@@ -242,15 +242,15 @@ def pack_rows(msg: Tensor, stage: Selection, pos: Tensor, *, bf16: bool = False,
 # compile check (kernels/_compile_check.py compiles these for sm_90 without a GPU)
 # ----------------------------------------------------------------------------------------------
 def compile_variants():
-    """(name, kernel, signature, constexprs, divisible-by-16 args, num_warps) per variant, as
-    the launchers above launch them."""
+    """(name, kernel, signature, constexprs, divisible-by-16 args, num_warps, options) per
+    variant, as the launchers above launch them."""
     yield ("message staged_magnitudes", _staged_magnitudes_kernel,
            {"val_ptr": "*fp32", "val_stride": "i32", "cnt_ptr": "*i32", "mag_ptr": "*fp32",
-            "L": "i32", "BLOCK": "constexpr"}, {"BLOCK": _BLOCK}, [0, 2, 3], 4)
+            "L": "i32", "BLOCK": "constexpr"}, {"BLOCK": _BLOCK}, [0, 2, 3], 4, {})
     for bf16 in (False, True):
         yield (f"message pack_rows bf16={bf16}", _pack_rows_kernel,
                {"sidx_ptr": "*i32", "sidx_stride": "i32", "sval_ptr": "*fp32",
                 "sval_stride": "i32", "cnt_ptr": "*i32", "nf_ptr": "*i32", "pos_ptr": "*i64",
                 "msg_ptr": "*i32", "msg_stride": "i32", "vals_ptr": "*fp32", "cr": "i32",
                 "BF16": "constexpr", "BLOCK": "constexpr"},
-               {"BF16": bf16, "BLOCK": _BLOCK}, [0, 2, 4, 5, 6, 7, 9], 4)
+               {"BF16": bf16, "BLOCK": _BLOCK}, [0, 2, 4, 5, 6, 7, 9], 4, {})

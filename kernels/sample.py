@@ -195,17 +195,18 @@ def sample_threshold(top: Tensor, th_rows: Tensor, cap: Tensor,
 # compile check (kernels/_compile_check.py compiles these for sm_90 without a GPU)
 # ----------------------------------------------------------------------------------------------
 def compile_variants():
-    """(name, kernel, signature, constexprs, divisible-by-16 args, num_warps) per variant, as
-    the launchers above launch them (the gather also with bf16 and fp16 gradients)."""
+    """(name, kernel, signature, constexprs, divisible-by-16 args, num_warps, options) per
+    variant, as the launchers above launch them (the gather also with bf16 and fp16 gradients,
+    without FP fusion: ``velocity·momentum + grad`` rounds twice)."""
     for grad, vel in (("*fp32", False), ("*fp32", True), ("*bf16", False), ("*fp16", True)):
         yield (f"sample magnitudes grad={grad[1:]} velocity={vel}", _sample_magnitudes_kernel,
                {"grad_ptr": grad, "res_ptr": "*fp32", "vel_ptr": "*fp32", "idx_ptr": "*i32",
                 "out_ptr": "*fp32", "m": "i32", "momentum": "fp32", "VELOCITY": "constexpr",
                 "BLOCK": "constexpr"},
-               {"VELOCITY": vel, "BLOCK": _BLOCK}, [0, 1, 2, 3, 4], 4)
+               {"VELOCITY": vel, "BLOCK": _BLOCK}, [0, 1, 2, 3, 4], 4, {"enable_fp_fusion": False})
     for nf in (False, True):
         yield (f"sample threshold nf={nf}", _sample_threshold_kernel,
                {"top_ptr": "*fp32", "th_ptr": "*fp32", "cap_ptr": "*fp32",
                 "nf_ptr": "*i32" if nf else "*fp32", "K": "i32", "P": "i32",
                 "HAS_NF": "constexpr", "BLOCK": "constexpr"},
-               {"HAS_NF": nf, "BLOCK": _BLOCK}, [0, 1, 2, 3], 4)
+               {"HAS_NF": nf, "BLOCK": _BLOCK}, [0, 1, 2, 3], 4, {})

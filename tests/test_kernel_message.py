@@ -253,11 +253,43 @@ def test_argument_errors():
         M.pack_rows(msg.float(), stg, pos)
 
 
-def test_compile_variants_cover_every_kernel():
-    names = [v[0] for v in S.compile_variants()] + [v[0] for v in M.compile_variants()]
-    kernels = {v[1] for v in S.compile_variants()} | {v[1] for v in M.compile_variants()}
-    assert len(kernels) == 4 and len(names) == len(set(names)) == 9
-    for v in list(S.compile_variants()) + list(M.compile_variants()):
-        name, fn, sig, consts, div16, warps = v
+def test_compile_variants_name_every_kernel_argument():
+    """The compile check's signatures list the kernels' arguments in order (a missing or
+    misspelled one would only fail in a process without the interpreter)."""
+    variants = list(S.compile_variants()) + list(M.compile_variants())
+    assert len({v[0] for v in variants}) == len(variants) == 9
+    seen = set()
+    for name, fn, sig, consts, div16, warps, options in variants:
+        assert list(sig) == list(fn.arg_names), name
+        assert options == ({"enable_fp_fusion": False} if "magnitudes grad" in name else {})
         assert set(consts) <= set(sig) and all(sig[c] == "constexpr" for c in consts)
         assert all(0 <= i < len(sig) and sig[list(sig)[i]].startswith("*") for i in div16)
+        seen.add(fn.fn.__name__ if hasattr(fn, "fn") else fn.__name__)
+    assert seen == {"_sample_magnitudes_kernel", "_sample_threshold_kernel",
+                    "_staged_magnitudes_kernel", "_pack_rows_kernel"}
+
+
+@pytest.mark.skipif(not _dispatch.INTERPRET, reason="records launches of CPU tensors")
+def test_compile_variants_cover_the_launches(monkeypatch):
+    """Every launch the public functions make, in each mode, is covered by a variant of the
+    sm_90 compile check (same argument types, mode constexprs, num_warps, fp fusion)."""
+    from test_kernel_dispatch import _assert_covered, _record_launches
+    variants = list(S.compile_variants()) + list(M.compile_variants())
+    log = _record_launches(monkeypatch, [
+        (S, "_sample_magnitudes_kernel"), (S, "_sample_threshold_kernel"),
+        (M, "_staged_magnitudes_kernel"), (M, "_pack_rows_kernel")])
+    grad, res, idx, vel, th, cap = _sample_case(3000, 200, 4, velocity=True)
+    for g, v in ((grad, None), (grad, vel), (grad.bfloat16(), None), (grad.half(), vel)):
+        S.sample_magnitudes(g, res, idx, velocity=v, momentum=0.9, backend="triton")
+    for nf in (None, torch.zeros((), dtype=torch.int32)):
+        S.sample_threshold(th, th.clone(), cap, nf, backend="triton")
+    stg = _stage(3, 40, [3, 50, 12])
+    M.staged_magnitudes(stg, backend="triton")
+    pos = torch.zeros(3, 11, dtype=torch.int64)
+    for bf16 in (False, True):
+        msg = torch.zeros(3, H + 11 + (6 if bf16 else 11), dtype=torch.int32)
+        M.pack_rows(msg, stg, pos, bf16=bf16, backend="triton")
+    assert len(log) == 9
+    assert _assert_covered(log, variants) == {
+        "_sample_magnitudes_kernel", "_sample_threshold_kernel", "_staged_magnitudes_kernel",
+        "_pack_rows_kernel"}
