@@ -211,10 +211,7 @@ class OkTopk(Algorithm):
         self._inv_P = 1.0 / P
         self._zero = torch.zeros((), dtype=torch.float32, device=dev)
         # 0-dim fill values for torch.where: a full_like per use was one launch each
-        self._inf_f = torch.full((), float("inf"), dtype=torch.float32, device=dev)
-        self._neg1_i = torch.full((), -1, dtype=torch.int64, device=dev)
         self._n_i = torch.full((), n, dtype=torch.int64, device=dev)
-        self._cg_i = torch.full((), cg, dtype=torch.int64, device=dev)
         self._slots_r = torch.arange(cr, dtype=torch.int32, device=dev).reshape(1, -1)   # row's
 
     # -- capacities -------------------------------------------------------------------------------
