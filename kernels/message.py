@@ -1,10 +1,10 @@
 """Ok-Topk's reduce rows: from the staging rows to the packed int32 message in two launches.
 
 Why: after the select pass, each row's ``cap_r`` largest staged candidates became the message
-``msg[P, 2 + cap_r + value words]`` through 13 torch ops on [P, cap_s] tensors (the staged
-magnitudes, a top-k, the choice between its positions and the staging order, the header's
-clamp and copy, two gathers, the values' bit copy; the bf16 wire one more): 13 launches of a
-62-launch steady step (``oktopk-bench launches``, P = 4, n = 2^17, 1%), each a few
+``msg[P, 2 + cap_r + value words]`` through 12 kernel-launching torch ops on [P, cap_s]
+tensors (the staged magnitudes, a top-k, the choice between its positions and the staging
+order, the header's clamp and copy, two gathers, the values' bit copy; the bf16 wire one more)
+of a 62-launch steady step (``oktopk-bench launches``, P = 4, n = 2^17, 1%), each a few
 microseconds on a GPU for under 100 KB. Here :func:`staged_magnitudes` (one launch) feeds
 ``torch.topk`` (kept: a k-selection, and its tie order is the step's), and :func:`pack_rows`
 (one launch) writes the whole message, header, indices and values (fp32 bits, or bf16 pairs),

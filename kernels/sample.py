@@ -1,12 +1,13 @@
 """Ok-Topk's rank threshold from a fixed sample of this step's acc: two launches around a top-k.
 
 Why: the rank threshold (the k·m/n-th largest |acc| at m fixed random positions, docs/
-algorithms.md §3) was 15 torch ops on m-sized and P-sized tensors (index_select of grad and
-residual, add, abs, nan_to_num, top-k, min, where, min, maximum, where, copy, ...): 15 launches
-of a 62-launch steady step (``oktopk-bench launches``, P = 4, n = 2^17, 1%), each a few
-microseconds on a GPU for at most 256 KB. Here :func:`sample_magnitudes` gathers the sample's
-|acc| in one launch, ``torch.topk`` stays (a k-selection), and :func:`sample_threshold` turns
-the top values into the rows' thresholds in one single-program launch: 3 launches.
+algorithms.md §3) was 14 kernel-launching torch ops on m-sized and P-sized tensors
+(index_select of grad and residual, add, abs, nan_to_num, top-k, min, where, min, maximum,
+where, copy, ...) of a 62-launch steady step (``oktopk-bench launches``, P = 4, n = 2^17, 1%),
+each a few microseconds on a GPU for at most 256 KB. Here :func:`sample_magnitudes` gathers
+the sample's |acc| in one launch, ``torch.topk`` stays (a k-selection), and
+:func:`sample_threshold` turns the top values into the rows' thresholds in one single-program
+launch: 3 launches.
 
 The torch references (``_*_torch``) are the specification: the ops the step issued before, in
 the same order, so the results are bit for bit the same (``velocity·momentum + grad`` rounds
