@@ -97,6 +97,7 @@ from .. import kernels as K
 from ..kernels import compaction as KC
 from ..kernels import message as KM
 from ..kernels import sample as KS
+from ..kernels import slots as KSL
 from . import _wire as W
 from . import schedule as S
 from .base import Algorithm
@@ -372,33 +373,30 @@ class OkTopk(Algorithm):
     def _reduce(self, sel: K.Selection) -> None:
         """One grouped send/recv of the rows, then the owner's sums, one slot per distinct index
         (own row first, then the received rows in rotation order: sources r, r−1, r−2, ...;
-        the same fp32 additions in the same order as a dense scratch would see)."""
-        P, r, cr = self.P, self.rank, self.cap_r
+        the same fp32 additions in the same order as a dense scratch would see). The rows are
+        read where they landed (own row in the message, the others in the receive buffer):
+        sort keys, ``torch.sort``, run starts, ``torch.cumsum``, slot sums (kernels/slots.py)."""
+        P, r, cr, be = self.P, self.rank, self.cap_r, self.backend
         msg, recv = (self._cmsg, self._crecv) if self.compact else (self._msg, self._recv)
         if P > 1:
             self.comm.send_recv([((r + i) % P, msg[(r + i) % P]) for i in range(1, P)],
                                 [((r - i) % P, recv[i - 1]) for i in range(1, P)])
-        rows = torch.cat([msg[r:r + 1], recv[:P - 1]]) if P > 1 else msg
-        self._rows = rows
         if self.compact:   # the own row too: every source adds its bf16 values
-            idx, vals, counts = W.decode(rows, cr, self.numel, fmt=self.wire_format,
-                                         backend=self.backend)
-            idx = idx.to(torch.int64)
+            rows = torch.cat([msg[r:r + 1], recv[:P - 1]]) if P > 1 else msg
+            idx, vals, counts = W.decode(rows, cr, self.numel, fmt=self.wire_format, backend=be)
+            head = (idx[:1], counts[:1], vals[:1])
+            tail = (idx[1:], counts[1:], vals[1:])
         else:
-            vals = rows[:, _HEADER + cr:]
-            vals = (vals.view(torch.bfloat16)[:, :cr].float() if self.bf16_wire
-                    else vals.view(torch.float32))
-            idx = rows[:, _HEADER:_HEADER + cr].to(torch.int64)
-            counts = rows[:, 0]
-        valid = self._slots_r < counts.reshape(P, 1)                          # slot < count
-        key = torch.where(valid, idx, self._n_i).reshape(-1)
+            def part(rows):   # (indices, counts, values) of rows in the message layout
+                v = rows[:, _HEADER + cr:]
+                v = v.view(torch.bfloat16)[:, :cr] if self.bf16_wire else v.view(torch.float32)
+                return rows[:, _HEADER:_HEADER + cr], rows[:, 0], v
+            head, tail = part(msg[r:r + 1]), part(recv[:P - 1])
+        key = KSL.slot_keys(head[0], head[1], tail[0], tail[1], self.numel, backend=be)
         sidx, perm = torch.sort(key, stable=True)               # ascending; padding last
-        first = torch.ones_like(sidx, dtype=torch.bool)
-        first[1:] = sidx[1:] != sidx[:-1]                       # one slot per position
-        slot = torch.cumsum(first, 0, dtype=torch.int64) - 1
-        slot_of = torch.empty_like(slot).scatter_(0, perm, slot).to(torch.int32).view(P, cr)
-        self._sums.zero_()
-        K.scatter_add(self._sums, slot_of, vals, counts, base=0, backend=self.backend)
+        first = KSL.slot_starts(sidx, backend=be)               # one slot per position
+        slot = KSL.slot_sums(sidx, perm, first, torch.cumsum(first, 0, dtype=torch.int64),
+                            self._sums, head[1], tail[1], head[2], tail[2], backend=be)
         self._sorted = (sidx, first, slot)
 
     def _owner_select(self) -> None:
