@@ -288,11 +288,11 @@ def compile_variants():
             "BLOCK": "constexpr"},
            {"BLOCK": _BLOCK}, [0, 1, 3, 5, 7], 4)
     yield ("slots slot_starts", _slot_starts_kernel,
-           {"key_ptr": "*i64", "first_ptr": "*i1", "m": "i64", "BLOCK": "constexpr"},
+           {"key_ptr": "*i64", "first_ptr": "*u1", "m": "i64", "BLOCK": "constexpr"},
            {"BLOCK": _BLOCK}, [0, 1], 4)
     for vt in ("*fp32", "*bf16"):
         yield (f"slots slot_sums values={vt[1:]}", _slot_sums_kernel,
-               {"key_ptr": "*i64", "perm_ptr": "*i64", "first_ptr": "*i1", "csum_ptr": "*i64",
+               {"key_ptr": "*i64", "perm_ptr": "*i64", "first_ptr": "*u1", "csum_ptr": "*i64",
                 "slot_ptr": "*i64", "sums_ptr": "*fp32", "ca_ptr": "*i32", "ca_stride": "i32",
                 "cb_ptr": "*i32", "cb_stride": "i32", "va_ptr": vt, "va_stride": "i32",
                 "vb_ptr": vt, "vb_stride": "i32", "Ra": "i64", "R": "i64", "m": "i64",

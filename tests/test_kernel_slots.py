@@ -143,3 +143,37 @@ def test_argument_errors():
         SL.slot_sums(k, k, f, k, torch.zeros(7), c, c, v, v)
     with pytest.raises(ValueError, match="slot_sums: values must be two"):
         SL.slot_sums(k, k, f, k, torch.zeros(8), c, c, v, v.half())
+
+
+def test_compile_variants_are_well_formed():
+    """Every variant names its kernel's parameters, in order, with constexprs among them."""
+    seen = set()
+    for name, fn, sig, consts, div16, warps in SL.compile_variants():
+        params = list(fn.arg_names) if hasattr(fn, "arg_names") else None
+        assert params is None or params == list(sig), name
+        assert set(consts) <= set(sig) and all(0 <= a < len(sig) for a in div16)
+        assert warps == 4
+        seen.add(fn.fn.__name__ if hasattr(fn, "fn") else fn.__name__)
+    assert seen == {"_slot_keys_kernel", "_slot_starts_kernel", "_slot_sums_kernel"}
+
+
+@pytest.mark.skipif(not SL._dispatch.INTERPRET, reason="records launches of CPU tensors")
+def test_compile_variants_cover_the_launches(monkeypatch):
+    """Every launch the public functions make (fp32 and bf16 values, P = 1 and 4, the message
+    layout's strided rows) is covered by a variant of the sm_90 compile check."""
+    from test_kernel_dispatch import _assert_covered, _record_launches
+    variants = list(SL.compile_variants())
+    names = ("_slot_keys_kernel", "_slot_starts_kernel", "_slot_sums_kernel")
+    log = _record_launches(monkeypatch, [(SL, name) for name in names])
+    for P, dtype in ((4, torch.float32), (1, torch.bfloat16), (3, torch.bfloat16)):
+        idx, vals, counts = _rows(P, 10, 40, 0, dtype=dtype)
+        msg = torch.zeros(P, 25, dtype=torch.int32, device=DEV)
+        msg[:, 0], msg[:, 2:12] = counts, idx
+        ia, ca, ib, cb = msg[:1, 2:12], msg[:1, 0], msg[1:, 2:12], msg[1:, 0]
+        key = torch.arange(P * 10, device=DEV)
+        SL.slot_keys(ia, ca, ib, cb, 40, backend="triton")
+        first = torch.ones(P * 10, dtype=torch.bool, device=DEV)
+        SL.slot_starts(key, out=first, backend="triton")
+        SL.slot_sums(key, key, first, key, torch.zeros(P * 10, device=DEV), ca, cb, vals[:1],
+                     vals[1:], backend="triton")
+    assert _assert_covered(log, variants) == set(names)
