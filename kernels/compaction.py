@@ -8,7 +8,9 @@ microseconds on a GPU for a few hundred kilobytes. Both follow one pattern, kept
 pipeline of kernels around the torch ops that need a global view (a k-selection, its min, a
 scan): candidates -> magnitudes (-1: invalid) -> ``torch.topk`` -> ``.min()`` = kth ->
 :func:`keep_flags` -> ``torch.cumsum`` (positions) -> ONE kernel writing the fixed-capacity
-row(s) with their padding and counts (:func:`owner_slot`, :func:`gather_rows`).
+row(s) with their padding and counts (:func:`owner_slot`, :func:`gather_rows`). When the
+gathered slots hold at most k entries (Ok-Topk's default capacities) the global set is all of
+them: :func:`gather_rows` then copies each slot's count prefix, no flags, no cumsum.
 
 The flags are int64: bit 0 is ``keep``, bit 32 ``valid & |v| >= th`` (the owner's count at the
 last global threshold), so ONE cumsum gives both the positions (low word) and both counts
@@ -79,24 +81,19 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["L"])
     def _keep_flags_kernel(
-        src_ptr, src_stride,   # ROWS: *int32 [R, L] indices (valid: >= 0); else *fp32 [R, L]
-                               # magnitudes (valid: != -1)
+        mag_ptr, mag_stride,   # *fp32 [R, L] (row stride): magnitudes, -1 for invalid
         kth_ptr,       # *fp32 []           keep needs mag >= kth (if HAS_KTH)
         th_ptr,        # *fp32 []           bit 32: valid & mag >= th (if HAS_TH)
         flags_ptr,     # *int64 [R, L]      out (contiguous)
         L,
-        ROWS: tl.constexpr, HAS_KTH: tl.constexpr, HAS_TH: tl.constexpr,
+        HAS_KTH: tl.constexpr, HAS_TH: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         s = tl.program_id(0).to(tl.int64)
         e = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         inb = e < L
-        if ROWS:
-            valid = tl.load(src_ptr + s * src_stride + e, mask=inb, other=-1) >= 0
-            mag = tl.zeros([BLOCK], dtype=tl.float32)
-        else:
-            mag = tl.load(src_ptr + s * src_stride + e, mask=inb, other=-1.0)
-            valid = mag != -1.0
+        mag = tl.load(mag_ptr + s * mag_stride + e, mask=inb, other=-1.0)
+        valid = mag != -1.0
         keep = valid
         if HAS_KTH:
             keep = keep & (mag >= tl.load(kth_ptr))
@@ -145,14 +142,15 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["cg"])
     def _gather_rows_kernel(
         g_ptr, g_stride,       # *int32 [R, 2 + 2cg]: gathered slots (header, idx, fp32 bits)
-        flags_ptr,     # *int64 [R, cg]     keep in bit 0
-        csum_ptr,      # *int64 [R, cg]     row-wise inclusive cumsum of the flags
+        flags_ptr,     # *int64 [R, cg]     keep in bit 0 (unless PREFIX)
+        csum_ptr,      # *int64 [R, cg]     row-wise inclusive cumsum of the flags (unless PREFIX)
         oidx_ptr,      # *int32 [R, cg]     out: kept indices, ascending, -1 padded
         oval_ptr,      # *fp32  [R, cg]     out: their values, 0 padded
         ocnt_ptr,      # *int32 [R]         out: kept per row
         gkeep_ptr,     # *fp32  [R, cg]     out: |value| where kept, else inf
         hsrc_ptr, hsrc_stride,  # *int32 [R] (strided): copied to g[:, 1] (if HAS_HSRC)
         cg,
+        PREFIX: tl.constexpr,   # no flags: every entry of a row's count prefix is kept
         HAS_HSRC: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
@@ -161,9 +159,15 @@ if HAS_TRITON:
         e = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         inb = e < cg
         row = g_ptr + s * g_stride
-        cnt = tl.load(csum_ptr + s * cg + cg - 1).to(tl.int32)
-        keep = inb & ((tl.load(flags_ptr + s * cg + e, mask=inb, other=0) & 1) != 0)
-        pos = (tl.load(csum_ptr + s * cg + e, mask=inb, other=0).to(tl.int32) - 1).to(tl.int64)
+        if PREFIX:
+            cnt = tl.minimum(tl.maximum(tl.load(row), 0), cg)
+            keep = inb & (e < cnt)
+            pos = e
+        else:
+            cnt = tl.load(csum_ptr + s * cg + cg - 1).to(tl.int32)
+            keep = inb & ((tl.load(flags_ptr + s * cg + e, mask=inb, other=0) & 1) != 0)
+            pos = (tl.load(csum_ptr + s * cg + e, mask=inb, other=0).to(tl.int32) - 1) \
+                .to(tl.int64)
         idx = tl.load(row + 2 + e, mask=inb, other=-1)
         val = tl.load(row + 2 + cg + e, mask=inb, other=0).to(tl.float32, bitcast=True)
         tl.store(oidx_ptr + s * cg + pos, idx, mask=keep)
@@ -182,11 +186,12 @@ if HAS_TRITON:
         res_ptr,       # *fp32  [n]         residual, += at the delivered entries
         slot_ptr,      # *int32 [2 + 2cg]   the owner's slot: count, _, indices, fp32 bits
         wire_ptr,      # *int32 [2 + 2cg]   the same slot as gathered (the wire's values)
-        keep_ptr,      # *int64 [cg]        the gather's flags of this slot (bit 0: delivered)
+        keep_ptr,      # *int64 [cg]        the gather's flags of this slot (bit 0: delivered;
+                       #                    if HAS_KEEP, else all within the count)
         base_ptr,      # *int64 []          the region's start
         nf_ptr,        # *int32 []          non-finite flag (if HAS_NF): nothing on a bad step
         cg, p_f,
-        HAS_NF: tl.constexpr,
+        HAS_KEEP: tl.constexpr, HAS_NF: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -194,7 +199,8 @@ if HAS_TRITON:
         if HAS_NF:
             cnt = tl.where(tl.load(nf_ptr) == 0, cnt, 0)     # a non-finite step: nothing
         w = e < cnt
-        w = w & ((tl.load(keep_ptr + e, mask=w, other=0) & 1) != 0)
+        if HAS_KEEP:
+            w = w & ((tl.load(keep_ptr + e, mask=w, other=0) & 1) != 0)
         idx = tl.load(slot_ptr + 2 + e, mask=w, other=-1)
         w = w & (idx >= 0)
         f32 = tl.load(slot_ptr + 2 + cg + e, mask=w, other=0).to(tl.float32, bitcast=True)
@@ -219,11 +225,11 @@ if HAS_TRITON:
             idx, idx.stride(0), val, val.stride(0), mag, L, BLOCK=_BLOCK, num_warps=4)
 
     @_dispatch.serialized_when_interpreted
-    def _keep_flags_triton(src, kth, th, flags, rows):
-        R, L = src.shape
+    def _keep_flags_triton(mag, kth, th, flags):
+        R, L = mag.shape
         _keep_flags_kernel[(R, triton.cdiv(L, _BLOCK))](
-            src, src.stride(0), kth if kth is not None else src,
-            th if th is not None else src, flags, L, ROWS=rows, HAS_KTH=kth is not None,
+            mag, mag.stride(0), kth if kth is not None else mag,
+            th if th is not None else mag, flags, L, HAS_KTH=kth is not None,
             HAS_TH=th is not None, BLOCK=_BLOCK, num_warps=4)
 
     @_dispatch.serialized_when_interpreted
@@ -235,17 +241,20 @@ if HAS_TRITON:
 
     @_dispatch.serialized_when_interpreted
     def _gather_rows_triton(g, flags, csum, oidx, oval, ocnt, gkeep, hsrc):
-        R, cg = flags.shape
+        R, cg = oidx.shape
+        prefix = flags is None
         _gather_rows_kernel[(R, triton.cdiv(cg, _BLOCK))](
-            g, g.stride(0), flags, csum, oidx, oval, ocnt, gkeep,
-            hsrc if hsrc is not None else ocnt, hsrc.stride(0) if hsrc is not None else 0, cg,
+            g, g.stride(0), oidx if prefix else flags, oidx if prefix else csum, oidx, oval,
+            ocnt, gkeep, hsrc if hsrc is not None else ocnt,
+            hsrc.stride(0) if hsrc is not None else 0, cg, PREFIX=prefix,
             HAS_HSRC=hsrc is not None, BLOCK=_BLOCK, num_warps=4)
 
     @_dispatch.serialized_when_interpreted
     def _slot_rounding_triton(res, slot, wire, keep, base, nf, P):
-        cg = keep.numel()
+        cg = (slot.numel() - _HEADER) // 2
         _slot_rounding_kernel[_grid1(cg)](
-            res, slot, wire, keep, base, nf if nf is not None else slot, cg, float(P),
+            res, slot, wire, keep if keep is not None else base, base,
+            nf if nf is not None else slot, cg, float(P), HAS_KEEP=keep is not None,
             HAS_NF=nf is not None, BLOCK=_BLOCK, num_warps=4, enable_fp_fusion=False)
 
 
@@ -262,12 +271,8 @@ def _row_magnitudes_torch(idx, val, mag):
     mag.copy_(torch.where(idx >= 0, val.abs(), torch.full_like(val, -1.0)))
 
 
-def _keep_flags_torch(src, kth, th, flags, rows):
-    if rows:
-        valid, mag = src >= 0, None
-    else:
-        mag = src
-        valid = mag != -1
+def _keep_flags_torch(mag, kth, th, flags):
+    valid = mag != -1
     keep = valid if kth is None else valid & (mag >= kth)
     f = keep.to(torch.int64)
     if th is not None:
@@ -294,25 +299,33 @@ def _owner_slot_torch(flags, csum, key, slot, sums, out, hdr, inv_p):
 
 
 def _gather_rows_torch(g, flags, csum, oidx, oval, ocnt, gkeep, hsrc):
-    R, cg = flags.shape
+    R, cg = oidx.shape
     gidx = g[:, _HEADER:_HEADER + cg]
     gval = g[:, _HEADER + cg:].view(torch.float32)
-    keep = (flags & 1) != 0
-    low = csum & 0xFFFFFFFF
-    tgt = torch.where(keep, low - 1, torch.full_like(csum, cg))
-    oidx.copy_(torch.full((R, cg + 1), -1, dtype=torch.int32, device=g.device)
-               .scatter_(1, tgt, gidx)[:, :cg])
-    oval.copy_(torch.zeros(R, cg + 1, dtype=torch.float32, device=g.device)
-               .scatter_(1, tgt, gval)[:, :cg])
-    ocnt.copy_(low[:, -1])
+    if flags is None:   # the count prefix of each row, as it is
+        cnt = g[:, 0].clamp(0, cg)
+        keep = torch.arange(cg, device=g.device) < cnt.reshape(R, 1)
+        oidx.copy_(torch.where(keep, gidx, -1))
+        oval.copy_(torch.where(keep, gval, 0.0))
+        ocnt.copy_(cnt)
+    else:
+        keep = (flags & 1) != 0
+        low = csum & 0xFFFFFFFF
+        tgt = torch.where(keep, low - 1, torch.full_like(csum, cg))
+        oidx.copy_(torch.full((R, cg + 1), -1, dtype=torch.int32, device=g.device)
+                   .scatter_(1, tgt, gidx)[:, :cg])
+        oval.copy_(torch.zeros(R, cg + 1, dtype=torch.float32, device=g.device)
+                   .scatter_(1, tgt, gval)[:, :cg])
+        ocnt.copy_(low[:, -1])
     gkeep.copy_(torch.where(keep, gval.abs(), torch.full_like(gval, float("inf"))))
     if hsrc is not None:
         g[:, 1] = hsrc
 
 
 def _slot_rounding_torch(res, slot, wire, keep, base, nf, P):
-    cg = keep.numel()
-    mine = (keep & 1) != 0
+    cg = (slot.numel() - _HEADER) // 2
+    mine = (keep & 1) != 0 if keep is not None else torch.ones(cg, dtype=torch.bool,
+                                                               device=res.device)
     if nf is not None:
         mine = mine & (nf == 0)
     f32 = slot[_HEADER + cg:].view(torch.float32)
@@ -385,42 +398,30 @@ def row_magnitudes(indices: Tensor, values: Tensor, *, backend: str = "auto") ->
     return mag
 
 
-def keep_flags(mag: Optional[Tensor] = None, *, indices: Optional[Tensor] = None,
-               kth: Optional[Tensor] = None, th: Optional[Tensor] = None,
+def keep_flags(mag: Tensor, *, kth: Optional[Tensor] = None, th: Optional[Tensor] = None,
                backend: str = "auto") -> Tensor:
     """Candidates' flags, int64 [R, L] contiguous: bit 0 ``keep = valid & (mag >= kth)``
-    (``kth=None``: ``valid``), bit 32 (with ``th``) ``valid & (mag >= th)``.
-
-    Candidates are either magnitudes ``mag`` fp32 [R, L] (valid where ``!= -1``, as
-    :func:`owner_magnitudes` and :func:`row_magnitudes` write them) or ``indices`` int32 [R, L]
-    (valid where ``>= 0``; then neither ``kth`` nor ``th``). Inner stride 1. ``kth`` and
-    ``th`` are fp32 one-element device tensors (no host read). One launch; a cumsum of the
-    flags gives positions (low word) and counts of both."""
-    if (mag is None) == (indices is None):
-        raise ValueError("keep_flags: pass exactly one of mag and indices")
-    if mag is not None:
-        src, rows = mag, False
-        _need(mag, "mag", torch.float32, 2)
-    else:
-        src, rows = indices, True
-        _need(indices, "indices", torch.int32, 2)
-        if kth is not None or th is not None:
-            raise ValueError("keep_flags: kth and th need magnitudes (mag), not indices")
+    (``kth=None``: ``valid``), bit 32 (with ``th``) ``valid & (mag >= th)``, from magnitudes
+    ``mag`` fp32 [R, L] (inner stride 1; valid where ``!= -1``, as :func:`owner_magnitudes`
+    and :func:`row_magnitudes` write them). ``kth`` and ``th`` are fp32 one-element device
+    tensors (no host read). One launch; a cumsum of the flags gives positions (low word) and
+    counts of both."""
+    _need(mag, "mag", torch.float32, 2)
     for name, t in (("kth", kth), ("th", th)):
         if t is not None and (not isinstance(t, Tensor) or t.dtype != torch.float32
                               or t.numel() != 1):
             raise ValueError(f"keep_flags: {name} must be a one-element fp32 tensor, got "
                              f"{t.dtype if isinstance(t, Tensor) else type(t).__name__}")
-    R, L = src.shape
-    if L > 1 and src.stride(1) != 1:
-        raise ValueError("keep_flags: the candidates need inner stride 1")
+    R, L = mag.shape
+    if L > 1 and mag.stride(1) != 1:
+        raise ValueError("keep_flags: mag needs inner stride 1")
     kth = None if kth is None else kth.reshape(())
     th = None if th is None else th.reshape(())
-    flags = torch.empty(R, L, dtype=torch.int64, device=src.device)
+    flags = torch.empty(R, L, dtype=torch.int64, device=mag.device)
     _dispatch.record(launches=1, bytes=12 * R * L)
     if R * L:
-        _run(backend, src.device, _keep_flags_triton if HAS_TRITON else None, _keep_flags_torch,
-             src, kth, th, flags, rows)
+        _run(backend, mag.device, _keep_flags_triton if HAS_TRITON else None, _keep_flags_torch,
+             mag, kth, th, flags)
     return flags
 
 
@@ -459,26 +460,36 @@ def owner_slot(out: Tensor, flags: Tensor, csum: Tensor, sorted_keys: Tensor, sl
          flags, csum, sorted_keys, slot_ids, sums, out, header_out, float(inv_p))
 
 
-def gather_rows(gathered: Tensor, flags: Tensor, csum: Tensor, *,
-                th_counts: Optional[Tensor] = None,
+def gather_rows(gathered: Tensor, flags: Optional[Tensor] = None,
+                csum: Optional[Tensor] = None, *, th_counts: Optional[Tensor] = None,
                 backend: str = "auto") -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """The global set as rows, from the gathered slots ``gathered`` (int32 [R, 2 + 2cg], inner
-    stride 1: header, cg indices, cg fp32 bits) and their ``flags`` (int64 [R, cg], bit 0:
-    keep) with ``csum`` (their row-wise inclusive cumsum): returns ``(idx int32 [R, cg],
-    val fp32 [R, cg], cnt int32 [R], gval_keep fp32 [R, cg])``: the kept entries in slot order,
-    -1 / 0 padded, the kept count per row, and ``|value|`` where kept (inf elsewhere).
-    ``th_counts`` (int32 [R], any stride): written to ``gathered[:, 1]`` (the compact wire
-    carries that header word apart). One launch."""
+    stride 1: count, count at th, cg indices, cg fp32 bits). Returns ``(idx int32 [R, cg],
+    val fp32 [R, cg], cnt int32 [R], gval_keep fp32 [R, cg])``: the kept entries in slot
+    order, -1 / 0 padded, the kept count per row, and ``|value|`` where kept (inf elsewhere).
+
+    Kept: bit 0 of ``flags`` (int64 [R, cg]), placed by ``csum`` (their row-wise inclusive
+    cumsum); or, with neither, every entry of a row's count prefix: the first
+    ``clamp(gathered[s, 0], 0, cg)`` (an Ok-Topk slot holds its valid entries there, the wire
+    keeps them so: then ``index >= 0`` marks the same entries). ``th_counts`` (int32 [R], any
+    stride): written to ``gathered[:, 1]`` (the compact wire carries that header word apart).
+    One launch."""
     _need(gathered, "gathered", torch.int32, 2)
-    _need(flags, "flags", torch.int64, 2)
-    _need(csum, "csum", torch.int64, 2)
-    R, cg = flags.shape
-    if cg < 1 or gathered.shape != (R, _HEADER + 2 * cg) or csum.shape != (R, cg):
-        raise ValueError(f"gathered must be [R, 2 + 2*cg] and csum [R, cg] for flags "
-                         f"{tuple(flags.shape)}, got {tuple(gathered.shape)} and "
-                         f"{tuple(csum.shape)}")
-    if gathered.stride(1) != 1 or not flags.is_contiguous() or not csum.is_contiguous():
-        raise ValueError("gather_rows: gathered needs inner stride 1, flags and csum contiguous")
+    if (flags is None) != (csum is None):
+        raise ValueError("gather_rows: pass both flags and csum, or neither (the count prefix)")
+    R, cg = gathered.shape[0], (gathered.shape[1] - _HEADER) // 2
+    if flags is not None:
+        _need(flags, "flags", torch.int64, 2)
+        _need(csum, "csum", torch.int64, 2)
+        R, cg = flags.shape
+        if csum.shape != (R, cg) or not flags.is_contiguous() or not csum.is_contiguous():
+            raise ValueError(f"gather_rows: csum must be contiguous [R, cg] as flags "
+                             f"{tuple(flags.shape)}, got {tuple(csum.shape)}")
+    if cg < 1 or gathered.shape != (R, _HEADER + 2 * cg):
+        raise ValueError(f"gathered must be [R, 2 + 2*cg] with cg >= 1 (as flags), got "
+                         f"{tuple(gathered.shape)}")
+    if gathered.stride(1) != 1:
+        raise ValueError("gather_rows: gathered needs inner stride 1")
     if th_counts is not None:
         if th_counts.dtype != torch.int32 or th_counts.numel() != R:
             raise ValueError(f"gather_rows: th_counts must be int32 [{R}]")
@@ -488,31 +499,36 @@ def gather_rows(gathered: Tensor, flags: Tensor, csum: Tensor, *,
     oval = torch.empty(R, cg, dtype=torch.float32, device=dev)
     ocnt = torch.empty(R, dtype=torch.int32, device=dev)
     gkeep = torch.empty(R, cg, dtype=torch.float32, device=dev)
-    _dispatch.record(launches=1, bytes=40 * R * cg)
+    _dispatch.record(launches=1, bytes=(24 if flags is None else 40) * R * cg)
     _run(backend, dev, _gather_rows_triton if HAS_TRITON else None, _gather_rows_torch,
          gathered, flags, csum, oidx, oval, ocnt, gkeep, th_counts)
     return oidx, oval, ocnt, gkeep
 
 
-def keep_slot_rounding(residual: Tensor, slot: Tensor, wire_slot: Tensor, keep: Tensor,
-                       base: Tensor, P: int, nonfinite: Optional[Tensor] = None, *,
-                       backend: str = "auto") -> None:
+def keep_slot_rounding(residual: Tensor, slot: Tensor, wire_slot: Tensor,
+                       keep: Optional[Tensor], base: Tensor, P: int,
+                       nonfinite: Optional[Tensor] = None, *, backend: str = "auto") -> None:
     """Compact wire, the owner's side: ``residual[base + idx] += (f32 - wire) * P`` at every
     delivered entry of its slot, where ``slot`` (int32 [2 + 2cg]) is what it sent as fp32 and
     ``wire_slot`` (int32 [2 + 2cg]) the same slot as every rank decoded it. Delivered: among
-    the slot's first ``min(slot[0], cg)`` entries, bit 0 of ``keep`` (int64 [cg], the
-    gather's flags of this slot) and, with ``nonfinite`` (int32, one element), only on a
-    finite step. ``base`` int64, one element. Two roundings, as torch: the difference times P,
-    then the add. One launch."""
+    the slot's first ``min(slot[0], cg)`` entries, those with bit 0 of ``keep`` (int64 [cg],
+    the gather's flags of this slot; None: all of them) and, with ``nonfinite`` (int32, one
+    element), only on a finite step. ``base`` int64, one element. Two roundings, as torch:
+    the difference times P, then the add. One launch."""
     _need(residual, "residual", torch.float32, 1)
     _need(slot, "slot", torch.int32, 1)
     _need(wire_slot, "wire_slot", torch.int32, 1)
-    _need(keep, "keep", torch.int64, 1)
-    cg = keep.numel()
+    cg = (slot.numel() - _HEADER) // 2
+    if keep is not None:
+        _need(keep, "keep", torch.int64, 1)
+        if keep.numel() != cg:
+            raise ValueError(f"keep must hold cg = {cg} flags for a slot of {slot.numel()} "
+                             f"words, got {keep.numel()}")
     if slot.numel() != _HEADER + 2 * cg or wire_slot.numel() != slot.numel():
-        raise ValueError(f"slot and wire_slot must hold 2 + 2*cg = {_HEADER + 2 * cg} words for "
-                         f"keep [{cg}], got {slot.numel()} and {wire_slot.numel()}")
-    if not all(t.is_contiguous() for t in (residual, slot, wire_slot, keep)):
+        raise ValueError(f"slot and wire_slot must hold the same 2 + 2*cg words, got "
+                         f"{slot.numel()} and {wire_slot.numel()}")
+    keep_ = slot if keep is None else keep
+    if not all(t.is_contiguous() for t in (residual, slot, wire_slot, keep_)):
         raise ValueError("keep_slot_rounding: residual, slot, wire_slot, keep must be contiguous")
     if base.dtype != torch.int64 or base.numel() != 1:
         raise ValueError("keep_slot_rounding: base must be a one-element int64 tensor")
@@ -541,30 +557,34 @@ def compile_variants():
            {"idx_ptr": "*i32", "idx_stride": "i32", "val_ptr": "*fp32", "val_stride": "i32",
             "mag_ptr": "*fp32", "L": "i64", "BLOCK": "constexpr"},
            {"BLOCK": _BLOCK}, [0, 2, 4], 4)
-    ksig = {"src_ptr": "*fp32", "src_stride": "i32", "kth_ptr": "*fp32", "th_ptr": "*fp32",
-            "flags_ptr": "*i64", "L": "i64", "ROWS": "constexpr", "HAS_KTH": "constexpr",
-            "HAS_TH": "constexpr", "BLOCK": "constexpr"}
-    for rows, kth, th in ((False, True, True), (False, False, True), (False, True, False),
-                          (True, False, False)):
-        sig = dict(ksig, src_ptr="*i32", kth_ptr="*i32", th_ptr="*i32") if rows else ksig
-        yield (f"compaction keep_flags rows={rows} kth={kth} th={th}", _keep_flags_kernel, sig,
-               {"ROWS": rows, "HAS_KTH": kth, "HAS_TH": th, "BLOCK": _BLOCK}, [0, 4], 4)
+    ksig = {"mag_ptr": "*fp32", "mag_stride": "i32", "kth_ptr": "*fp32", "th_ptr": "*fp32",
+            "flags_ptr": "*i64", "L": "i64", "HAS_KTH": "constexpr", "HAS_TH": "constexpr",
+            "BLOCK": "constexpr"}
+    for kth, th in ((True, True), (False, True), (True, False)):
+        yield (f"compaction keep_flags kth={kth} th={th}", _keep_flags_kernel, ksig,
+               {"HAS_KTH": kth, "HAS_TH": th, "BLOCK": _BLOCK}, [0, 4], 4)
     for hdr in (False, True):
         yield (f"compaction owner_slot hdr={hdr}", _owner_slot_kernel,
                {"flags_ptr": "*i64", "csum_ptr": "*i64", "key_ptr": "*i64", "slot_ptr": "*i64",
                 "sums_ptr": "*fp32", "out_ptr": "*i32", "hdr_ptr": "*i32", "m": "i64",
                 "cg": "i64", "inv_p": "fp32", "HAS_HDR": "constexpr", "BLOCK": "constexpr"},
                {"HAS_HDR": hdr, "BLOCK": _BLOCK}, [0, 1, 2, 3, 4, 5], 4)
-    for hsrc in (False, True):
-        yield (f"compaction gather_rows hsrc={hsrc}", _gather_rows_kernel,
-               {"g_ptr": "*i32", "g_stride": "i32", "flags_ptr": "*i64", "csum_ptr": "*i64",
-                "oidx_ptr": "*i32", "oval_ptr": "*fp32", "ocnt_ptr": "*i32",
-                "gkeep_ptr": "*fp32", "hsrc_ptr": "*i32", "hsrc_stride": "i32", "cg": "i64",
-                "HAS_HSRC": "constexpr", "BLOCK": "constexpr"},
-               {"HAS_HSRC": hsrc, "BLOCK": _BLOCK}, [0, 2, 3, 4, 5, 6, 7], 4)
-    for nf in (False, True):
-        yield (f"compaction slot_rounding nf={nf}", _slot_rounding_kernel,
-               {"res_ptr": "*fp32", "slot_ptr": "*i32", "wire_ptr": "*i32", "keep_ptr": "*i64",
-                "base_ptr": "*i64", "nf_ptr": "*i32", "cg": "i64", "p_f": "fp32",
-                "HAS_NF": "constexpr", "BLOCK": "constexpr"},
-               {"HAS_NF": nf, "BLOCK": _BLOCK}, [0, 1, 3, 4, 5], 4, {"enable_fp_fusion": False})
+    for prefix in (False, True):
+        flag_t = "*i32" if prefix else "*i64"       # prefix: the output stands in for both
+        for hsrc in (False, True):
+            yield (f"compaction gather_rows prefix={prefix} hsrc={hsrc}", _gather_rows_kernel,
+                   {"g_ptr": "*i32", "g_stride": "i32", "flags_ptr": flag_t, "csum_ptr": flag_t,
+                    "oidx_ptr": "*i32", "oval_ptr": "*fp32", "ocnt_ptr": "*i32",
+                    "gkeep_ptr": "*fp32", "hsrc_ptr": "*i32", "hsrc_stride": "i32", "cg": "i64",
+                    "PREFIX": "constexpr", "HAS_HSRC": "constexpr", "BLOCK": "constexpr"},
+                   {"PREFIX": prefix, "HAS_HSRC": hsrc, "BLOCK": _BLOCK},
+                   [0, 2, 3, 4, 5, 6, 7], 4)
+    for keep in (False, True):
+        for nf in (False, True):
+            yield (f"compaction slot_rounding keep={keep} nf={nf}", _slot_rounding_kernel,
+                   {"res_ptr": "*fp32", "slot_ptr": "*i32", "wire_ptr": "*i32",
+                    "keep_ptr": "*i64", "base_ptr": "*i64", "nf_ptr": "*i32", "cg": "i64",
+                    "p_f": "fp32", "HAS_KEEP": "constexpr", "HAS_NF": "constexpr",
+                    "BLOCK": "constexpr"},
+                   {"HAS_KEEP": keep, "HAS_NF": nf, "BLOCK": _BLOCK}, [0, 1, 3, 4, 5], 4,
+                   {"enable_fp_fusion": False})

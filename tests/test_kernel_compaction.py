@@ -75,11 +75,11 @@ def _new_gather(gathered, k, be, th_counts=None):
         mag = C.row_magnitudes(gidx, gathered[:, H + cg:].view(torch.float32), backend=be)
         kth = torch.topk(mag.reshape(-1), k, sorted=False).values.min()
         flags = C.keep_flags(mag, kth=kth, backend=be)
-    else:
-        flags = C.keep_flags(indices=gidx, backend=be)
-    rows = C.gather_rows(gathered, flags, torch.cumsum(flags, 1), th_counts=th_counts,
-                         backend=be)
-    return (flags,) + rows
+        csum = torch.cumsum(flags, 1)
+    else:   # every valid entry: the count prefix as it is
+        flags = csum = None
+    rows = C.gather_rows(gathered, flags, csum, th_counts=th_counts, backend=be)
+    return ((gidx >= 0) if flags is None else (flags & 1) != 0,) + rows
 
 
 def _owner_case(P, cr, n, seed, ties=False, nan=False, zero_frac=0.1):
@@ -177,14 +177,15 @@ def _gathered_case(P, cg, seed, prefix=True, ties=False, counts=None):
                                                 (3, 25, 40, False, True), (1, 40, 40, True, False),
                                                 (5, 1100, 2000, False, False)])
 def test_gather_rows_match_the_old_ops(be, P, cg, k, prefix, ties):
-    """With and without the top-k over the gathered slots (P·cg above and below k), rows with
-    holes, ties at the kth, P = 1 and odd P, a row spanning two blocks."""
+    """With and without the top-k over the gathered slots (P·cg above and below k: without,
+    the count prefix as it is), rows with holes (the top-k's path), ties at the kth, P = 1 and
+    odd P, a row spanning two blocks."""
     for seed in range(3):
         gathered = _gathered_case(P, cg, seed, prefix, ties)
         ref = _old_gather(gathered, k)
         g2 = gathered.clone()
-        flags, idx, val, cnt, gkeep = _new_gather(g2, k, be)
-        assert torch.equal(((flags & 1) != 0).cpu(), ref[0].cpu())
+        keep, idx, val, cnt, gkeep = _new_gather(g2, k, be)
+        assert torch.equal(keep.cpu(), ref[0].cpu())
         for a, b in zip((idx, val, cnt, gkeep), ref[1:]):
             assert _same(a, b)
         assert torch.equal(g2.cpu(), gathered.cpu())       # the slots are read, not written
@@ -197,7 +198,7 @@ def test_gather_rows_empty_and_full_rows_and_header_copy(be):
     P, cg = 3, 33
     gathered = _gathered_case(P, cg, 5, counts=[0, cg, 10])
     th_counts = torch.tensor([[9, 0], [8, 0], [7, 0]], dtype=torch.int32, device=DEV)[:, 0]
-    flags, idx, val, cnt, gkeep = _new_gather(gathered, 10 ** 6, be, th_counts=th_counts)
+    _, idx, val, cnt, gkeep = _new_gather(gathered, 10 ** 6, be, th_counts=th_counts)
     assert cnt.tolist() == [0, cg, 10]
     assert (idx[0] == -1).all() and (val[0] == 0).all() and bool(torch.isinf(gkeep[0]).all())
     assert torch.equal(idx[1], gathered[1, H:H + cg])
@@ -218,9 +219,11 @@ def _old_slot_rounding(residual, slot, wire_slot, keep_row, base, P, nonfinite):
 
 @pytest.mark.parametrize("be", BACKENDS)
 @pytest.mark.parametrize("nf", [None, 0, 1])
-def test_keep_slot_rounding_matches_the_old_ops(be, nf):
+@pytest.mark.parametrize("all_kept", [False, True])
+def test_keep_slot_rounding_matches_the_old_ops(be, nf, all_kept):
     """The compact wire's owner-side rounding: P·(f32 − wire) added at the delivered entries
-    only (kept by the gather, within the slot's count, a finite step), two roundings."""
+    only (kept by the gather, or all without flags; within the slot's count; a finite step),
+    two roundings."""
     n, P, cg = 4000, 3, 50
     for seed in range(3):
         sums, sidx, first, slot_ids = _owner_case(P, 40, n, seed)
@@ -228,14 +231,15 @@ def test_keep_slot_rounding_matches_the_old_ops(be, nf):
         wire = slot.clone()
         f32 = slot[H + cg:].view(torch.float32)
         wire[H + cg:] = f32.to(torch.bfloat16).float().view(torch.int32)
-        keep = torch.rand(cg, generator=gen(seed)) < 0.7
+        keep = torch.rand(cg, generator=gen(seed)) < (2.0 if all_kept else 0.7)
         base = torch.tensor([n // 4], dtype=torch.int64, device=DEV)
         res0 = torch.randn(2 * n, generator=gen(seed + 9)).to(DEV)   # regions of n from base
         nonf = None if nf is None else torch.tensor(nf, dtype=torch.int32, device=DEV)
         ref = res0.clone()
         _old_slot_rounding(ref, slot, wire, keep, base, P, nonf)
         got = res0.clone()
-        C.keep_slot_rounding(got, slot, wire, keep.to(torch.int64), base, P, nonf, backend=be)
+        C.keep_slot_rounding(got, slot, wire, None if all_kept else keep.to(torch.int64), base,
+                             P, nonf, backend=be)
         assert _same(got, ref)
         assert torch.equal(got, res0) == (nf == 1 or int(slot[0]) == 0)
 
@@ -247,10 +251,8 @@ def test_argument_errors():
         C.owner_magnitudes(z(4), z(4, dtype=i32), z(4, dtype=torch.bool), z(4, dtype=i64), 9, 1.0)
     with pytest.raises(ValueError, match="run_start and slot_ids need 4 entries"):
         C.owner_magnitudes(z(4), z(4, dtype=i64), z(3, dtype=torch.bool), z(4, dtype=i64), 9, 1.0)
-    with pytest.raises(ValueError, match="exactly one of mag and indices"):
-        C.keep_flags()
-    with pytest.raises(ValueError, match="kth and th need magnitudes"):
-        C.keep_flags(indices=z(2, 3, dtype=i32), kth=z(()))
+    with pytest.raises(ValueError, match="mag must be a 2-dim torch.float32"):
+        C.keep_flags(z(3, 2, dtype=i32))
     with pytest.raises(ValueError, match="kth must be a one-element fp32"):
         C.keep_flags(z(2, 3), kth=z((), dtype=i64))
     with pytest.raises(ValueError, match="out must hold 2 \\+ 2\\*cg"):
@@ -261,13 +263,18 @@ def test_argument_errors():
                      z(4, dtype=i64), z(4, dtype=f32), 1.0)
     with pytest.raises(ValueError, match="gathered must be \\[R, 2 \\+ 2\\*cg\\]"):
         C.gather_rows(z(2, 7, dtype=i32), z(2, 3, dtype=i64), z(2, 3, dtype=i64))
+    with pytest.raises(ValueError, match="both flags and csum, or neither"):
+        C.gather_rows(z(2, 8, dtype=i32), z(2, 3, dtype=i64))
     with pytest.raises(ValueError, match="th_counts must be int32 \\[2\\]"):
         C.gather_rows(z(2, 8, dtype=i32), z(2, 3, dtype=i64), z(2, 3, dtype=i64),
                       th_counts=z(3, dtype=i32))
     with pytest.raises(ValueError, match="indices and values must have one shape"):
         C.row_magnitudes(z(2, 3, dtype=i32), z(2, 4))
-    with pytest.raises(ValueError, match="slot and wire_slot must hold 2 \\+ 2\\*cg = 8"):
+    with pytest.raises(ValueError, match="slot and wire_slot must hold the same 2 \\+ 2\\*cg"):
         C.keep_slot_rounding(z(10), z(8, dtype=i32), z(6, dtype=i32), z(3, dtype=i64),
+                             z(1, dtype=i64), 2)
+    with pytest.raises(ValueError, match="keep must hold cg = 3 flags"):
+        C.keep_slot_rounding(z(10), z(8, dtype=i32), z(8, dtype=i32), z(4, dtype=i64),
                              z(1, dtype=i64), 2)
     with pytest.raises(ValueError, match="nonfinite must be a one-element int32"):
         C.keep_slot_rounding(z(10), z(8, dtype=i32), z(8, dtype=i32), z(3, dtype=i64),
@@ -316,11 +323,12 @@ def test_compile_variants_cover_the_launches(monkeypatch):
                      sums, 1 / 3, header_out=hdr, backend="triton")
     g = _gathered_case(3, 9, 0)
     C.row_magnitudes(g[:, H:H + 9], g[:, H + 9:].view(torch.float32), backend="triton")
-    C.keep_flags(indices=g[:, H:H + 9], backend="triton")
     f3 = torch.zeros(3, 9, dtype=torch.int64)
-    for hs in (None, g[:, 0]):
-        C.gather_rows(g, f3, f3, th_counts=hs, backend="triton")
-    for nf in (None, torch.zeros(1, dtype=torch.int32)):
-        C.keep_slot_rounding(torch.zeros(100), g[0].contiguous(), g[1].contiguous(), f3[0],
-                             torch.zeros(1, dtype=torch.int64), 3, nf, backend="triton")
+    for f in (None, f3):
+        for hs in (None, g[:, 0]):
+            C.gather_rows(g, f, f, th_counts=hs, backend="triton")
+    for keep in (None, f3[0]):
+        for nf in (None, torch.zeros(1, dtype=torch.int32)):
+            C.keep_slot_rounding(torch.zeros(100), g[0].contiguous(), g[1].contiguous(), keep,
+                                 torch.zeros(1, dtype=torch.int64), 3, nf, backend="triton")
     assert _assert_covered(log, variants) == set(names)

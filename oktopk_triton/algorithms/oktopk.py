@@ -426,8 +426,9 @@ class OkTopk(Algorithm):
     def _gather(self):
         """One allgather; I = the k largest |values| of the gathered slots, as ascending rows.
         Returns ``(keep, irow_idx, irow_val, irow_cnt)``; ``keep`` int64 [P, cg]: bit 0 marks
-        the gathered entries in I (``kernels/compaction.py``: their flags, a top-k and its min
-        when the slots hold more than k, one cumsum, one kernel writing the rows)."""
+        the gathered entries in I, or None when I is every gathered entry (the slots hold at
+        most k). ``kernels/compaction.py``: when they hold more, their magnitudes, a top-k and
+        its min, their flags and one cumsum; then one kernel writing the rows."""
         P, cg, k, be = self.P, self.cap_g, self.k, self.backend
         gathered = self._gathered
         th_counts = None
@@ -452,10 +453,11 @@ class OkTopk(Algorithm):
                                     backend=be)
             kth = torch.topk(mag.reshape(-1), k, sorted=False).values.min()
             keep = KC.keep_flags(mag, kth=kth, backend=be)
-        else:
-            keep = KC.keep_flags(indices=gidx, backend=be)
+            csum = torch.cumsum(keep, 1)
+        else:   # all of them: each slot's count prefix (its valid entries) as it is
+            keep = csum = None
         irow_idx, irow_val, irow_cnt, self._gval_keep = KC.gather_rows(
-            gathered, keep, torch.cumsum(keep, 1), th_counts=th_counts, backend=be)
+            gathered, keep, csum, th_counts=th_counts, backend=be)
         return keep, irow_idx, irow_val, irow_cnt
 
     def _keep_row_error(self, sel: K.Selection, offs: torch.Tensor, irow_idx: torch.Tensor,
@@ -476,17 +478,18 @@ class OkTopk(Algorithm):
                        torch.full((P,), cr, dtype=torch.int32, device=self.device),
                        offs[:P], add=True, backend=self.backend)
 
-    def _keep_slot_rounding(self, keep: torch.Tensor, offs: torch.Tensor,
+    def _keep_slot_rounding(self, keep: Optional[torch.Tensor], offs: torch.Tensor,
                             nonfinite: Optional[torch.Tensor]) -> None:
         """Compact wire: ``out`` holds the owner's slot values rounded to bf16, so the owner keeps
         what the rounding dropped, times P (``out`` is the sum over P), in its residual at its
         delivered entries. The wire kept the slot's (ascending) order: position i of the
         gathered row is position i of the slot."""
         r = self.rank
-        KC.keep_slot_rounding(self.residual, self._slot, self._gathered[r], keep[r],
-                              offs[r:r + 1], self.P, nonfinite, backend=self.backend)
+        KC.keep_slot_rounding(self.residual, self._slot, self._gathered[r],
+                              None if keep is None else keep[r], offs[r:r + 1], self.P,
+                              nonfinite, backend=self.backend)
 
-    def _prepare_next(self, sel: K.Selection, keep: torch.Tensor, irow_idx: torch.Tensor,
+    def _prepare_next(self, sel: K.Selection, keep: Optional[torch.Tensor], irow_idx: torch.Tensor,
                       irow_cnt: torch.Tensor, nonfinite: Optional[torch.Tensor]) -> None:
         """Next step's thresholds, regions and global threshold, and this step's stats: one
         launch (``K.step_bookkeeping``); the state is updated in place (it keeps its storage
