@@ -9,13 +9,18 @@ judged by the share of a copy's bandwidth they reach (2.94 TB/s for 2^28 fp32 on
 from ._dispatch import BACKENDS, INTERPRET, choose, counters
 from .bookkeeping import STATS as BOOKKEEPING_STATS
 from .bookkeeping import step_bookkeeping
+from .compaction import (gather_rows, keep_flags, keep_slot_rounding, owner_magnitudes,
+                         owner_slot, row_magnitudes)
 from .elementwise import dense_zeros, fill_if, nonfinite_flag
 from .histogram import (HIST_BINS, abs_histogram, bin_threshold, exact_threshold,
                         histogram_threshold, kth_bin)
+from .message import pack_rows, staged_magnitudes
 from .region import clear_sent
+from .sample import sample_magnitudes, sample_threshold
 from .scatter import scatter_add, scatter_rows, scatter_rows_dense
 from .selection import (SELECT_HIST_BINS, SELECT_HIST_SHIFT, Selection, empty_selection,
                         fused_select, select_hist_edges)
+from .slots import slot_keys, slot_starts, slot_sums
 from .threshold import magnitude_threshold, window_pass
 from .wire import group_positions, slot_chunks, wire_decode, wire_encode
 
@@ -25,4 +30,7 @@ __all__ = ["Selection", "fused_select", "empty_selection", "HIST_BINS", "abs_his
            "scatter_rows", "SELECT_HIST_BINS", "SELECT_HIST_SHIFT", "select_hist_edges",
            "magnitude_threshold", "window_pass", "wire_encode", "wire_decode", "slot_chunks",
            "group_positions", "nonfinite_flag", "dense_zeros", "fill_if",
-           "step_bookkeeping", "BOOKKEEPING_STATS", "scatter_rows_dense"]
+           "step_bookkeeping", "BOOKKEEPING_STATS", "scatter_rows_dense", "owner_magnitudes",
+           "row_magnitudes", "keep_flags", "owner_slot", "gather_rows", "keep_slot_rounding",
+           "sample_magnitudes", "sample_threshold", "staged_magnitudes", "pack_rows",
+           "slot_keys", "slot_starts", "slot_sums"]

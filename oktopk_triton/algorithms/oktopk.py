@@ -94,10 +94,6 @@ from typing import Any, Optional
 import torch
 
 from .. import kernels as K
-from ..kernels import compaction as KC
-from ..kernels import message as KM
-from ..kernels import sample as KS
-from ..kernels import slots as KSL
 from . import _wire as W
 from . import schedule as S
 from .base import Algorithm
@@ -210,10 +206,6 @@ class OkTopk(Algorithm):
             self._cgathered = torch.zeros(P, ws, dtype=torch.int32, device=dev)
         self._quantized = self.wire_format in W.QUANTIZED
         self._inv_P = 1.0 / P
-        self._zero = torch.zeros((), dtype=torch.float32, device=dev)
-        # 0-dim fill values for torch.where: a full_like per use was one launch each
-        self._n_i = torch.full((), n, dtype=torch.int64, device=dev)
-        self._slots_r = torch.arange(cr, dtype=torch.int32, device=dev).reshape(1, -1)   # row's
 
     # -- capacities -------------------------------------------------------------------------------
     @staticmethod
@@ -291,7 +283,7 @@ class OkTopk(Algorithm):
             self._keep_slot_rounding(keep, offs, nonfinite)
         self._prepare_next(sel, keep, irow_idx, irow_cnt, nonfinite)
         self._calibrated = True
-        self._rows = self._sorted = self._gval_keep = None   # nothing O(k) outlives the step
+        self._sorted = self._gval_keep = None   # nothing O(k) outlives the step
         self._row_wire = None
 
     # -- phases ------------------------------------------------------------------------------
@@ -330,10 +322,10 @@ class OkTopk(Algorithm):
         of m entries of grad and residual, non-finite ones as 0), a top-k of m, the rows'
         thresholds (one program; kept on a non-finite step); no pass over n, no host read."""
         be = self.backend
-        acc = KS.sample_magnitudes(grad.reshape(-1), self.residual, self._sample_idx,
+        acc = K.sample_magnitudes(grad.reshape(-1), self.residual, self._sample_idx,
                                    velocity=self.velocity, momentum=self.momentum, backend=be)
         top = torch.topk(acc, self._sample_k, sorted=False).values
-        KS.sample_threshold(top, self.th_rows, self._cap_rows, nonfinite, backend=be)
+        K.sample_threshold(top, self.th_rows, self._cap_rows, nonfinite, backend=be)
 
     def _velocity_preview(self, grad: torch.Tensor) -> torch.Tensor:
         """What fused_select will accumulate: grad, or (u·m) + grad with momentum correction."""
@@ -358,9 +350,9 @@ class OkTopk(Algorithm):
         # a row with more than cap_r candidates sends its cap_r largest (all valid, in any
         # order); one with fewer sends them as staged (valid ones first). Unsorted: the sorted
         # top-k cost 1.3 ms of a 33 ms CPU step (n = 2^20, P = 4), the unsorted 0.57
-        pos = torch.topk(KM.staged_magnitudes(stg, backend=be), cr, dim=1, sorted=False).indices
+        pos = torch.topk(K.staged_magnitudes(stg, backend=be), cr, dim=1, sorted=False).indices
         # bf16 wire: rounded on the wire; clear_sent keeps the rounding in the residual
-        vals = KM.pack_rows(msg, stg, pos, bf16=self.bf16_wire, backend=be)
+        vals = K.pack_rows(msg, stg, pos, bf16=self.bf16_wire, backend=be)
         if self.compact:   # sorted by index; clear_sent keeps the rounding in the residual
             # grouped by chunk, not sorted (the owner sorts what it receives anyway)
             enc = W.encode(msg[:, _HEADER:_HEADER + cr], vals, msg[:, 0], self.numel,
@@ -392,10 +384,10 @@ class OkTopk(Algorithm):
                 v = v.view(torch.bfloat16)[:, :cr] if self.bf16_wire else v.view(torch.float32)
                 return rows[:, _HEADER:_HEADER + cr], rows[:, 0], v
             head, tail = part(msg[r:r + 1]), part(recv[:P - 1])
-        key = KSL.slot_keys(head[0], head[1], tail[0], tail[1], self.numel, backend=be)
+        key = K.slot_keys(head[0], head[1], tail[0], tail[1], self.numel, backend=be)
         sidx, perm = torch.sort(key, stable=True)               # ascending; padding last
-        first = KSL.slot_starts(sidx, backend=be)               # one slot per position
-        slot = KSL.slot_sums(sidx, perm, first, torch.cumsum(first, 0, dtype=torch.int64),
+        first = K.slot_starts(sidx, backend=be)               # one slot per position
+        slot = K.slot_sums(sidx, perm, first, torch.cumsum(first, 0, dtype=torch.int64),
                             self._sums, head[1], tail[1], head[2], tail[2], backend=be)
         self._sorted = (sidx, first, slot)
 
@@ -409,12 +401,12 @@ class OkTopk(Algorithm):
         one cumsum, one kernel writing the slot (and the compact slot's header word)."""
         P, cr, cg, be = self.P, self.cap_r, self.cap_g, self.backend
         sidx, first, slot_ids = self._sorted
-        mag = KC.owner_magnitudes(self._sums, sidx, first, slot_ids, self.numel, self._inv_P,
+        mag = K.owner_magnitudes(self._sums, sidx, first, slot_ids, self.numel, self._inv_P,
                                   backend=be)                     # every nonzero sum is here
         kth = torch.topk(mag, cg, sorted=False).values.min() if P * cr > cg else None
-        flags = KC.keep_flags(mag.view(1, -1), kth=kth, th=self.th_global, backend=be)
+        flags = K.keep_flags(mag.view(1, -1), kth=kth, th=self.th_global, backend=be)
         slot = self._slot
-        KC.owner_slot(slot, flags, torch.cumsum(flags, 1), sidx, slot_ids, self._sums,
+        K.owner_slot(slot, flags, torch.cumsum(flags, 1), sidx, slot_ids, self._sums,
                       self._inv_P, header_out=self._cslot[:1] if self.compact else None,
                       backend=be)
         if self.compact:   # already ascending: the wire keeps the slot's order
@@ -449,14 +441,14 @@ class OkTopk(Algorithm):
             gathered[0].copy_(self._slot)
         gidx = gathered[:, _HEADER:_HEADER + cg]
         if P * cg > k:
-            mag = KC.row_magnitudes(gidx, gathered[:, _HEADER + cg:].view(torch.float32),
+            mag = K.row_magnitudes(gidx, gathered[:, _HEADER + cg:].view(torch.float32),
                                     backend=be)
             kth = torch.topk(mag.reshape(-1), k, sorted=False).values.min()
-            keep = KC.keep_flags(mag, kth=kth, backend=be)
+            keep = K.keep_flags(mag, kth=kth, backend=be)
             csum = torch.cumsum(keep, 1)
         else:   # all of them: each slot's count prefix (its valid entries) as it is
             keep = csum = None
-        irow_idx, irow_val, irow_cnt, self._gval_keep = KC.gather_rows(
+        irow_idx, irow_val, irow_cnt, self._gval_keep = K.gather_rows(
             gathered, keep, csum, th_counts=th_counts, backend=be)
         return keep, irow_idx, irow_val, irow_cnt
 
@@ -485,7 +477,7 @@ class OkTopk(Algorithm):
         delivered entries. The wire kept the slot's (ascending) order: position i of the
         gathered row is position i of the slot."""
         r = self.rank
-        KC.keep_slot_rounding(self.residual, self._slot, self._gathered[r],
+        K.keep_slot_rounding(self.residual, self._slot, self._gathered[r],
                               None if keep is None else keep[r], offs[r:r + 1], self.P,
                               nonfinite, backend=self.backend)
 
