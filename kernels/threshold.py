@@ -16,11 +16,16 @@ fp32 takes 0.37 ms (2.93 TB/s).  The goal is <= 0.8 ms at 2^28, 7x torch.topk.  
    buffer of ~12·√(k·len/S) entries: about 0.2 k at density 1%), on the device.
 
 If the window missed (fewer than k entries at or above ``lo``, k or more at or above ``hi``, or
-more candidates than the buffer holds), the result comes instead from the two-level histogram
-threshold (2 more passes), launched always but gated on that device flag, so no host read is
-ever needed; the tests force this path.  With fewer than k nonzero finite entries the threshold
-is 0 (select every nonzero).  The torch path (CPU) computes the same exact value with
-``torch.topk``.  Bytes: 4·len (fp32 x) plus the sample and the candidates.
+more candidates than one program's segment of the buffer holds), the result comes instead from
+the two-level histogram threshold (2 more passes), launched always but gated on that device
+flag, so no host read is ever needed; the tests force this path.  That answer is within 2^-14
+relative of the exact one and at or below it (k <= count <= 1.01·k).  A segment overflows when
+the candidates cluster: the segments assume them spread evenly over the programs, and a few
+4096-blocks holding most of the k largest (a hot embedding row, a layer whose gradient jumped)
+break that, so on such inputs the Triton path's threshold can sit an ulp-scale step below the
+torch path's.  With fewer than k nonzero finite entries the threshold is 0 (select every
+nonzero).  The torch path (CPU) computes the exact value with ``torch.topk``.  Bytes: 4·len
+(fp32 x) plus the sample and the candidates.
 
 Measured on the H100 (bench/results/kernels/gpu-kernel-variants-call1.json): the window pass
 with ONE slot counter for the whole grid took 1.22 ms at 2^28 (30% of the read bandwidth;
