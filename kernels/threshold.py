@@ -22,7 +22,7 @@ flag, so no host read is ever needed; the tests force this path.  That answer is
 relative of the exact one and at or below it (k <= count <= 1.01·k).  A segment overflows when
 the candidates cluster: the segments assume them spread evenly over the programs, and a few
 4096-blocks holding most of the k largest (a hot embedding row, a layer whose gradient jumped)
-break that, so on such inputs the Triton path's threshold can sit an ulp-scale step below the
+break that, so on such inputs the Triton path's threshold can sit up to 2^-14 relative below the
 torch path's.  With fewer than k nonzero finite entries the threshold is 0 (select every
 nonzero).  The torch path (CPU) computes the exact value with ``torch.topk``.  Bytes: 4·len
 (fp32 x) plus the sample and the candidates.
