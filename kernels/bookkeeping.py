@@ -106,7 +106,7 @@ if HAS_TRITON:
             staged = tl.maximum(stage.to(tl.float32), 1.0)
             midv = (tl.zeros((BP,), dtype=tl.float32) + mid).to(tl.float32)   # fp32, as torch
             ratio = tl.minimum(tl.maximum(tl.sqrt_rn(tl.math.div_rn(midv, staged)), 0.25), 4.0)
-            # * 2^-6, not / 64.0: Triton compiles that to div.approx.f32 (exact here either way)
+            # * 2^-6 rounds as / 64 does; Triton compiles "/ 64.0" to div.approx.f32
             target = tl.minimum(tl.maximum(rt * ratio, midv * 0.015625), 4.0 * midv)
         else:
             target = (tl.zeros((BP,), dtype=tl.float32) + fill).to(tl.float32)
