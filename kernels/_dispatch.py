@@ -155,6 +155,16 @@ def inside_kernel():
         _STATE.depth -= 1
 
 
+def run(backend: str, device: torch.device, triton_fn, torch_fn, *args) -> None:
+    """``triton_fn(*args)`` where :func:`choose` picks Triton, else the torch reference
+    ``torch_fn(*args)`` inside :func:`inside_kernel` (its ops are the kernel's, not glue)."""
+    if choose(backend, device) == "triton":
+        triton_fn(*args)
+    else:
+        with inside_kernel():
+            torch_fn(*args)
+
+
 def scatter_valid(buf: torch.Tensor, pos: torch.Tensor, vals: torch.Tensor, valid: torch.Tensor,
                   add: bool = False) -> None:
     """``buf[pos[valid]] = vals[valid]`` (``+=`` with ``add``; positions unique) for the torch

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from . import _dispatch
+from ._dispatch import run as _run
 from ._dispatch import HAS_TRITON
 
 if HAS_TRITON:
@@ -342,14 +343,6 @@ def _need(t: Tensor, name: str, dtype: torch.dtype, dim: int) -> None:
     if not isinstance(t, Tensor) or t.dtype != dtype or t.dim() != dim:
         got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
         raise ValueError(f"{name} must be a {dim}-dim {dtype} tensor, got {got}")
-
-
-def _run(backend: str, device: torch.device, triton_fn, torch_fn, *args) -> None:
-    if _dispatch.choose(backend, device) == "triton":
-        triton_fn(*args)
-    else:
-        with _dispatch.inside_kernel():
-            torch_fn(*args)
 
 
 def owner_magnitudes(sums: Tensor, sorted_keys: Tensor, run_start: Tensor, slot_ids: Tensor,

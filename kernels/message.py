@@ -191,11 +191,8 @@ def staged_magnitudes(stage: Selection, *, backend: str = "auto") -> Tensor:
     _dispatch.record(launches=1, bytes=8 * P * L + 4 * P)
     if P * L:
         args = (stage.values, stage.counts, mag)
-        if _dispatch.choose(backend, mag.device) == "triton":
-            _staged_magnitudes_triton(*args)
-        else:
-            with _dispatch.inside_kernel():
-                _staged_magnitudes_torch(*args)
+        _dispatch.run(backend, mag.device, _staged_magnitudes_triton, _staged_magnitudes_torch,
+                      *args)
     return mag
 
 
@@ -230,11 +227,7 @@ def pack_rows(msg: Tensor, stage: Selection, pos: Tensor, *, bf16: bool = False,
     _dispatch.record(launches=1, bytes=P * (24 * cr + 4 * words + 16))
     if P:
         args = (msg, stage, pos, vals, cr, bool(bf16))
-        if _dispatch.choose(backend, msg.device) == "triton":
-            _pack_rows_triton(*args)
-        else:
-            with _dispatch.inside_kernel():
-                _pack_rows_torch(*args)
+        _dispatch.run(backend, msg.device, _pack_rows_triton, _pack_rows_torch, *args)
     return vals
 
 

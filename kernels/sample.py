@@ -155,11 +155,8 @@ def sample_magnitudes(grad: Tensor, residual: Tensor, idx: Tensor, *,
     if m == 0:
         return out
     args = (grad, residual, velocity, idx, out, float(momentum))
-    if _dispatch.choose(backend, residual.device) == "triton":
-        _sample_magnitudes_triton(*args)
-    else:
-        with _dispatch.inside_kernel():
-            _sample_magnitudes_torch(*args)
+    _dispatch.run(backend, residual.device, _sample_magnitudes_triton, _sample_magnitudes_torch,
+                  *args)
     return out
 
 
