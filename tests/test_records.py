@@ -2,6 +2,8 @@
 ring-allreduce byte formula's one home (comm/base.py)."""
 import json
 
+import pytest
+
 from oktopk_triton.bench import measure, records
 from oktopk_triton.comm import ring_allreduce_bytes
 
@@ -70,3 +72,15 @@ def test_step_stats_take_the_slowest_rank_and_ring_bytes():
     assert abs(st["ms_mean"] - 25.0) < 1e-9 and abs(st["ms_min"] - 20.0) < 1e-9
     assert ring_allreduce_bytes(400, 4) == 600 and ring_allreduce_bytes(400, 1) == 0
     assert ring_allreduce_bytes(4, 3) == 5          # 2(P-1)/P of 4 bytes, rounded down
+
+
+def test_step_stats_median_and_spread_over_the_timed_steps():
+    """The median and quartiles interpolate as numpy does and ignore the untimed steps."""
+    times = [[50.0, 0.004, 0.001, 0.003, 0.002]]
+    st = measure.step_stats(times, [1, 2, 3, 4])                   # 1, 2, 3, 4 ms
+    assert st["ms_median"] == pytest.approx(2.5)
+    assert st["ms_p25"] == pytest.approx(1.75) and st["ms_p75"] == pytest.approx(3.25)
+    one = measure.step_stats(times, [2])
+    assert one["ms_median"] == one["ms_p25"] == one["ms_p75"] == pytest.approx(1.0)
+    odd = measure.step_stats(times, [1, 2, 4])                     # 4, 1, 2 ms
+    assert odd["ms_median"] == pytest.approx(2.0) and odd["ms_mean"] == pytest.approx(7 / 3)

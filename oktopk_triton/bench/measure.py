@@ -44,8 +44,21 @@ def replicas_identical(model) -> bool:
 def step_stats(per_rank_times: Sequence[Sequence[float]], timed: Sequence[int]
                ) -> Dict[str, Any]:
     """Steps of ranks that started together: each step's time is its slowest rank's
-    (``step_s``, seconds, every step); ``ms_mean`` / ``ms_min`` over the ``timed`` steps."""
+    (``step_s``, seconds, every step); ``ms_mean`` / ``ms_min`` / ``ms_median`` and the spread
+    ``ms_p25`` / ``ms_p75`` (linear interpolation between order statistics) over the ``timed``
+    steps."""
     steps = len(per_rank_times[0])
     step_s = [max(r[t] for r in per_rank_times) for t in range(steps)]
-    return {"step_s": step_s, "ms_mean": 1e3 * sum(step_s[t] for t in timed) / len(timed),
-            "ms_min": 1e3 * min(step_s[t] for t in timed)}
+    ms = sorted(1e3 * step_s[t] for t in timed)
+    return {"step_s": step_s, "ms_mean": sum(ms) / len(ms), "ms_min": ms[0],
+            "ms_median": quantile(ms, 0.5), "ms_p25": quantile(ms, 0.25),
+            "ms_p75": quantile(ms, 0.75)}
+
+
+def quantile(sorted_values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ascending values, interpolating linearly between neighbours (numpy's
+    default): the median of an even count is the mean of the middle two."""
+    pos = q * (len(sorted_values) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
