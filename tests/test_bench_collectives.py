@@ -1,5 +1,6 @@
 """A tiny run of ``oktopk-bench collectives`` (local backend) and checks of its JSON."""
 import argparse
+import statistics
 import json
 import subprocess
 import sys
@@ -129,6 +130,8 @@ def _check_schema(rep, backend, comm, Ps, n):
         timed = r["time_s_per_step"][r["warmup"]:]
         assert r["step_ms_mean"] == pytest.approx(1e3 * sum(timed) / len(timed))
         assert r["step_ms_min"] == pytest.approx(1e3 * min(timed))
+        assert r["step_ms_min"] <= r["step_ms_p25"] <= r["step_ms_median"] <= r["step_ms_p75"]
+        assert r["step_ms_median"] == pytest.approx(1e3 * statistics.median(timed))
         if r["algorithm"] == "dense":
             assert r["ratio_to_dense"] == 1.0
             assert r["collectives_per_step"] == 2  # the allreduce + the non-finite flag
@@ -326,3 +329,79 @@ def test_run_group_failure_ends_the_group_and_names_the_rest():
     assert g["remaining"] == ["spardl"]
     assert g["probes"] is None
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("oktopk-bench")]
+
+
+# ---------------------------------------------------------------------------------------------
+# variants: NAME:KEY=VALUE[,graph=1]
+# ---------------------------------------------------------------------------------------------
+def test_parse_variant_reads_options_and_the_graph_flag():
+    assert CR.parse_variant("oktopk") == ("oktopk", {}, False)
+    assert CR.parse_variant("OkTopk:wire_format=compact,graph=1") == (
+        "oktopk", {"wire_format": "compact"}, True)
+    assert CR.parse_variant("oktopk:momentum=0.9,graph=false") == ("oktopk", {"momentum": 0.9},
+                                                                    False)
+    for bad in ("oktopk:wire_format", "oktopk:=3", "oktopk:graph=2"):
+        with pytest.raises(ValueError, match="oktopk"):
+            CR.parse_variant(bad)
+
+
+def _variant_args(tmp_path, *algorithms, backend="local", warmup="1"):
+    p = argparse.ArgumentParser()
+    C.add_arguments(p)
+    return p.parse_args(["--algorithms", *algorithms, "--world-sizes", "3", "--n", "4096",
+                         "--steps", "6", "--warmup", warmup, "--probe-reps", "0",
+                         "--backend", backend, "--quiet", "--json", str(tmp_path / "v.json")])
+
+
+def test_variants_run_side_by_side_with_their_options(tmp_path):
+    """The compact wire as a variant of Ok-Topk runs beside the plain one on the same ranks:
+    half the entry bytes, its own label, and the base name's formulas."""
+    assert C.main(_variant_args(tmp_path, "dense", "oktopk", "oktopk:wire_format=compact")) == 0
+    rep = json.loads((tmp_path / "v.json").read_text())
+    by = {r["algorithm"]: r for r in rep["results"]}
+    assert list(by) == ["dense", "oktopk", "oktopk:wire_format=compact"]
+    plain, compact = by["oktopk"], by["oktopk:wire_format=compact"]
+    assert compact["base_algorithm"] == "oktopk" and compact["options"] == {
+        "wire_format": "compact"} and compact["graph"] is False
+    assert plain["options"] == {} and plain["formula_bytes_high"] == compact["formula_bytes_high"]
+    assert compact["out_bitwise_equal"] and compact["bytes_match_stats"]
+    assert compact["bytes_mean"] < 0.75 * plain["bytes_mean"]
+    assert compact["median_ratio_to_dense"] > 0
+
+
+@pytest.mark.parametrize("spec,backend,warmup,expect", [
+    ("oktopk:wire_fromat=compact", "local", "1", "wire_fromat"),
+    ("dense:wire_format=compact", "local", "1", "dense"),
+    ("oktopk:graph=1", "local", "5", "graph=1 needs --backend nccl"),
+    ("oktopk:graph=1", "nccl", "3", "graph=1 needs --warmup > 3"),
+    ("oktopk:graph=yes", "local", "1", "graph must be"),
+    ("nosuch:graph=0", "local", "1", "unknown algorithm"),
+])
+def test_a_bad_variant_exits_with_one_line_before_any_rank(tmp_path, spec, backend, warmup,
+                                                           expect):
+    with pytest.raises(SystemExit) as e:
+        C.main(_variant_args(tmp_path, spec, backend=backend, warmup=warmup))
+    msg = str(e.value)
+    assert expect in msg and "\n" not in msg.strip()
+    assert not (tmp_path / "v.json").exists()
+
+
+def test_graph_variant_times_the_graphed_step(monkeypatch):
+    """graph=1 wraps the algorithm in the graphed step (a fake here: no CUDA), which then
+    serves every call of the run, timed ones included."""
+    from oktopk_triton.comm import LocalCluster
+    calls = []
+
+    class FakeGraphed:
+        def __init__(self, alg):
+            self.alg = alg
+
+        def __call__(self, g):
+            calls.append(g.numel())
+            return self.alg(g)
+
+    monkeypatch.setattr(CR, "graphed_step", FakeGraphed)
+    recs = LocalCluster(2).run(CR._rank_run, "oktopk:graph=1", 2048, 0.05, 4, 0, "skip")
+    assert len(calls) == 2 * (4 + 1)           # 4 timed steps + the profiled one, per rank
+    assert all(len(r["time_s"]) == 4 for r in recs)
+    assert recs[0]["checksum"] == recs[1]["checksum"]

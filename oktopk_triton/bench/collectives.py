@@ -37,13 +37,21 @@ Per (algorithm, P):
   ``mb_sent_per_rank``: mean over the steps after the first (calibration) step and over ranks;
   ``bytes_max``: max over all steps and ranks. ``nnz``: nonzeros of ``out``.
 * time: each step starts after a barrier and a device synchronisation on every rank and ends
-  with a device synchronisation; a step takes its slowest rank's time. ``step_ms_mean`` and
-  ``step_ms_min`` over the steps after the first ``--warmup``; ``ratio_to_dense`` =
-  step_ms_mean / dense's at the same P in the same run (``bytes_ratio_to_dense`` likewise).
+  with a device synchronisation; a step takes its slowest rank's time. ``step_ms_mean``,
+  ``step_ms_min``, ``step_ms_median`` and the spread ``step_ms_p25`` / ``step_ms_p75`` over the
+  steps after the first ``--warmup``; ``ratio_to_dense`` = step_ms_mean / dense's at the same P
+  in the same run (``median_ratio_to_dense``, ``bytes_ratio_to_dense`` likewise).
 * ``host_syncs``: on CUDA, the synchronising CUDA calls of one more steady step under
   ``torch.cuda.set_sync_debug_mode("warn")`` (max over ranks; null on CPU).
 * ``out_bitwise_equal``: a checksum of ``out``'s bits on every rank, equal on all ranks at every
   step; ``collectives_per_step``: ``alg.stats["collectives"]``, max over ranks and timed steps.
+
+Variants: ``--algorithms dense oktopk oktopk:wire_format=compact oktopk:graph=1`` runs one
+configuration of an algorithm per label (its constructor's options after the colon, as
+``SparseAllreduce`` takes them; ``graph=1`` times the steady step replayed from a CUDA graph,
+``oktopk_triton.graph.GraphedStep``, NCCL only, with ``--warmup`` past its eager steps). The
+label is the result's ``algorithm``; ``base_algorithm``, ``options`` and ``graph`` say what it
+ran. A variant that its algorithm refuses exits with one line before any rank starts.
 
 Probes (per P, same processes, before the algorithms): fp32 allreduces of 4n bytes (dense), 4 bytes
 and 64 KiB, ``--probe-reps`` timed calls each after one warm-up (``probes``: ms_mean, ms_min), for
@@ -64,7 +72,7 @@ from . import _args as A
 from . import records
 from ._common import fmt_bytes
 from ._common import resolve_algorithms
-from .collectives_rank import _rank_main, _run_local, _run_local_probes
+from .collectives_rank import _rank_main, _run_local, _run_local_probes, parse_variant
 from .measure import step_stats
 from .ranks import Ranks, detect_mps, mps_warning, placement, ranks_share_gpu, warn_loudly
 
@@ -75,7 +83,10 @@ __all__ = ["add_arguments", "main", "run_benchmark", "formula_words", "lower_bou
 # -- arguments -------------------------------------------------------------------------------------
 def add_arguments(p) -> None:
     p.add_argument("--algorithms", nargs="+", default=["all"],
-                   help="algorithm names, or 'all' = dense + every available sparse algorithm")
+                   help="algorithm names, or 'all' = dense + every available sparse algorithm; "
+                        "a variant: NAME:KEY=VALUE[,KEY=VALUE] with the algorithm's options "
+                        "(oktopk:wire_format=compact) and graph=1 (the steady step replayed "
+                        "from a CUDA graph; --backend nccl)")
     p.add_argument("--world-sizes", nargs="+", type=A.positive_int, default=[2, 4, 8],
                    help="world sizes P to run (default: 2 4 8)")
     p.add_argument("--n", type=A.positive_int, default=1 << 22,
@@ -84,7 +95,8 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", type=A.positive_int, default=3,
                    help="steps per run; the first is the calibration step (default 3)")
     p.add_argument("--warmup", type=A.nonneg_int, default=1,
-                   help="steps left out of step_ms_mean/min (default 1; < --steps)")
+                   help="steps left out of the step times' mean/min/median (default 1; "
+                        "< --steps)")
     p.add_argument("--backend", choices=("local", "gloo", "nccl"), default="local")
     p.add_argument("--comm", choices=("cupy", "torch"), default="cupy",
                    help="nccl backend: NcclCommunicator (cupy) or TorchCommunicator on an NCCL "
@@ -199,10 +211,11 @@ def _summary(name, P, n, density, per_rank, wall_s, check_finite,
     later = list(range(1, steps)) if steps > 1 else [0]
     timed = list(range(warmup, steps)) if steps > warmup else list(range(steps))
     k = per_rank[0]["k"]
+    base, options, graph = parse_variant(name)
     by = [[r["bytes"][t] for r in per_rank] for t in range(steps)]       # [step][rank]
     sb = [[r["stats_bytes"][t] for r in per_rank] for t in range(steps)]
     nnz = [per_rank[0]["nnz"][t] for t in range(steps)]
-    lo, hi = formula_words(name, n, k, P)
+    lo, hi = formula_words(base, n, k, P)
     check_bytes = (2 * (P - 1) * 4 // P) if (check_finite != "off" and P > 1) else 0
     mean_b = sum(sum(by[t]) for t in later) / (len(later) * P)
     st = step_stats([r["time_s"] for r in per_rank], timed)
@@ -213,7 +226,7 @@ def _summary(name, P, n, density, per_rank, wall_s, check_finite,
     syncs = [r.get("host_syncs") for r in per_rank]
     return {
         "algorithm": name, "P": P, "n": n, "density": density, "k": k, "steps": steps,
-        "warmup": warmup,
+        "warmup": warmup, "base_algorithm": base, "options": options, "graph": graph,
         "bytes_per_rank_per_step": by,
         "stats_bytes_per_rank_per_step": sb,
         "bytes_match_stats": by == sb,
@@ -236,6 +249,8 @@ def _summary(name, P, n, density, per_rank, wall_s, check_finite,
         # the one-GPU benchmark's figures
         "step_ms_mean": st["ms_mean"],
         "step_ms_min": st["ms_min"],
+        "step_ms_median": st["ms_median"], "step_ms_p25": st["ms_p25"],
+        "step_ms_p75": st["ms_p75"],
         "mb_sent_per_rank": mean_b / 1e6,
         "ratio_to_dense": None,            # filled in once the run's dense result is known
         "bytes_ratio_to_dense": None,
@@ -264,6 +279,8 @@ def _fill_dense_ratios(results: List[Dict[str, Any]]) -> None:
             continue
         if d["step_ms_mean"] > 0:
             r["ratio_to_dense"] = r["step_ms_mean"] / d["step_ms_mean"]
+        if d.get("step_ms_median"):
+            r["median_ratio_to_dense"] = r["step_ms_median"] / d["step_ms_median"]
         if d["bytes_mean"] > 0:
             r["bytes_ratio_to_dense"] = r["bytes_mean"] / d["bytes_mean"]
 
@@ -317,14 +334,52 @@ def _gpu_count() -> int:
         return 0
 
 
+def resolve_variants(raw: List[str], backend: str, warmup: int):
+    """(run labels, [(skipped, why)]) from ``--algorithms``: plain names and ``all`` as every
+    benchmark reads them, variants (:func:`parse_variant`) checked before any rank starts: a
+    known name, options its constructor takes (built once at a tiny size on one CPU rank), and
+    ``graph=1`` only on NCCL with every eager step left out of the timing. A bad variant exits
+    with one line."""
+    from ..algorithms import get_algorithm
+    from ..comm.local import SingleCommunicator
+    from ..graph import EAGER_STEPS
+    plain = [a for a in raw if ":" not in a]
+    names, skipped = resolve_algorithms(plain, "collectives") if plain else ([], [])
+    labels: List[str] = []
+    for a in raw:
+        if ":" not in a:
+            labels += [x for x in names if x not in labels and (a.lower() in (x, "all"))]
+            continue
+        try:
+            base, opts, graph = parse_variant(a)
+        except ValueError as exc:
+            raise SystemExit(f"oktopk-bench collectives: {exc}") from None
+        resolve_algorithms([base], "collectives")
+        label = a.partition(":")[0].lower() + ":" + a.partition(":")[2]
+        try:
+            get_algorithm(base)(256, SingleCommunicator(), 0.1, **opts)
+        except (TypeError, ValueError) as exc:
+            raise SystemExit(f"oktopk-bench collectives: {a!r}: "
+                             f"{str(exc).splitlines()[0]}") from None
+        if graph and backend != "nccl":
+            raise SystemExit(f"oktopk-bench collectives: {a!r}: graph=1 needs --backend nccl "
+                             f"(CUDA graphs; the {backend} ranks synchronise in Python)")
+        if graph and warmup <= EAGER_STEPS:
+            raise SystemExit(f"oktopk-bench collectives: {a!r}: graph=1 needs --warmup > "
+                             f"{EAGER_STEPS} (the eager steps before the capture), got {warmup}")
+        if label not in labels:
+            labels.append(label)
+    return labels, skipped
+
+
 def run_benchmark(args, log=print) -> Dict[str, Any]:
     import torch
-    algs, skipped_names = resolve_algorithms(args.algorithms, "collectives")
+    backend = args.backend
+    warmup = int(getattr(args, "warmup", 1))
+    algs, skipped_names = resolve_variants(args.algorithms, backend, warmup)
     skipped: List[Dict[str, Any]] = [{"algorithm": a, "reason": why} for a, why in skipped_names]
     for s in skipped:
         log(f"note: skipping {s['algorithm']}: {s['reason']}")
-    backend = args.backend
-    warmup = int(getattr(args, "warmup", 1))
     probe_reps = int(getattr(args, "probe_reps", 10))
     comm_kind = {"local": "local", "gloo": "torch"}.get(backend, getattr(args, "comm", "cupy"))
     comm_timeout = float(getattr(args, "comm_timeout", None) or args.timeout)
@@ -451,8 +506,8 @@ def _report(args, algs, backend, comm_kind, comm_timeout, warmup, probe_reps, ng
                    "rank_env": {str(P): [rank_env(r, P, ngpu) for r in range(P)]
                                 for P in args.world_sizes} if backend == "nccl" else None,
                    "timing": "per step: barrier, device synchronize, step, device synchronize; "
-                             "a step's time is its slowest rank's; mean/min over the steps "
-                             "after the first `warmup`",
+                             "a step's time is its slowest rank's; mean/min/median/quartiles "
+                             "over the steps after the first `warmup`",
                    "gradients": "scale*(common_t + own_rank_t), scale=exp(1.5 z) fixed, "
                                 "z, common, own ~ N(0,1)"},
         "probes": probes,
@@ -489,6 +544,7 @@ _COLUMNS = [
     ("lower bound", lambda s: fmt_bytes(s["lower_bound_bytes"], 3)),
     ("meas/LB", _opt(".2f", "ratio_to_lower_bound")),
     ("step ms mean", lambda s: f"{s['step_ms_mean']:.2f}"),
+    ("median", _opt(".2f", "step_ms_median")),
     ("min", lambda s: f"{s['step_ms_min']:.2f}"), ("vs dense", _opt(".3f", "ratio_to_dense")),
     ("syncs", _opt("", "host_syncs")),
     ("bitwise", lambda s: "yes" if s.get("out_bitwise_equal") else "NO"),

@@ -3,9 +3,10 @@ the driver): its gradients, its timed steps and probes, the GPU it runs on, and 
 entry point for the gloo / nccl backends (``local`` runs the ranks as threads here)."""
 from __future__ import annotations
 
+import json
 import os
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 from ._common import nccl_version_text
 from .measure import checksum
@@ -29,6 +30,47 @@ def grad_scale(n: int, seed: int):
     import torch
     g = torch.Generator().manual_seed(seed * 1_000_003 + 999_983)
     return torch.randn(n, generator=g).mul_(1.5).exp_()
+
+
+# -- variants --------------------------------------------------------------------------------------
+GRAPH_KEY = "graph"
+
+
+def parse_variant(spec: str) -> Tuple[str, Dict[str, Any], bool]:
+    """``NAME[:KEY=VALUE[,KEY=VALUE...]]`` -> ``(name, constructor options, graph)``: the run
+    label of one configuration of an algorithm, e.g. ``oktopk:wire_format=compact,graph=1``.
+    VALUE is read as JSON where it is JSON (``0.9``, ``true``), else a string; the key ``graph``
+    (true/1) replays the steady step from a CUDA graph (``oktopk_triton.graph.GraphedStep``)
+    instead of being passed to the constructor."""
+    name, _, rest = spec.partition(":")
+    opts: Dict[str, Any] = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, text = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"{spec!r}: expected NAME:KEY=VALUE[,KEY=VALUE...], got {item!r}")
+        try:
+            opts[key] = json.loads(text)
+        except ValueError:
+            opts[key] = text
+    graph = opts.pop(GRAPH_KEY, False)
+    if graph not in (True, False, 0, 1):
+        raise ValueError(f"{spec!r}: graph must be 1/true or 0/false, got {graph!r}")
+    return name.lower(), opts, bool(graph)
+
+
+def build_step(comm, spec: str, n: int, density: float, check_finite: str):
+    """``(algorithm, step)`` of a variant: the algorithm built with the variant's options, and
+    what a step calls (the algorithm, or a :class:`~oktopk_triton.graph.GraphedStep` of it)."""
+    from ..algorithms import get_algorithm
+    name, opts, graph = parse_variant(spec)
+    alg = get_algorithm(name)(n, comm, density, check_finite=check_finite, **opts)
+    return alg, (graphed_step(alg) if graph else alg)
+
+
+def graphed_step(alg):
+    """The graphed step of ``alg`` (a module attribute, so a CPU test can put a fake here)."""
+    from ..graph import GraphedStep
+    return GraphedStep(alg)
 
 
 # -- one rank --------------------------------------------------------------------------------------
@@ -64,12 +106,12 @@ def count_host_syncs(fn):
 
 def _rank_run(comm, name: str, n: int, density: float, steps: int, seed: int,
               check_finite: str, scale=None, count_syncs: bool = True) -> Dict[str, Any]:
-    """``steps`` timed steps of algorithm ``name`` on this rank; on CUDA one more step counted
-    under the sync debug mode (not timed, not in the per-step lists)."""
-    from ..algorithms import get_algorithm
+    """``steps`` timed steps of the variant ``name`` (:func:`parse_variant`) on this rank; on
+    CUDA one more step counted under the sync debug mode (not timed, not in the per-step
+    lists; with ``graph=1`` a replay)."""
     dev = comm.device
     cuda = dev.type == "cuda"
-    alg = get_algorithm(name)(n, comm, density, check_finite=check_finite)
+    alg, step = build_step(comm, name, n, density, check_finite)
     if scale is None:
         scale = grad_scale(n, seed)
     rec: Dict[str, Any] = {"bytes": [], "stats_bytes": [], "time_s": [], "nnz": [],
@@ -79,7 +121,7 @@ def _rank_run(comm, name: str, n: int, density: float, steps: int, seed: int,
         _start_together(comm)
         b0 = comm.bytes_sent
         t0 = time.perf_counter()
-        out = alg(g)
+        out = step(g)
         _sync(dev)
         dt = time.perf_counter() - t0
         rec["bytes"].append(int(comm.bytes_sent - b0))
@@ -92,7 +134,7 @@ def _rank_run(comm, name: str, n: int, density: float, steps: int, seed: int,
     if cuda and count_syncs:
         g = make_grad(n, seed, comm.rank, steps, device=dev, scale=scale)
         _start_together(comm)
-        rec["host_syncs"], out = count_host_syncs(lambda: alg(g))
+        rec["host_syncs"], out = count_host_syncs(lambda: step(g))
         _sync(dev)
         del out, g
     elif not cuda:      # one more step, rank 0 under the profiler's memory view (not timed;
@@ -100,9 +142,9 @@ def _rank_run(comm, name: str, n: int, density: float, steps: int, seed: int,
         g = make_grad(n, seed, comm.rank, steps, device=dev, scale=scale)
         _start_together(comm)
         if comm.rank == 0:
-            rec["peak_transient_bytes"] = peak_transient_bytes(lambda: alg(g))
+            rec["peak_transient_bytes"] = peak_transient_bytes(lambda: step(g))
         else:
-            alg(g)
+            step(g)
         del g
     rec["persistent_bytes"] = alg.persistent_bytes()
     rec["k"] = alg.k
