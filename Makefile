@@ -2,6 +2,7 @@
 # make lint : ruff (pyproject.toml's [tool.ruff]); make test runs it first
 # make demo : install and run the main job (4-rank training comparison)
 # make gpu-check [GPU_CHECK_OUT=DIR] : on a GPU machine, MPS + CUDA tests + every GPU benchmark (< 9 min)
+# make gpu-steps [GPU_CHECK_OUT=DIR] : on a GPU machine, eager/graphed steps on both wires + GPT (< 9 min)
 #
 # Python: the active virtualenv if one is active, else .venv (created on first use).
 # torch: an already-installed torch is kept; otherwise torch==2.13.0 is installed first, which on
@@ -18,7 +19,7 @@ PYTEST_ARGS ?=
 # 444 s with one process, 239 s with two, on the 2-core machine (2026-11-25)
 PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
 
-.PHONY: install test lint demo bench gpu-check clean
+.PHONY: install test lint demo bench gpu-check gpu-steps clean
 
 $(PY):
 	python3 -m venv --system-site-packages .venv
@@ -42,6 +43,9 @@ bench: install
 
 gpu-check:
 	python3 tools/gpu_check.py $(if $(GPU_CHECK_OUT),--out $(GPU_CHECK_OUT))
+
+gpu-steps:
+	python3 tools/gpu_check.py --plan steps $(if $(GPU_CHECK_OUT),--out $(GPU_CHECK_OUT))
 
 clean:
 	rm -rf .venv build *.egg-info .pytest_cache

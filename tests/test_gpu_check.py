@@ -162,3 +162,34 @@ def test_runner_limits_mps_and_summary(gc, tmp_path, monkeypatch, capsys):
     assert "1 failed" in (out / "gpu-check-logs" / "tests.log").read_text()
     table = (out / "gpu-check-2026-11-23.txt").read_text()
     assert "timeout" in table and "mps-stop" in table
+
+
+def test_steps_plan_dry_run(gc, tmp_path, capsys):
+    """``--plan steps``: its own stages under the same budget, the collectives variants and the
+    GPT runs accepted by this checkout's parsers and option checks."""
+    rc = gc.main(["--plan", "steps", "--dry-run", "--out", str(tmp_path), "--date", "2026-11-26"])
+    text = capsys.readouterr().out
+    assert rc == 0 and not any(tmp_path.iterdir())
+    lines = re.findall(r"^\[([a-z0-9-]+)\] timeout ([0-9.]+)s: (.*)$", text, re.M)
+    assert [n for n, _, _ in lines] == ["install", "mps-start", "steps-p4", "steps-p8",
+                                        "gpt-every-step", "gpt-local-steps", "mps-stop"]
+    assert sum(float(t) for _, t, _ in lines) < gc.BUDGET_S
+    for own in ("steps-p4", "steps-p8", "gpt-every-step", "gpt-local-steps"):
+        assert f"stage {own}:" not in text
+    st = {s.name: s for s in gc.build_stages(str(tmp_path), "2026-11-26", plan="steps")}
+    from oktopk_triton import cli
+    from oktopk_triton.bench import collectives as C
+    from oktopk_triton.bench import train as T
+    for name, P, n in (("steps-p4", 4, 1 << 26), ("steps-p8", 8, 1 << 25)):
+        a = st[name].argv
+        args = cli.build_parser("collectives").parse_args(a[3:])
+        assert (args.world_sizes, args.n, args.backend) == ([P], n, "nccl")
+        assert args.steps - args.warmup >= 20
+        labels, skipped = C.resolve_variants(args.algorithms, args.backend, args.warmup)
+        assert labels == list(gc.STEP_VARIANTS) and not skipped
+    for name in ("gpt-every-step", "gpt-local-steps"):
+        args = cli.build_parser("train").parse_args(st[name].argv[3:])
+        assert (args.size, args.device, args.world_size) == ("25m", "cuda", 4)
+        assert T.check_args(args) == ""
+    with pytest.raises(SystemExit):
+        gc.main(["--plan", "nosuch", "--dry-run"])

@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """One command for a GPU machine: MPS, the CUDA tests, the kernel checks and every GPU benchmark.
 
-    python3 tools/gpu_check.py [--out DIR] [--dry-run] [--only STAGE ...] [--skip STAGE ...]
-    make gpu-check [GPU_CHECK_OUT=DIR]
+    python3 tools/gpu_check.py [--plan check|steps] [--out DIR] [--dry-run] [--only STAGE ...]
+                               [--skip STAGE ...]
+    make gpu-check [GPU_CHECK_OUT=DIR]        (--plan check)
+    make gpu-steps [GPU_CHECK_OUT=DIR]        (--plan steps)
 
 Stages, in order, each under its own time limit (the limits sum to under 9 minutes, so the
 whole fits one 10-minute call on one H100):
@@ -24,6 +26,19 @@ whole fits one 10-minute call on one H100):
                  -> gpu-profile-graph-DATE.json
   mps-stop       echo quit | nvidia-cuda-mps-control        (always, also after a failure or a
                  signal, when this script started the daemon)
+
+``--plan steps`` (under 9 minutes as well): install, mps-start, then
+
+  steps-p4       oktopk-bench collectives --backend nccl, P=4, n=2^26, 1%: dense, Ok-Topk eager
+                 and graphed, on the fp32 and the compact wire (``oktopk:wire_format=compact,
+                 graph=1``), 20 timed steps each (medians, quartiles), host syncs of a steady
+                 step (a replay when graphed)   -> gpu-collectives-steps-P4-n67108864-DATE.json
+  steps-p8       the same at P=8, n=2^25
+  gpt-every-step oktopk-bench train --model gpt --size 25m --device cuda, 4 ranks, 100 steps:
+                 dense and Ok-Topk 1% every step   -> lm-gpu-25m-steps-every-DATE.json
+  gpt-local-steps  the same for local steps (sync_every=4, 8%, compact)
+                 -> lm-gpu-25m-steps-local-DATE.json
+  mps-stop
 
 Every stage's output goes to ``DIR/gpu-check-logs/STAGE.log`` (its last lines are echoed); every
 benchmark writes its JSON into DIR as it finishes; ``DIR/gpu-check-DATE.json`` (and ``.txt``)
@@ -74,6 +89,18 @@ TIMEOUTS = {"install": 20, "mps-start": 5, "tests": 150, "compile-check": 30, "k
             "collectives-p4": 110, "collectives-p8": 80, "ddp": 75, "graph": 30, "mps-stop": 5}
 TEST_WORKERS = 8                   # pytest-xdist workers on the GPU machine (16 cores there)
 
+# the "steps" plan (--plan steps): the step times that decide the launch-light work, each variant
+# with 20 timed steps after 7 (3 eager + the capture + 3 replays) so that medians and spreads
+# mean something; estimates, not yet run: a start with Triton compiling ~40 s, dense at P=4,
+# n=2^26 ~113 ms a step, the 25m GPT ~110 ms a dense step
+STEP_VARIANTS = ("dense", "oktopk", "oktopk:graph=1", "oktopk:wire_format=compact",
+                 "oktopk:wire_format=compact,graph=1")
+STEP_COUNTS = ("--steps", "27", "--warmup", "7")
+GPT_STEPS = 100
+STEPS_TIMEOUTS = {"install": 20, "mps-start": 5, "steps-p4": 150, "steps-p8": 120,
+                  "gpt-every-step": 110, "gpt-local-steps": 80, "mps-stop": 5}
+PLANS = ("check", "steps")
+
 
 @dataclass
 class Stage:
@@ -91,9 +118,14 @@ class Stage:
 
 
 def build_stages(out_dir: str, date: str, python: str = sys.executable,
-                 timeout_scale: float = 1.0, by_benchmark: bool = False) -> List[Stage]:
-    """Every stage, in order (install and mps-start are conditional at run time); each file in
-    its benchmark's folder under ``out_dir`` with ``by_benchmark``, else in ``out_dir``."""
+                 timeout_scale: float = 1.0, by_benchmark: bool = False,
+                 plan: str = "check") -> List[Stage]:
+    """Every stage of ``plan``, in order (install and mps-start are conditional at run time);
+    each file in its benchmark's folder under ``out_dir`` with ``by_benchmark``, else in
+    ``out_dir``."""
+    if plan == "steps":
+        return _step_stages(out_dir, date, python, timeout_scale, by_benchmark)
+
     def t(name: str) -> float:
         return round(TIMEOUTS[name] * timeout_scale, 1)
 
@@ -102,11 +134,7 @@ def build_stages(out_dir: str, date: str, python: str = sys.executable,
 
     bench = [python, "-m", "oktopk_triton.cli"]
     stages = [
-        Stage("install", [python, "-m", "pip", "install", "-q", "--no-deps",
-                          "--no-build-isolation", "-e", "."], t("install"),
-              note="only when oktopk_triton.kernels does not import from this checkout"),
-        Stage("mps-start", [MPS_CONTROL, "-d"], t("mps-start"),
-              note="only when no MPS daemon is running on CUDA_MPS_PIPE_DIRECTORY"),
+        *_common_stages(python, t),
         Stage("tests", [python, "-m", "pytest", "-q", "-ra", "-m", "not slow", "-p",
                         "no:cacheprovider", "-n", str(TEST_WORKERS), "--durations=15",
                         *test_files()], t("tests")),
@@ -134,6 +162,52 @@ def build_stages(out_dir: str, date: str, python: str = sys.executable,
         "graph", [python, "tools/gpu_profile.py", "--log2", "26", "--reps", "10", "--steps",
                   "oktopk", "spardl", "dense", "--graph", "--json", graph_json], t("graph"),
         outputs=[graph_json], note="each step eager and replayed from a CUDA graph, one rank"))
+    stages.append(Stage("mps-stop", [MPS_CONTROL], t("mps-stop"), stdin="quit\n",
+                        note="always at the end (also on failure) when this script started MPS"))
+    return stages
+
+
+def _common_stages(python: str, t) -> List[Stage]:
+    return [Stage("install", [python, "-m", "pip", "install", "-q", "--no-deps",
+                              "--no-build-isolation", "-e", "."], t("install"),
+                  note="only when oktopk_triton.kernels does not import from this checkout"),
+            Stage("mps-start", [MPS_CONTROL, "-d"], t("mps-start"),
+                  note="only when no MPS daemon is running on CUDA_MPS_PIPE_DIRECTORY")]
+
+
+def _step_stages(out_dir: str, date: str, python: str, timeout_scale: float,
+                 by_benchmark: bool) -> List[Stage]:
+    """``--plan steps``: eager and graphed Ok-Topk steps on the fp32 and the compact wire
+    against dense (NCCL ranks under MPS, P=4 at n=2^26 and P=8 at n=2^25, host syncs counted on
+    a steady step of each), then the 25m GPT's per-step times: dense and 1% every step, and
+    local steps (every 4th call syncs 8% on the compact wire)."""
+    def t(name: str) -> float:
+        return round(STEPS_TIMEOUTS[name] * timeout_scale, 1)
+
+    def out(name: str) -> str:
+        return os.path.join(out_dir, _records().folder_of(name) if by_benchmark else "", name)
+
+    bench = [python, "-m", "oktopk_triton.cli"]
+    stages = _common_stages(python, t)
+    for P, n in COLLECTIVE_RUNS:
+        path = out(f"gpu-collectives-steps-P{P}-n{n}-{date}.json")
+        stages.append(Stage(
+            f"steps-p{P}",
+            [*bench, "collectives", "--backend", "nccl", "--comm", "cupy", "--algorithms",
+             *STEP_VARIANTS, "--world-sizes", str(P), "--n", str(n), "--density", str(DENSITY),
+             *STEP_COUNTS, "--probe-reps", "3", "--json", path], t(f"steps-p{P}"),
+            outputs=[path], bench="collectives"))
+    gpt = [*bench, "train", "--model", "gpt", "--size", "25m", "--device", "cuda",
+           "--world-size", "4", "--steps", str(GPT_STEPS), "--seeds", "0", "--no-plot"]
+    every = out(f"lm-gpu-25m-steps-every-{date}.json")
+    stages.append(Stage("gpt-every-step", [*gpt, "--algorithms", "dense", "oktopk", "--density",
+                                           str(DENSITY), "--json", every],
+                        t("gpt-every-step"), outputs=[every], bench="train"))
+    local = out(f"lm-gpu-25m-steps-local-{date}.json")
+    stages.append(Stage("gpt-local-steps", [*gpt, "--algorithms", "oktopk", "--density", "0.08",
+                                            "--option", "sync_every=4", "--option",
+                                            "wire_format=compact", "--json", local],
+                        t("gpt-local-steps"), outputs=[local], bench="train"))
     stages.append(Stage("mps-stop", [MPS_CONTROL], t("mps-stop"), stdin="quit\n",
                         note="always at the end (also on failure) when this script started MPS"))
     return stages
@@ -350,6 +424,10 @@ def main(argv=None) -> int:
                          "benchmark's folder under bench/results of this checkout)")
     ap.add_argument("--dry-run", action="store_true",
                     help="print the commands and check the tools; run nothing")
+    ap.add_argument("--plan", choices=PLANS, default="check",
+                    help="check (default): tests, kernels and every GPU benchmark; steps: the "
+                         "eager and graphed steps on both wires, host syncs, the 25m GPT's "
+                         "step times")
     ap.add_argument("--only", nargs="+", default=None, metavar="STAGE", help="run only these")
     ap.add_argument("--skip", nargs="+", default=[], metavar="STAGE", help="do not run these")
     ap.add_argument("--timeout-scale", type=float, default=1.0,
@@ -360,7 +438,8 @@ def main(argv=None) -> int:
     date = args.date or datetime.date.today().isoformat()
     out_dir = os.path.abspath(args.out) if args.out else os.path.join(REPO, "bench", "results")
     python = sys.executable
-    stages = build_stages(out_dir, date, python, args.timeout_scale, by_benchmark=not args.out)
+    stages = build_stages(out_dir, date, python, args.timeout_scale, by_benchmark=not args.out,
+                          plan=args.plan)
     if not args.out:      # the summary and the logs: the gpu-check benchmark's own folder
         out_dir = os.path.join(out_dir, _records().folder_of("gpu-check"))
     names = [s.name for s in stages]
