@@ -52,6 +52,8 @@ step)):
 """
 from __future__ import annotations
 
+import contextlib
+import io
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
@@ -274,26 +276,89 @@ def first_step_body(comm, name, n, density, seed):
     return grad, out, a.residual.clone(), a.stats["bytes_sent"], a.k
 
 
-def steady_steps_never_sync(alg, comm, n: int) -> bool:
-    """CUDA: two steps (calibration and one steady step, syncs allowed), then three steady steps
-    under ``torch.cuda.set_sync_debug_mode("error")`` on rank 0: any host synchronisation in a
-    steady step raises. Returns True when none did."""
-    fn = mixed(2)
-    for t in range(2):                         # calibration + one steady step, syncs allowed
-        alg(fn(comm.rank, t, n).to(comm.device))
-    torch.cuda.synchronize()
-    grads = [fn(comm.rank, t, n).to(comm.device) for t in range(2, 5)]
+@contextlib.contextmanager
+def host_syncs_raise(comm):
+    """CUDA: the body runs with ``torch.cuda.set_sync_debug_mode("error")`` on rank 0 (any host
+    synchronisation there raises), entered and left by every rank together (barriers), the mode
+    restored also when the body raises."""
     torch.cuda.synchronize()
     comm.barrier()
     if comm.rank == 0:
         torch.cuda.set_sync_debug_mode("error")
     comm.barrier()
     try:
-        for g in grads:
-            alg(g)
+        yield
     finally:
-        comm.barrier()
         if comm.rank == 0:
             torch.cuda.set_sync_debug_mode("default")
+    comm.barrier()
     torch.cuda.synchronize()
+
+
+def steady_steps_never_sync(alg, comm, n: int) -> bool:
+    """CUDA: two steps (calibration and one steady step, syncs allowed), then three steady steps
+    under :func:`host_syncs_raise`. Returns True when none synchronised."""
+    fn = mixed(2)
+    for t in range(2):                         # calibration + one steady step, syncs allowed
+        alg(fn(comm.rank, t, n).to(comm.device))
+    grads = [fn(comm.rank, t, n).to(comm.device) for t in range(2, 5)]
+    with host_syncs_raise(comm):
+        for g in grads:
+            alg(g)
     return True
+
+
+def toy_model(seed: int = 3) -> torch.nn.Module:
+    """A small MLP (8 -> 16 -> 4) with the same weights on every rank for one seed. LocalCluster
+    ranks are threads and ``torch.manual_seed`` seeds the one process-wide generator, so the
+    weights come from a generator of our own (else concurrent ranks interleave their draws)."""
+    g = torch.Generator().manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return m
+
+
+def flat(ts) -> torch.Tensor:
+    """The tensors' values, detached, one after another in one vector."""
+    return torch.cat([t.detach().reshape(-1) for t in ts])
+
+
+def toy_calls(rank: int, model, opt, sar, first: int, last: int, reduce=None) -> None:
+    """Calls ``first..last-1`` of a deterministic toy loop on ``rank``: batch ``t`` is the t-th
+    draw of rank's own generator (earlier batches are drawn and skipped, so a resumed run sees
+    the same data), a squared-output loss, backward, then ``reduce(sar, opt)`` (default
+    ``sar.reduce_updates(opt)``)."""
+    gen = torch.Generator().manual_seed(100 + rank)
+    for t in range(last):
+        x = torch.randn(6, 8, generator=gen)
+        if t < first:
+            continue
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        if reduce is None:
+            sar.reduce_updates(opt)
+        else:
+            reduce(sar, opt)
+
+
+def whole_and_resumed(make, run, calls: int, cut: int, at_load=None):
+    """``(whole, resumed, seen)``: ``make()``'s (model, optimizer, reducer) run for ``calls``
+    calls in one go, and fresh ones loaded from a save (through bytes, ``weights_only``) of a
+    run cut after ``cut`` calls, then run on to ``calls``; ``run(model, opt, sar, first, last)``
+    runs calls ``first..last-1``; ``seen = at_load(resumed)`` right after the load."""
+    whole = make()
+    run(*whole, 0, calls)
+    part = make()
+    run(*part, 0, cut)
+    blob = io.BytesIO()
+    torch.save({"m": part[0].state_dict(), "o": part[1].state_dict(), "s": part[2].state_dict()},
+               blob)
+    ck = torch.load(io.BytesIO(blob.getvalue()), weights_only=True)
+    resumed = make()
+    for obj, key in zip(resumed, "mos"):
+        obj.load_state_dict(ck[key])
+    seen = None if at_load is None else at_load(resumed)
+    run(*resumed, cut, calls)
+    return whole, resumed, seen

@@ -2,13 +2,15 @@
 update space with the decay's bookkeeping, replicas identical after every sync and free between
 syncs, sync_every=1 equal to plain reduce_updates bit for bit, resume in the middle of an
 interval, a NaN at a sync, refused combinations and values."""
-import io
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from conservation import flat as _flat
+from conservation import host_syncs_raise, toy_calls, whole_and_resumed
+from conservation import toy_model as _model
 from distutil import run_gloo
 from oktopk_triton import SparseAllreduce
 from oktopk_triton.algorithms import SPARSE_ALGORITHMS
@@ -20,20 +22,6 @@ ALL = ("dense",) + tuple(SPARSE_ALGORITHMS)
 
 def _opts(alg):
     return {"backend": "torch"} if alg == "oktopk" else {}
-
-
-def _model(seed=3):
-    # ranks may be threads (LocalCluster): draw from a generator of our own
-    g = torch.Generator().manual_seed(seed)
-    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-    with torch.no_grad():
-        for p in m.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return m
-
-
-def _flat(ts):
-    return torch.cat([t.detach().reshape(-1) for t in ts])
 
 
 def _backward(m, gen):
@@ -157,29 +145,10 @@ def _resume_body(comm, calls, cut):
         return m, opt, sar
 
     def run(m, opt, sar, first, last):
-        gen = torch.Generator().manual_seed(100 + comm.rank)
-        for t in range(last):
-            x = torch.randn(6, 8, generator=gen)
-            if t < first:
-                continue
-            opt.zero_grad()
-            m(x).pow(2).mean().backward()
-            sar.reduce_updates(opt)
+        toy_calls(comm.rank, m, opt, sar, first, last)
 
-    whole = make()
-    run(*whole, 0, calls)
-    part = make()
-    run(*part, 0, cut)
-    blob = io.BytesIO()
-    torch.save({"m": part[0].state_dict(), "o": part[1].state_dict(), "s": part[2].state_dict()},
-               blob)
-    ck = torch.load(io.BytesIO(blob.getvalue()), weights_only=True)
-    resumed = make()
-    resumed[0].load_state_dict(ck["m"])
-    resumed[1].load_state_dict(ck["o"])
-    resumed[2].load_state_dict(ck["s"])
-    mid = resumed[2].local_steps.position
-    run(*resumed, cut, calls)
+    whole, resumed, mid = whole_and_resumed(make, run, calls, cut,
+                                            at_load=lambda r: r[2].local_steps.position)
     w, r = _flat(whole[0].parameters()), _flat(resumed[0].parameters())
     return (mid, torch.equal(w, r), torch.equal(whole[2].residual, resumed[2].residual),
             whole[2].algorithm.density, w)
@@ -303,23 +272,16 @@ def _cuda_sync_body(comm):
                           sync_every=2, outer_momentum=0.5, residual_decay=0.9)
     xs = [torch.randn(8, 64, generator=torch.Generator().manual_seed(comm.rank * 10 + t))
           .to(dev) for t in range(8)]
-    for i, x in enumerate(xs):
-        if i == 4:                  # two syncs done (calibration, velocity built): steady
-            torch.cuda.synchronize()
-            comm.barrier()
-            if comm.rank == 0:
-                torch.cuda.set_sync_debug_mode("error")
-            comm.barrier()
-        try:
-            opt.zero_grad(set_to_none=False)
-            m(x).pow(2).mean().backward()
-            sar.reduce_updates(opt)
-        except RuntimeError:
-            torch.cuda.set_sync_debug_mode("default")
-            raise
-    comm.barrier()
-    torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    def call(x):
+        opt.zero_grad(set_to_none=False)
+        m(x).pow(2).mean().backward()
+        sar.reduce_updates(opt)
+
+    for x in xs[:4]:                # two syncs (calibration, velocity built), syncs allowed
+        call(x)
+    with host_syncs_raise(comm):    # steady local and sync calls
+        for x in xs[4:]:
+            call(x)
     return True
 
 

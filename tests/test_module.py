@@ -4,7 +4,9 @@ import io
 import pytest
 import torch
 
-from conservation import assert_bitwise_agreement, assert_conservation, mixed, run_steps
+from conservation import (assert_bitwise_agreement, assert_conservation, host_syncs_raise, mixed,
+                          run_steps, toy_calls, whole_and_resumed)
+from conservation import toy_model as _model
 from oktopk_triton import SparseAllreduce
 from oktopk_triton.comm.local import LocalCluster
 
@@ -47,15 +49,6 @@ def test_low_precision_conserves_across_ranks(dtype):
 
 
 # -- reduce_gradients -------------------------------------------------------------------------
-def _model(seed):
-    # LocalCluster ranks are threads and torch.manual_seed seeds the one process-wide generator,
-    # so weights come from a generator of our own (else concurrent ranks interleave their draws)
-    g = torch.Generator().manual_seed(seed)
-    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-    with torch.no_grad():
-        for p in m.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return m
 
 
 def _grads_body(comm, alg):
@@ -244,25 +237,16 @@ def _updates_sync_body(comm):
     sar = SparseAllreduce(m.parameters(), comm=comm, density=0.05, algorithm="oktopk")
     xs = [torch.randn(8, 64, generator=torch.Generator().manual_seed(comm.rank * 10 + t)).to(dev)
           for t in range(5)]
-    for x in xs[:2]:                    # calibration + one steady step, syncs allowed
+    def call(x):
         opt.zero_grad(set_to_none=False)
         m(x).pow(2).mean().backward()
         sar.reduce_updates(opt)
-    torch.cuda.synchronize()
-    comm.barrier()
-    if comm.rank == 0:
-        torch.cuda.set_sync_debug_mode("error")
-    comm.barrier()
-    try:
+
+    for x in xs[:2]:                    # calibration + one steady step, syncs allowed
+        call(x)
+    with host_syncs_raise(comm):
         for x in xs[2:]:
-            opt.zero_grad(set_to_none=False)
-            m(x).pow(2).mean().backward()
-            sar.reduce_updates(opt)
-    finally:
-        comm.barrier()
-        if comm.rank == 0:
-            torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+            call(x)
     return True
 
 
@@ -399,33 +383,16 @@ def _train_body(comm, mode, steps, cut):
         return m, opt, sar
 
     def run(m, opt, sar, first, last):
-        gen = torch.Generator().manual_seed(100 + comm.rank)
-        for t in range(last):
-            x = torch.randn(6, 8, generator=gen)
-            if t < first:
-                continue
-            opt.zero_grad()
-            m(x).pow(2).mean().backward()
-            if mode == "updates":
-                sar.reduce_updates(opt)
-            else:
-                sar.reduce_gradients()
-                opt.step()
+        toy_calls(comm.rank, m, opt, sar, first, last,
+                  reduce=None if mode == "updates" else _gradients_then_step)
 
-    whole = make()
-    run(*whole, 0, steps)
-    part = make()
-    run(*part, 0, cut)
-    blob = io.BytesIO()
-    torch.save({"m": part[0].state_dict(), "o": part[1].state_dict(), "s": part[2].state_dict()},
-               blob)
-    ck = torch.load(io.BytesIO(blob.getvalue()), weights_only=True)
-    resumed = make()
-    resumed[0].load_state_dict(ck["m"])
-    resumed[1].load_state_dict(ck["o"])
-    resumed[2].load_state_dict(ck["s"])
-    run(*resumed, cut, steps)
+    whole, resumed, _ = whole_and_resumed(make, run, steps, cut)
     return all(torch.equal(p, q) for p, q in zip(whole[0].parameters(), resumed[0].parameters()))
+
+
+def _gradients_then_step(sar, opt):
+    sar.reduce_gradients()
+    opt.step()
 
 
 @pytest.mark.parametrize("mode", ["gradients", "updates"])

@@ -5,11 +5,13 @@ hold; the bytes are counted (the sync's bytes_sent, amortised in bytes_per_step)
 round trip continues bit for bit; bad values and optimizers without moments get one-line errors;
 ``oktopk-bench train --option moment_sync_every=K`` reaches the reducer."""
 import argparse
-import io
 
 import pytest
 import torch
 
+from conservation import flat as _flat
+from conservation import toy_calls, whole_and_resumed
+from conservation import toy_model as _model
 from distutil import run_gloo
 from oktopk_triton import SparseAllreduce
 from oktopk_triton.bench import loops, train
@@ -17,19 +19,6 @@ from oktopk_triton.comm.base import ring_allreduce_bytes
 from oktopk_triton.comm.local import LocalCluster
 from oktopk_triton.local_steps import OPTIONS
 from oktopk_triton.moments import MomentSync
-
-
-def _model(seed=3):
-    g = torch.Generator().manual_seed(seed)     # ranks may be threads: our own generator
-    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-    with torch.no_grad():
-        for p in m.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return m
-
-
-def _flat(ts):
-    return torch.cat([t.detach().reshape(-1) for t in ts])
 
 
 def _moments(opt, key):
@@ -163,29 +152,10 @@ def _resume_body(comm, calls, cut):
         return m, opt, sar
 
     def run(m, opt, sar, first, last):
-        gen = torch.Generator().manual_seed(100 + comm.rank)
-        for t in range(last):
-            x = torch.randn(6, 8, generator=gen)
-            if t < first:
-                continue
-            opt.zero_grad()
-            m(x).pow(2).mean().backward()
-            sar.reduce_updates(opt)
+        toy_calls(comm.rank, m, opt, sar, first, last)
 
-    whole = make()
-    run(*whole, 0, calls)
-    part = make()
-    run(*part, 0, cut)
-    blob = io.BytesIO()
-    torch.save({"m": part[0].state_dict(), "o": part[1].state_dict(), "s": part[2].state_dict()},
-               blob)
-    ck = torch.load(io.BytesIO(blob.getvalue()), weights_only=True)
-    resumed = make()
-    resumed[0].load_state_dict(ck["m"])
-    resumed[1].load_state_dict(ck["o"])
-    resumed[2].load_state_dict(ck["s"])
-    count = resumed[2].local_steps.moments.count
-    run(*resumed, cut, calls)
+    whole, resumed, count = whole_and_resumed(make, run, calls, cut,
+                                              at_load=lambda r: r[2].local_steps.moments.count)
     return (count, torch.equal(_flat(whole[0].parameters()), _flat(resumed[0].parameters())),
             torch.equal(_moments(whole[1], "exp_avg_sq"), _moments(resumed[1], "exp_avg_sq")),
             _moments(whole[1], "exp_avg_sq"))
