@@ -23,6 +23,7 @@ from .selection import (SELECT_HIST_BINS, SELECT_HIST_SHIFT, Selection, empty_se
 from .slots import slot_keys, slot_starts, slot_sums
 from .threshold import magnitude_threshold, window_pass
 from .wire import group_positions, slot_chunks, wire_decode, wire_encode
+from .wire_quantized import quantized_decode, quantized_encode
 
 __all__ = ["Selection", "fused_select", "empty_selection", "HIST_BINS", "abs_histogram",
            "kth_bin", "bin_threshold", "histogram_threshold", "exact_threshold", "scatter_add",
@@ -33,4 +34,4 @@ __all__ = ["Selection", "fused_select", "empty_selection", "HIST_BINS", "abs_his
            "step_bookkeeping", "BOOKKEEPING_STATS", "scatter_rows_dense", "owner_magnitudes",
            "row_magnitudes", "keep_flags", "owner_slot", "gather_rows", "keep_slot_rounding",
            "sample_magnitudes", "sample_threshold", "staged_magnitudes", "pack_rows",
-           "slot_keys", "slot_starts", "slot_sums"]
+           "slot_keys", "slot_starts", "slot_sums", "quantized_encode", "quantized_decode"]

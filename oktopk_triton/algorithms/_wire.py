@@ -47,8 +47,10 @@ sent entries (magnitudes ``a``):
 
 Error feedback: a sender keeps ``v - q(v)`` of every entry that was delivered in its own residual
 (:func:`encode` with ``return_wire=True`` gives ``q(v)`` per input slot), as the compact wire
-keeps ``v - bf16(v)``; conservation holds as before. Every step is static-sized: scatter_add
-and scatter_reduce into ``[rows, chunks]`` tables, no host read.
+keeps ``v - bf16(v)``; conservation holds as before. Encode and decode are the Triton passes of
+``kernels/wire_quantized.py`` (torch references beside them): static sizes, no host read; the
+chunk sums are exact integer sums of fixed-point magnitudes (that module's doc), so the scales'
+bits do not depend on the order of the entries.
 """
 from __future__ import annotations
 
@@ -131,10 +133,11 @@ def encode(indices: torch.Tensor, values: torch.Tensor, counts: Optional[torch.T
     ``order``: ``"sort"`` (any order in; the entries go out sorted by index: one torch.sort),
     ``"ascending"`` (the valid entries are ascending already: nothing is sorted) or
     ``"chunks"`` (any order in; the entries go out grouped by chunk, in any order within one,
-    which is all :func:`decode` needs: no sort on the GPU). The compact format runs as the
-    Triton passes of ``kernels/wire.py`` (``backend``). ``return_wire``: also return what the
-    wire carries for each input slot (fp32, the shape of ``values``, 0 where nothing was
-    sent), so a sender keeps ``values - wire`` (the bits :func:`decode` gives every receiver)."""
+    which is all :func:`decode` needs: no sort on the GPU). Every format runs as Triton passes
+    (``kernels/wire.py``, ``kernels/wire_quantized.py``; ``backend``). ``return_wire``: also
+    return what the wire carries for each input slot (fp32, the shape of ``values``, 0 where
+    nothing was sent), so a sender keeps ``values - wire`` (the bits :func:`decode` gives
+    every receiver)."""
     if order not in ORDERS:
         raise ValueError(f"encode: order must be one of {ORDERS}, got {order!r}")
     shape = values.shape
@@ -156,36 +159,25 @@ def encode(indices: torch.Tensor, values: torch.Tensor, counts: Optional[torch.T
                        counts.to(torch.int64).reshape(S, 1).clamp(0, cap))
     if fmt == "compact":
         if order == "sort":
-            indices, values, counts = _sorted_rows(indices, values, counts, valid_in, span)
+            indices, values, counts, _ = _sorted_rows(indices, values, counts, valid_in, span)
         K.wire_encode(indices, values, counts, out[:, :header + C + cap], span, header,
                       ordered=order != "chunks", backend=backend)
         if not return_wire:
             return out
         wire = torch.where(valid_in, bf16_round(values), torch.zeros_like(values))
         return out, wire.view(shape)
-    # the quantized formats (torch ops): each input slot's place in the row, then the tables
-    if order == "chunks":
-        pos, _ = K.group_positions(indices, counts, C, ordered=False)
-    elif order == "sort":
-        key = torch.where(valid_in, indices.to(torch.int64), torch.full_like(slot, span))
-        perm = torch.sort(key, dim=1).indices
-        pos = torch.empty_like(perm).scatter_(1, perm, slot.expand(S, cap))
-    else:
-        pos = slot.expand(S, cap)
-    key = torch.empty(S, cap, dtype=torch.int64, device=dev).scatter_(
-        1, pos, indices.to(torch.int64))
-    vals = torch.empty_like(values).scatter_(1, pos, values)
-    valid = valid_in          # the valid entries fill each row's prefix
-    hi = torch.where(valid, key >> CHUNK_BITS, torch.full_like(key, C))
-    cc = torch.zeros(S, C + 1, dtype=torch.int32, device=dev)
-    cc.scatter_add_(1, hi, torch.ones_like(hi, dtype=torch.int32))
-    out[:, header:header + C] = cc[:, :C]
-    low = torch.where(valid, key & _LOW, torch.zeros_like(key))
-    wire = _encode_quantized(out[:, header + C:], vals, valid, hi, low, C, QUANTIZED[fmt])
+    # the quantized formats: the Triton passes of kernels/wire_quantized.py
+    perm = None
+    if order == "sort":
+        indices, values, _, perm = _sorted_rows(indices, values, counts, valid_in, span)
+    wire = torch.empty(S, cap, dtype=torch.float32, device=dev) if return_wire else None
+    K.quantized_encode(indices, values, counts, out, span, header, bits=QUANTIZED[fmt],
+                       ordered=order != "chunks", wire=wire, backend=backend)
     if not return_wire:
         return out
-    wire = torch.where(valid, wire, torch.zeros_like(wire))
-    return out, wire.gather(1, pos).view(shape)
+    if perm is not None:        # back to the input slots
+        wire = torch.empty_like(wire).scatter_(1, perm, wire)
+    return out, wire.view(shape)
 
 
 def _sorted_rows(indices, values, counts, valid, span):
@@ -193,84 +185,7 @@ def _sorted_rows(indices, values, counts, valid, span):
     key = torch.where(valid, indices.to(torch.int64), torch.full_like(valid, span,
                                                                       dtype=torch.int64))
     key, perm = torch.sort(key, dim=1)
-    return key.to(torch.int32), values.gather(1, perm), counts
-
-
-def _to_int32(w: torch.Tensor) -> torch.Tensor:
-    """int64 words in [0, 2^32) -> the int32 with the same 32 bits."""
-    return torch.where(w >= 1 << 31, w - (1 << 32), w).to(torch.int32)
-
-
-def _pack(fields: torch.Tensor, bits: int) -> torch.Tensor:
-    """[S, m] int64 fields of ``bits`` bits -> [S, ceil(m·bits/32)] int32 words, field i at
-    bit ``(i % per)·bits`` of word ``i // per``."""
-    S, m = fields.shape
-    per = 32 // bits
-    nw = -(-m // per)
-    f = torch.nn.functional.pad(fields, (0, nw * per - m)).view(S, nw, per)
-    shift = torch.arange(per, device=fields.device, dtype=torch.int64) * bits
-    return _to_int32((f << shift).sum(-1))
-
-
-def _unpack(words: torch.Tensor, bits: int, m: int) -> torch.Tensor:
-    """Inverse of :func:`_pack`: [S, nw] int32 -> [S, m] int64 fields."""
-    S, nw = words.shape
-    per = 32 // bits
-    shift = torch.arange(per, device=words.device, dtype=torch.int64) * bits
-    w = (words.to(torch.int64) & 0xFFFFFFFF).unsqueeze(-1)
-    return ((w >> shift) & ((1 << bits) - 1)).reshape(S, nw * per)[:, :m]
-
-
-def _levels(base: torch.Tensor, step: torch.Tensor, code: torch.Tensor, b: int) -> torch.Tensor:
-    """The value of ``code`` (sign bit on top, magnitude ``j`` below) at a chunk's base/step:
-    ``±(base + j·step)`` in fp32; the one formula of encoder and decoder."""
-    j = (code & ((1 << (b - 1)) - 1)).to(torch.float32)
-    mag = base + j * step
-    return torch.where((code >> (b - 1)) != 0, -mag, mag)
-
-
-def _encode_quantized(body: torch.Tensor, vals: torch.Tensor, valid: torch.Tensor,
-                      hi: torch.Tensor, low: torch.Tensor, C: int, b: int) -> torch.Tensor:
-    """Write the scales, index words and code words of sorted rows into ``body``
-    ([S, 2C + ceil(cap/2) + ceil(cap·b/32)]); return the wire values (sorted order)."""
-    S, cap = vals.shape
-    dev = vals.device
-    flat = (hi + torch.arange(S, device=dev).reshape(S, 1) * (C + 1)).reshape(-1)
-    a = torch.where(valid, vals.abs(), torch.zeros_like(vals)).reshape(-1)
-    one = valid.to(torch.float32).reshape(-1)
-    zeros = torch.zeros(S * (C + 1), dtype=torch.float32, device=dev)
-    cnt = zeros.scatter_add(0, flat, one)
-    if b == 2:   # two centroids around the chunk's mean magnitude
-        mean = zeros.scatter_add(0, flat, a) / cnt.clamp(min=1)
-        big = (a >= mean[flat]) & (one > 0)
-        n_hi = zeros.scatter_add(0, flat, big.to(torch.float32))
-        s_hi = zeros.scatter_add(0, flat, torch.where(big, a, torch.zeros_like(a)))
-        s_lo = zeros.scatter_add(0, flat, torch.where(big, torch.zeros_like(a), a))
-        c_hi = s_hi / n_hi.clamp(min=1)
-        c_lo = torch.where(cnt > n_hi, s_lo / (cnt - n_hi).clamp(min=1), c_hi)
-        base, step = c_lo, c_hi - c_lo
-        j = big.to(torch.int64)
-    else:        # 2^(b-1) uniform levels from the chunk's smallest to its largest magnitude
-        top = (1 << (b - 1)) - 1
-        inf = torch.full_like(a, float("inf"))
-        base = torch.full_like(zeros, float("inf")).scatter_reduce(
-            0, flat, torch.where(one > 0, a, inf), "amin")
-        base = torch.where(cnt > 0, base, zeros)
-        mx = zeros.scatter_reduce(0, flat, a, "amax")
-        step = (mx - base) / top
-        ratio = (a - base[flat]) / torch.where(step > 0, step, torch.ones_like(step))[flat]
-        j = torch.round(ratio).clamp(0, top).to(torch.int64)
-        j = torch.where(step[flat] > 0, j, torch.zeros_like(j))
-    neg = (vals.reshape(-1) < 0).to(torch.int64)
-    code = torch.where(one > 0, (neg << (b - 1)) | j, torch.zeros_like(j)).view(S, cap)
-    base, step = base.view(S, C + 1), step.view(S, C + 1)
-    body[:, :C] = base[:, :C].contiguous().view(torch.int32)
-    body[:, C:2 * C] = step[:, :C].contiguous().view(torch.int32)
-    iw = (cap + 1) // 2
-    body[:, 2 * C:2 * C + iw] = _pack(low, 16)
-    body[:, 2 * C + iw:] = _pack(code, b)
-    hc = hi.clamp(max=C)
-    return _levels(base.gather(1, hc), step.gather(1, hc), code, b)
+    return key.to(torch.int32), values.gather(1, perm), counts, perm
 
 
 def decode(msg: torch.Tensor, cap: int, span: int, header: int = 0,
@@ -280,34 +195,13 @@ def decode(msg: torch.Tensor, cap: int, span: int, header: int = 0,
     """Packed rows ``[S, row_words(cap, span, header, fmt)]`` -> ``(indices int32 [S, cap]
     (in the row's order: ascending unless encoded with ``order="chunks"``; -1 past the count),
     values fp32 [S, cap] (what the wire carries: bf16 values or the quantized levels; 0 past
-    the count), counts int32 [S])``. The same bits give the same result on every rank. The
-    compact format runs as a Triton pass (``kernels/wire.py``); no op reads the host. ``out``:
+    the count), counts int32 [S])``. The same bits give the same result on every rank. Each
+    format decodes in one Triton pass (``kernels/wire.py``, ``kernels/wire_quantized.py``);
+    no op reads the host. ``out``:
     the three tensors to write (views into the caller's own layout are fine)."""
     if msg.dim() == 1:
         msg = msg.unsqueeze(0)
-    S = msg.shape[0]
-    C = chunks(span)
-    dev = msg.device
     if fmt == "compact":
         return K.wire_decode(msg, cap, span, header, out=out, backend=backend)
-    hi, count = K.slot_chunks(msg[:, header:header + C], cap)               # chunk of slot i
-    slot = torch.arange(cap, device=dev, dtype=torch.int64).expand(S, cap)
-    b = QUANTIZED[fmt]
-    body = msg[:, header + C:]
-    iw = (cap + 1) // 2
-    low = _unpack(body[:, 2 * C:2 * C + iw], 16, cap)
-    code = _unpack(body[:, 2 * C + iw:2 * C + iw + -(-cap * b // 32)], b, cap)
-    hc = hi.clamp(max=C - 1)
-    base = body[:, :C].contiguous().view(torch.float32).gather(1, hc)
-    step = body[:, C:2 * C].contiguous().view(torch.float32).gather(1, hc)
-    vals = _levels(base, step, code, b)
-    idx = (hi << CHUNK_BITS) | low
-    valid = slot < count
-    idx = torch.where(valid, idx, torch.full_like(idx, -1)).to(torch.int32)
-    vals = torch.where(valid, vals, torch.zeros_like(vals))
-    res = (idx, vals, count.reshape(S).to(torch.int32))
-    if out is None:
-        return res
-    for dst, src in zip(out, res):
-        dst.copy_(src)
-    return out
+    return K.quantized_decode(msg, cap, span, header, bits=QUANTIZED[fmt], out=out,
+                              backend=backend)
