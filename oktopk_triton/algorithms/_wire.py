@@ -154,9 +154,10 @@ def encode(indices: torch.Tensor, values: torch.Tensor, counts: Optional[torch.T
         K.wire_encode(indices, values, counts, out[:, :header + C + cap], span, header,
                       ordered=order == "ascending", backend=backend)
         return out
-    slot = torch.arange(cap, device=dev)
-    valid_in = slot < (cap if counts is None else
-                       counts.to(torch.int64).reshape(S, 1).clamp(0, cap))
+    if fmt == "compact" or order == "sort":     # the valid slots (glue ops: only here)
+        slot = torch.arange(cap, device=dev)
+        valid_in = slot < (cap if counts is None else
+                           counts.to(torch.int64).reshape(S, 1).clamp(0, cap))
     if fmt == "compact":
         if order == "sort":
             indices, values, counts, _ = _sorted_rows(indices, values, counts, valid_in, span)
