@@ -368,17 +368,12 @@ def run_stage(st: Stage, env: Dict[str, str], log_path: str) -> Dict[str, object
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGTERM then SIGKILL to the stage's own process group (its rank processes included)."""
-    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    """SIGTERM then SIGKILL to the stage's own process group (its rank processes included, also
+    those whose parent already exited): the package's one home for it, ranks.kill_group."""
+    _records()                                   # this checkout's package on sys.path
+    from oktopk_triton.bench.ranks import kill_group
+    kill_group(proc.pid)
+    proc.poll()
 
 
 def _tail(path: str, n: int = 15) -> str:

@@ -24,7 +24,7 @@ from ._common import fmt_bytes as _fmt_bytes
 from .digits import load_data
 from .lm_loop import train_one_lm
 from .loops import train_one
-from .ranks import init_rank
+from .ranks import init_rank, run_group
 
 
 def launch(config: Dict[str, Any], timeout: float = 1800.0):
@@ -57,7 +57,7 @@ def launch(config: Dict[str, Any], timeout: float = 1800.0):
                    "--nproc_per_node", str(config["world_size"]),
                    "-m", "oktopk_triton.bench.launcher", "--worker", cfg_path, out_path]
             try:
-                rc = subprocess.run(cmd, env=env, timeout=timeout).returncode
+                rc = run_group(cmd, env=env, timeout=timeout)
             except subprocess.TimeoutExpired:
                 rc = f"timeout (after --timeout {timeout:g} s: raise it for a longer run)"
             records = _read_jsonl(out_path)

@@ -22,15 +22,17 @@ import contextlib
 import datetime
 import os
 import queue as _queue
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Tuple
 
 __all__ = ["Ranks", "init_rank", "make_comm", "placement", "ranks_share_gpu", "detect_mps",
-           "mps_warning", "free_port", "environ", "exit_rank"]
+           "mps_warning", "free_port", "environ", "exit_rank", "run_group", "kill_group"]
 
 
 # -- GPU placement and MPS -------------------------------------------------------------------------
@@ -178,6 +180,66 @@ def _apply(values: Dict[str, Optional[str]]) -> None:
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+def run_group(cmd: List[str], env: Optional[Dict[str, str]] = None,
+              timeout: Optional[float] = None) -> int:
+    """Run ``cmd`` (torchrun and the ranks it starts) in a process group of its own and wait:
+    its exit status, or ``subprocess.TimeoutExpired`` after ``timeout`` seconds. However the wait
+    ends (done, timed out, Ctrl-C, a SIGTERM to this process, an exception) every process left
+    in the group is ended (:func:`kill_group`), so no rank outlives its launcher. (Killing
+    torchrun alone, as ``subprocess.run``'s timeout does, left its 4 ranks running.)"""
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    previous = _sigterm_raises()
+    try:
+        return proc.wait(timeout=timeout)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        kill_group(proc.pid)
+
+
+def _sigterm_raises():
+    """In the main thread: make SIGTERM raise ``SystemExit(143)`` (so ``finally`` blocks run)
+    and return the handler it replaced; elsewhere ``None`` (only the main thread may set one)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum, frame):  # noqa: ARG001
+        raise SystemExit(128 + signum)
+    return signal.signal(signal.SIGTERM, handler)
+
+
+def kill_group(pgid: int, grace: float = 5.0) -> None:
+    """SIGTERM to every process of group ``pgid``, SIGKILL to what is left after ``grace``
+    seconds; returns once the group is empty (or after a second grace period)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            try:
+                os.waitpid(-pgid, os.WNOHANG)     # reap our own child, if it is in the group
+            except ChildProcessError:
+                pass
+            if not _group_alive(pgid):
+                return
+            time.sleep(0.05)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` is still running (zombies do not count)."""
+    for pid in (d for d in os.listdir("/proc") if d.isdigit()):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
 
 
 def exit_rank(q: Any, code: int) -> NoReturn:
