@@ -93,7 +93,7 @@ if HAS_TRITON:
         else:
             inv = tl.load(tab + C + hi, mask=mask, other=0)
             mxb = tl.load(tab + 2 * C + hi, mask=mask, other=0)
-            mn = (_INF_BITS - inv).to(tl.int32).to(tl.float32, bitcast=True)
+            mn = (0x7F800000 - inv).to(tl.int32).to(tl.float32, bitcast=True)
             base = tl.where(cnt > 0, mn, 0.0)
             mx = mxb.to(tl.int32).to(tl.float32, bitcast=True)
             step = tl.math.div_rn(mx - base, tl.zeros_like(base) + TOP)
@@ -130,7 +130,7 @@ if HAS_TRITON:
         if Q2:
             tl.atomic_max(tab + C + hi, tl.maximum(bits >> 23, 1), mask=valid)
         else:
-            tl.atomic_max(tab + C + hi, _INF_BITS - bits, mask=valid)
+            tl.atomic_max(tab + C + hi, 0x7F800000 - bits, mask=valid)   # inf's bits
             tl.atomic_max(tab + 2 * C + hi, bits, mask=valid)
         body = out_ptr + s * out_stride + header + 3 * C
         wi = b * (BLOCK // 2) + tl.arange(0, BLOCK // 2)
