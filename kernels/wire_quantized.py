@@ -100,14 +100,15 @@ if HAS_TRITON:
             return base, step
 
     @triton.jit
-    def _slots(idx_ptr, val_ptr, cnt_ptr, cap, C, idx_stride, val_stride,
+    def _slots(idx_ptr, val_ptr, cnt_ptr, cap, C, idx_stride, val_stride, cnt_stride,
                HAS_COUNTS: tl.constexpr, BLOCK: tl.constexpr):
         """Program (s, b)'s slots: ``(slots, valid, index, value, chunk)``."""
         s = tl.program_id(0).to(tl.int64)
         slots = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         n_valid = cap
         if HAS_COUNTS:
-            n_valid = tl.minimum(tl.maximum(tl.load(cnt_ptr + s).to(tl.int64), 0), cap)
+            n_valid = tl.minimum(tl.maximum(tl.load(cnt_ptr + s * cnt_stride).to(tl.int64), 0),
+                                 cap)
         valid = slots < n_valid
         idx = tl.load(idx_ptr + s * idx_stride + slots, mask=valid, other=0).to(tl.int64)
         val = tl.load(val_ptr + s * val_stride + slots, mask=valid, other=0.0)
@@ -116,12 +117,12 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["cap", "C", "header", "iw", "cw"])
     def _stats_kernel(idx_ptr, val_ptr, cnt_ptr, tab_ptr, out_ptr, cap, C, header, iw, cw,
-                      idx_stride, val_stride, out_stride, Q2: tl.constexpr,
+                      idx_stride, val_stride, cnt_stride, out_stride, Q2: tl.constexpr,
                       HAS_COUNTS: tl.constexpr, PER: tl.constexpr, BLOCK: tl.constexpr):
         """Per chunk: the count, the largest exponent (q2) or the smallest (inverted) and the
         largest magnitude bits (q4); and zero the packed words of slots [b·BLOCK, ...)."""
         slots, valid, idx, val, hi = _slots(idx_ptr, val_ptr, cnt_ptr, cap, C, idx_stride,
-                                            val_stride, HAS_COUNTS, BLOCK)
+                                            val_stride, cnt_stride, HAS_COUNTS, BLOCK)
         s = tl.program_id(0).to(tl.int64)
         b = tl.program_id(1).to(tl.int64)
         tab = tab_ptr + s * 6 * C
@@ -140,11 +141,11 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["cap", "C"])
     def _sum_kernel(idx_ptr, val_ptr, cnt_ptr, tab_ptr, cap, C, idx_stride, val_stride,
-                    SPLIT: tl.constexpr, HAS_COUNTS: tl.constexpr, BLOCK: tl.constexpr):
+                    cnt_stride, SPLIT: tl.constexpr, HAS_COUNTS: tl.constexpr, BLOCK: tl.constexpr):
         """q2: the chunk's fixed-point sum of magnitudes; ``SPLIT``: the count and the sum of
         those at or above the chunk's mean."""
         slots, valid, idx, val, hi = _slots(idx_ptr, val_ptr, cnt_ptr, cap, C, idx_stride,
-                                            val_stride, HAS_COUNTS, BLOCK)
+                                            val_stride, cnt_stride, HAS_COUNTS, BLOCK)
         tab = tab_ptr + tl.program_id(0).to(tl.int64) * 6 * C
         a = tl.abs(val)
         units = _fixed_terms(a, tl.load(tab + C + hi, mask=valid, other=1))
@@ -157,14 +158,15 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["cap", "C", "header", "iw"])
     def _finish_kernel(idx_ptr, val_ptr, cnt_ptr, tab_ptr, out_ptr, wire_ptr, cap, C, header,
-                       iw, idx_stride, val_stride, out_stride, wire_stride, Q2: tl.constexpr,
+                       iw, idx_stride, val_stride, cnt_stride, out_stride, wire_stride,
+                       Q2: tl.constexpr,
                        HAS_COUNTS: tl.constexpr, ORDERED: tl.constexpr, HAS_WIRE: tl.constexpr,
                        B: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
                        BC: tl.constexpr):
         """Each entry's code, place, packed fields and wire value; the chunk words of chunks
         [b·BLOCK_C, ...)."""
         slots, valid, idx, val, hi = _slots(idx_ptr, val_ptr, cnt_ptr, cap, C, idx_stride,
-                                            val_stride, HAS_COUNTS, BLOCK)
+                                            val_stride, cnt_stride, HAS_COUNTS, BLOCK)
         s = tl.program_id(0).to(tl.int64)
         b = tl.program_id(1).to(tl.int64)
         tab = tab_ptr + s * 6 * C
@@ -260,13 +262,13 @@ if HAS_TRITON:
     def _encode_triton(indices, values, counts, out, wire, C, header, bits, ordered):
         S, cap = indices.shape
         has = counts is not None
-        cnt = counts.reshape(-1).contiguous() if has else indices
+        cnt = counts.reshape(-1) if has else indices     # a header column: its stride
         q2 = bits == 2
         iw, cw = (cap + 1) // 2, -(-cap * bits // 32)
         tab = torch.zeros(S, _TABLE, C, dtype=torch.int64, device=out.device)
         nb = max(1, triton.cdiv(cap, _BLOCK))
         common = (indices, values, cnt, tab)
-        strides = (indices.stride(0), values.stride(0))
+        strides = (indices.stride(0), values.stride(0), cnt.stride(0) if has else 0)
         _stats_kernel[(S, nb)](*common, out, cap, C, header, iw, cw, *strides, out.stride(0),
                                Q2=q2, HAS_COUNTS=has, PER=32 // bits, BLOCK=_BLOCK,
                                num_warps=4)
@@ -512,8 +514,8 @@ def compile_variants():
             yield (f"wire_quantized stats b={bits} counts={has}", _stats_kernel,
                    {**row, "out_ptr": "*i32", "cap": "i32", "C": "i32", "header": "i32",
                     "iw": "i32", "cw": "i32", "idx_stride": "i32", "val_stride": "i32",
-                    "out_stride": "i32", "Q2": "constexpr", "HAS_COUNTS": "constexpr",
-                    "PER": "constexpr", "BLOCK": "constexpr"},
+                    "cnt_stride": "i32", "out_stride": "i32", "Q2": "constexpr",
+                    "HAS_COUNTS": "constexpr", "PER": "constexpr", "BLOCK": "constexpr"},
                    {"Q2": bits == 2, "HAS_COUNTS": has, "PER": 32 // bits, "BLOCK": _BLOCK},
                    [0, 1, 2, 3, 4], 4, {})
             for ordered in (False, True):
@@ -522,7 +524,8 @@ def compile_variants():
                            f"wire={has_wire}", _finish_kernel,
                            {**row, "out_ptr": "*i32", "wire_ptr": "*fp32", "cap": "i32",
                             "C": "i32", "header": "i32", "iw": "i32", "idx_stride": "i32",
-                            "val_stride": "i32", "out_stride": "i32", "wire_stride": "i32",
+                            "val_stride": "i32", "cnt_stride": "i32", "out_stride": "i32",
+                            "wire_stride": "i32",
                             "Q2": "constexpr", "HAS_COUNTS": "constexpr",
                             "ORDERED": "constexpr", "HAS_WIRE": "constexpr", "B": "constexpr",
                             "BLOCK": "constexpr", "BLOCK_C": "constexpr", "BC": "constexpr"},
@@ -539,6 +542,7 @@ def compile_variants():
         for split in (False, True):
             yield (f"wire_quantized sum split={split} counts={has}", _sum_kernel,
                    {**row, "cap": "i32", "C": "i32", "idx_stride": "i32", "val_stride": "i32",
-                    "SPLIT": "constexpr", "HAS_COUNTS": "constexpr", "BLOCK": "constexpr"},
+                    "cnt_stride": "i32", "SPLIT": "constexpr", "HAS_COUNTS": "constexpr",
+                    "BLOCK": "constexpr"},
                    {"SPLIT": split, "HAS_COUNTS": has, "BLOCK": _BLOCK}, [0, 1, 2, 3], 4,
                    no_fma)

@@ -198,6 +198,20 @@ def test_triton_matches_torch_bitwise(fmt, order, span, cap, header, counts):
 
 
 @needs_interp
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_triton_counts_from_a_header_column(fmt):
+    """Counts read in place from a strided column (Ok-Topk's message header), wire values
+    into a fresh buffer: the reference's bits."""
+    span, cap = 2 * W.CHUNK + 11, 45
+    idx, vals = _rows(3, cap, span, 5, False)
+    hdr = torch.zeros(3, 4, dtype=torch.int32)
+    hdr[:, 0] = torch.tensor([45, 7, 0])
+    got = [W.encode(idx, vals, hdr[:, 0], span, fmt=fmt, order="chunks", return_wire=True,
+                    backend=be) for be in ("triton", "torch")]
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+
+
+@needs_interp
 def test_triton_decode_writes_into_views():
     """``out`` rows may be views into a wider buffer (the caller's own layout)."""
     span, cap = W.CHUNK + 10, 21
