@@ -106,6 +106,17 @@ def test_special_chunks(fmt):
         assert gi[0].tolist() == idx[0].tolist() and torch.equal(gv[0], wire[0])
 
 
+def test_q2_entry_at_the_mean_goes_high():
+    """Magnitudes 1, 2, 3 (mean 2, exact in the fixed point): 2 is in the upper half, so the
+    levels are 1 and 2.5."""
+    idx = torch.tensor([[3, 10, 700]], dtype=torch.int32)
+    vals = torch.tensor([[-1.0, 2.0, 3.0]])
+    for be in BACKENDS:
+        _, wire = W.encode(idx, vals, None, 1000, fmt="q2", order="ascending",
+                           return_wire=True, backend=be)
+        assert wire[0].tolist() == [-1.0, 2.5, 2.5]
+
+
 def _chunk_scales(a, b):
     """An independent computation of one chunk's (base, step) from its magnitudes (fp32)."""
     if b == 4:        # the old torch formulas: min, (max - min) / 7
