@@ -73,7 +73,7 @@ WINDOW_SEGMENTS = 32    # candidate buffer segments (one slot counter each): see
 # ----------------------------------------------------------------------------------------------
 if HAS_TRITON:
 
-    @triton.jit(do_not_specialize=["seg_cap", "start_int", "end_int"])
+    @triton.jit(do_not_specialize=["seg_cap", "spill_cap", "start_int", "end_int"])
     def _window_pass_kernel(
         x_ptr,          # *fp32|bf16|fp16 [n]  values (read as fp32)
         bounds_ptr,     # *int32 [2]           window [lo, hi) as |x| bit patterns
@@ -82,8 +82,11 @@ if HAS_TRITON:
         cand_ptr,       # *int32 [NSEG, seg_cap] out: bit patterns of the entries in the window
         seg_count_ptr,  # *int64 [NSEG]        out, added to: true count per segment
         stats_ptr,      # *int64 [2]           out, added to: [#|x| >= hi, #nonzero finite]
+        spill_ptr,      # *int32 [spill_cap]   out: the candidates past their segment's capacity
+        spill_count_ptr,  # *int64 []          out, added to: true number of spilled candidates
         start_int, end_int,                  # the range as ints otherwise
         seg_cap,        # candidate slots per segment
+        spill_cap,      # slots of the shared spill buffer
         RANGE_IS_PTR: tl.constexpr,
         NSEG: tl.constexpr,   # program p appends to segment p % NSEG: spreads the slot atomics
         BLOCK: tl.constexpr,
@@ -116,6 +119,13 @@ if HAS_TRITON:
                 slot_base = tl.atomic_add(seg_count_ptr + seg, n_in.to(tl.int64), sem="relaxed")
                 slot = slot_base + tl.cumsum(inside_i, axis=0).to(tl.int64) - 1
                 tl.store(cand_ptr + seg * seg_cap + slot, bits, mask=inside & (slot < seg_cap))
+                if slot_base + n_in > seg_cap:   # clustered candidates: one shared counter
+                    spill = inside & (slot >= seg_cap)
+                    spill_i = spill.to(tl.int32)
+                    n_sp = tl.sum(spill_i, axis=0).to(tl.int64)
+                    sp_base = tl.atomic_add(spill_count_ptr, n_sp, sem="relaxed")
+                    sp = sp_base + tl.cumsum(spill_i, axis=0).to(tl.int64) - 1
+                    tl.store(spill_ptr + sp, bits, mask=spill & (sp < spill_cap))
         tl.atomic_add(stats_ptr, tl.sum(n_above.to(tl.int64), axis=0), sem="relaxed")
         tl.atomic_add(stats_ptr + 1, tl.sum(n_nonzero.to(tl.int64), axis=0), sem="relaxed")
 
@@ -133,14 +143,31 @@ if HAS_TRITON:
 
     @_dispatch.serialized_when_interpreted
     def _window_pass_triton(x, bounds, start, end, max_len, cand, seg_count, stats,
-                            block=WINDOW_BLOCK, num_warps=8):
+                            spill=None, spill_count=None, block=WINDOW_BLOCK, num_warps=8):
         nseg, seg_cap = cand.shape
         grid = (_programs(x.device, max_len, block),)
         ranged = isinstance(start, Tensor)
+        spill, spill_count = _no_spill(spill, spill_count, x.device)
         _window_pass_kernel[grid](
             x, bounds, start if ranged else stats, end if ranged else stats, cand, seg_count,
-            stats, 0 if ranged else int(start), 0 if ranged else int(end), seg_cap,
-            RANGE_IS_PTR=ranged, NSEG=nseg, BLOCK=block, num_warps=num_warps)
+            stats, spill, spill_count, 0 if ranged else int(start), 0 if ranged else int(end),
+            seg_cap, spill.numel(), RANGE_IS_PTR=ranged, NSEG=nseg, BLOCK=block,
+            num_warps=num_warps)
+
+    def compile_variants():
+        """(name, kernel, signature, constexprs, divisible-by-16 args, num_warps) per variant:
+        window_pass for every dtype, the range by value and by pointer."""
+        for x in ("*fp32", "*bf16", "*fp16"):
+            for ranged in (False, True):
+                yield (f"window_pass x={x[1:]} range_ptr={ranged}", _window_pass_kernel,
+                       {"x_ptr": x, "bounds_ptr": "*i32", "start_ptr": "*i64",
+                        "end_ptr": "*i64", "cand_ptr": "*i32", "seg_count_ptr": "*i64",
+                        "stats_ptr": "*i64", "spill_ptr": "*i32", "spill_count_ptr": "*i64",
+                        "start_int": "i64", "end_int": "i64", "seg_cap": "i32",
+                        "spill_cap": "i32", "RANGE_IS_PTR": "constexpr", "NSEG": "constexpr",
+                        "BLOCK": "constexpr"},
+                       {"RANGE_IS_PTR": ranged, "NSEG": WINDOW_SEGMENTS, "BLOCK": WINDOW_BLOCK},
+                       [0, 1, 2, 3, 4, 5, 6, 7, 8], 8)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -150,8 +177,20 @@ def _abs_bits(x: Tensor) -> Tensor:
     return x.to(torch.float32).contiguous().view(torch.int32) & _ABS_MASK
 
 
-def _window_pass_torch(x, bounds, start, end, max_len, cand, seg_count, stats):
-    """Reference: every candidate goes to segment 0 (in ascending position order)."""
+def _no_spill(spill: Optional[Tensor], spill_count: Optional[Tensor], dev):
+    """The spill buffer and its counter; an empty one (nothing kept) when not given."""
+    if spill is None:
+        spill = torch.empty(0, dtype=torch.int32, device=dev)
+    if spill_count is None:
+        spill_count = torch.zeros((), dtype=torch.int64, device=dev)
+    return spill, spill_count
+
+
+def _window_pass_torch(x, bounds, start, end, max_len, cand, seg_count, stats, spill=None,
+                       spill_count=None):
+    """Reference: every candidate goes to segment 0, the rest to the spill buffer (both in
+    ascending position order)."""
+    spill, spill_count = _no_spill(spill, spill_count, x.device)
     n = x.numel()
     dev = x.device
     rel = torch.arange(max_len, device=dev, dtype=torch.int64)
@@ -163,23 +202,33 @@ def _window_pass_torch(x, bounds, start, end, max_len, cand, seg_count, stats):
     inside = valid & (bits >= lo) & (bits < hi)
     flat = cand.view(-1)
     cap = cand.shape[1]
-    slot = torch.cumsum(inside.to(torch.int64), 0) - 1
+    slot = seg_count[0] + torch.cumsum(inside.to(torch.int64), 0) - 1
     tgt = torch.where(inside & (slot < cap), slot, torch.full_like(slot, flat.numel()))
     buf = torch.cat([flat, flat.new_zeros(1)]).scatter_(0, tgt, bits)
     flat.copy_(buf[:flat.numel()])
+    spilled = inside & (slot >= cap)
+    sp = spill_count + torch.cumsum(spilled.to(torch.int64), 0) - 1
+    tgt = torch.where(spilled & (sp < spill.numel()), sp, torch.full_like(sp, spill.numel()))
+    buf = torch.cat([spill, spill.new_zeros(1)]).scatter_(0, tgt, bits)
+    spill.copy_(buf[:spill.numel()])
+    spill_count += spilled.sum()
     seg_count[0] += inside.sum()
     stats.add_(torch.stack([(valid & (bits >= hi)).sum(), valid.sum()]))
 
 
 def window_pass(x: Tensor, bounds: Tensor, cand: Tensor, seg_count: Tensor, stats: Tensor, *,
                 start: IntOrTensor = None, end: IntOrTensor = None, max_len: Optional[int] = None,
-                backend: str = "auto") -> None:
+                backend: str = "auto", spill: Optional[Tensor] = None,
+                spill_count: Optional[Tensor] = None) -> None:
     """One pass over ``x[start:end]``.  ``stats`` (int64 [2], ADDED to) gets the number of
     nonzero finite entries with ``bits(|x|) >= hi`` and the number of nonzero finite entries;
     the bit patterns of the entries with ``lo <= bits(|x|) < hi`` go to ``cand`` (int32
     [NSEG, seg_cap]: program p appends to segment p % NSEG, any order; the reference puts all of
-    them in segment 0), whose true counts are ADDED to ``seg_count`` (int64 [NSEG]); entries past
-    a segment's capacity are not written.  ``bounds``: int32 [2] = (lo, hi)."""
+    them in segment 0), whose true counts are ADDED to ``seg_count`` (int64 [NSEG]).  Entries
+    past their segment's capacity go to ``spill`` (int32 [spill_cap], shared by all segments,
+    any order), whose true count is ADDED to ``spill_count`` (int64 []); entries past the
+    spill's capacity (or every one past a segment's, without ``spill``) are not written.
+    ``bounds``: int32 [2] = (lo, hi)."""
     x = x.reshape(-1)
     n = x.numel()
     dev = x.device
@@ -194,11 +243,9 @@ def window_pass(x: Tensor, bounds: Tensor, cand: Tensor, seg_count: Tensor, stat
         end = _dispatch.as_index_tensor(end, n, dev)
     else:
         start, end = int(start or 0), int(end if end is not None else n)
-    if _dispatch.choose(backend, dev) == "triton":
-        _window_pass_triton(x, bounds, start, end, int(max_len), cand, seg_count, stats)
-    else:
-        with _dispatch.inside_kernel():
-            _window_pass_torch(x, bounds, start, end, int(max_len), cand, seg_count, stats)
+    spill, spill_count = _no_spill(spill, spill_count, dev)
+    _dispatch.run(backend, dev, _window_pass_triton, _window_pass_torch, x, bounds, start, end,
+                  int(max_len), cand, seg_count, stats, spill, spill_count)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -287,10 +334,11 @@ def magnitude_threshold(x: Tensor, k: int, *, start: IntOrTensor = None, end: In
     bounds = _window_bounds(x, k, s, e, max_len, S, ranged)
     # 2. one pass over the range collects the window's candidates; 3. the (k - above)-th
     # largest of them (or the histogram fallback)
-    t, ok, above, inside, nonzero, cap = _window_threshold(x, k, s, e, max_len, S, bounds,
-                                                           backend)
+    t, ok, above, inside, nonzero, cap, spilled = _window_threshold(x, k, s, e, max_len, S,
+                                                                    bounds, backend)
     if info is not None:
-        info.update(window_ok=ok, stats=torch.stack([above, inside, nonzero]), S=S, cap=cap)
+        info.update(window_ok=ok, stats=torch.stack([above, inside, nonzero]), S=S, cap=cap,
+                    spilled=spilled)
     return t
 
 
@@ -333,14 +381,14 @@ def _window_bounds(x: Tensor, k: int, s, e, max_len: int, S: int, ranged: bool) 
                          ordered.gather(0, r_hi.clamp(0, S - 1).reshape(1)).reshape(()))
         at_lo = ordered.gather(0, r_lo.clamp(0, S - 1).reshape(1)).reshape(())
         lo = torch.where(r_lo >= S, torch.ones_like(ordered[0]), at_lo.clamp(min=1))
-        bounds = torch.stack([lo, torch.maximum(hi, lo)]).to(torch.int32)
+        bounds = torch.stack([lo, torch.maximum(hi, lo + 1)]).to(torch.int32)
     else:
         hi_i = min(max(r_hi, 0), S - 1)
         lo_i = min(max(r_lo, 0), S - 1)
         pair = torch.stack([ordered[lo_i], ordered[hi_i]])
         lo = pair[0].clamp(min=1) if r_lo < S else torch.ones_like(pair[0])
         hi = pair[1] if r_hi >= 0 else torch.full_like(pair[1], _INF_BITS)
-        bounds = torch.stack([lo, torch.maximum(hi, lo)]).to(torch.int32)
+        bounds = torch.stack([lo, torch.maximum(hi, lo + 1)]).to(torch.int32)
     return bounds
 
 
@@ -348,31 +396,40 @@ def _window_threshold(x: Tensor, k: int, s, e, max_len: int, S: int, bounds: Ten
                       backend: str):
     """Steps 2 and 3: one pass gathers the candidates inside the window, the (k - above)-th
     largest of them is the threshold; the histogram fallback answers when the window missed.
-    Returns (threshold, window held it, above, inside, nonzero, candidate capacity)."""
+    Returns (threshold, window held it, above, inside, nonzero, candidate capacity, spilled)."""
     dev = x.device
     # 2. one pass (program p appends to segment p % nseg: as many segments as programs, at most
-    # WINDOW_SEGMENTS, each with its share of the capacity and 25% to spare)
+    # WINDOW_SEGMENTS, each with its even share of the capacity; what a segment cannot hold goes
+    # to the shared spill buffer).  The spill holds the whole capacity, since clustering can put
+    # every candidate in one segment: n = 70,001, k = 700 with the 4096 largest in one block put
+    # all 320 candidates in one of 4 segments (270 slots each); on a GPU a segment is 1/32.
+    # Only a window fuller than the capacity overflows the spill, however the candidates cluster.
     cap = candidate_capacity(k, max_len, S)
     nseg = max(1, min(WINDOW_SEGMENTS, _programs(dev, max_len, WINDOW_BLOCK)))
-    seg_cap = -(-5 * cap // (4 * nseg)) + 64
+    seg_cap = -(-cap // nseg) + 64
     cand = torch.full((nseg, seg_cap), -1, dtype=torch.int32, device=dev)
+    spill = torch.full((cap,), -1, dtype=torch.int32, device=dev)
     seg_count = torch.zeros(nseg, dtype=torch.int64, device=dev)
+    spill_count = torch.zeros((), dtype=torch.int64, device=dev)
     stats = torch.zeros(2, dtype=torch.int64, device=dev)
     window_pass(x, bounds, cand, seg_count, stats, start=s, end=e, max_len=max_len,
-                backend=backend)
+                backend=backend, spill=spill, spill_count=spill_count)
     above, nonzero = stats[0], stats[1]
     inside = seg_count.sum()
 
-    # 3. the (k - above)-th largest candidate
+    # 3. the (k - above)-th largest candidate; a one-value window [v, v + 1) (the sample tied at
+    # both ranks) needs no candidates: if it holds the k-th largest, that is v
     kk = k - above
-    ok = (above < k) & (above + inside >= k) & (seg_count <= seg_cap).all()
+    single = bounds[1] == bounds[0] + 1
+    ok = (above < k) & (above + inside >= k) & ((spill_count <= cap) | single)
     short = nonzero < k
-    top = torch.sort(cand.view(-1), descending=True).values
+    top = torch.sort(torch.cat([cand.view(-1), spill]), descending=True).values
     t_bits = top.gather(0, (kk - 1).clamp(0, top.numel() - 1).reshape(1)).reshape(())
+    t_bits = torch.where(single, bounds[0], t_bits.to(torch.int32))
     t_window = t_bits.clamp(min=0).to(torch.int32).view(torch.float32).reshape(())
 
     # fallback: two histogram passes, launched always, doing nothing unless the window missed
     skip = (ok | short).to(torch.int32)
     t_fallback = histogram_threshold(x, k, start=s, end=e, backend=backend, skip=skip)
     t = torch.where(short, torch.zeros_like(t_window), torch.where(ok, t_window, t_fallback))
-    return t, ok, above, inside, nonzero, cap
+    return t, ok, above, inside, nonzero, cap, spill_count
