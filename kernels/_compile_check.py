@@ -45,7 +45,6 @@ def variants():
     yield from _histogram_variants()
     yield from _scatter_variants()
     yield from _region_variants()
-    yield from _threshold_variants()
     yield from _elementwise_variants()
     yield from _bookkeeping_variants()
     yield from _wire_variants()
@@ -164,20 +163,6 @@ def _region_variants():
                 "BLOCK": "constexpr"},
                {"SEARCH_STEPS": 7, "HAS_VELOCITY": vel, "KEEP_BF16_ROUNDING": bf, "BLOCK": 1024},
                [0, 1, 2, 3, 4, 5, 6], 4)
-
-
-def _threshold_variants():
-    """window_pass: every dtype, range by value and by pointer."""
-    from . import threshold
-    for x in ("*fp32", "*bf16", "*fp16"):
-        for ranged in (False, True):
-            yield (f"window_pass x={x[1:]} range_ptr={ranged}", threshold._window_pass_kernel,
-                   {"x_ptr": x, "bounds_ptr": "*i32", "start_ptr": "*i64", "end_ptr": "*i64",
-                    "cand_ptr": "*i32", "seg_count_ptr": "*i64", "stats_ptr": "*i64",
-                    "start_int": "i64", "end_int": "i64", "seg_cap": "i32",
-                    "RANGE_IS_PTR": "constexpr", "NSEG": "constexpr", "BLOCK": "constexpr"},
-                   {"RANGE_IS_PTR": ranged, "NSEG": 32, "BLOCK": 4096},
-                   [0, 1, 2, 3, 4, 5, 6], 8)
 
 
 def _bookkeeping_variants():

@@ -259,7 +259,7 @@ def test_compile_variants_cover_the_streaming_launches(monkeypatch):
     pytest.importorskip("triton")
     from oktopk_triton.kernels import _compile_check as cc
     from oktopk_triton.kernels import _dispatch, elementwise, histogram, selection, threshold
-    variants = list(cc.variants())
+    variants = list(cc.variants()) + list(threshold.compile_variants())
     log = _record_launches(monkeypatch, (
         (selection, "_fused_select_kernel"), (histogram, "_abs_histogram_kernel"),
         (threshold, "_window_pass_kernel"), (elementwise, "_fill_if_kernel")))
