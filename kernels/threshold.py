@@ -11,19 +11,25 @@ fp32 takes 0.37 ms (2.93 TB/s).  The goal is <= 0.8 ms at 2^28, 7x torch.topk.  
    window ``[lo, hi)``.
 2. **One pass** (``window_pass``): count the entries with |x| >= hi, count the nonzero finite
    ones, and compact the bit patterns of those in the window into a candidate buffer (one
-   ``tl.cumsum`` per block and one scalar atomic per block, as fused_select does).
-3. **Exact answer** from the candidates: the (k − above)-th largest of them (``torch.sort`` of a
-   buffer of ~12·√(k·len/S) entries: about 0.2 k at density 1%), on the device.
+   ``tl.cumsum`` per block and one scalar atomic per block, as fused_select does).  Program p
+   appends to segment p % 32 of the buffer, sized for candidates spread evenly; what a segment
+   cannot hold goes to a spill buffer shared by all programs, as large as the whole capacity:
+   when the k largest cluster in a few 4096-blocks (a hot embedding row, a layer whose gradient
+   jumped) one segment may receive every candidate, and the answer stays exact.
+3. **Exact answer** from the candidates: the (k − above)-th largest of them (``torch.sort`` of
+   the segments and the spill: two buffers of the capacity, 1.25 × the expected window population
+   12·√(k·len/S), so about 0.5 k slots at density 1%), on the device.  A window of one value
+   ``[v, v + 1)`` (the sample tied at both ranks, e.g. all magnitudes equal) needs no
+   candidates: when it holds the k-th largest, that is v.
 
-If the window missed (fewer than k entries at or above ``lo``, k or more at or above ``hi``, or
-more candidates than one program's segment of the buffer holds), the result comes instead from
-the two-level histogram threshold (2 more passes), launched always but gated on that device
-flag, so no host read is ever needed; the tests force this path.  That answer is within 2^-14
-relative of the exact one and at or below it (k <= count <= 1.01·k).  A segment overflows when
-the candidates cluster: the segments assume them spread evenly over the programs, and a few
-4096-blocks holding most of the k largest (a hot embedding row, a layer whose gradient jumped)
-break that, so on such inputs the Triton path's threshold can sit up to 2^-14 relative below the
-torch path's.  With fewer than k nonzero finite entries the threshold is 0 (select every
+The answer is exact (the torch path's value) unless the window missed: fewer than k entries at
+or above ``lo``, k or more at or above ``hi``, or the spill overflowed (which takes more
+candidates than the capacity: the window's population decides it, not how it clusters).  Then
+the result comes from the two-level histogram threshold (2 more passes), launched always but
+gated on that device flag, so no host read is ever needed; the tests force this path.  That
+answer is within 2^-14 relative of the exact one and at or below it (k <= count <= 1.01·k), and
+``info`` says it answered (``window_ok`` False; ``spilled`` above ``cap`` when the spill
+overflowed).  With fewer than k nonzero finite entries the threshold is 0 (select every
 nonzero).  The torch path (CPU) computes the exact value with ``torch.topk``.  Bytes: 4·len
 (fp32 x) plus the sample and the candidates.
 
@@ -306,8 +312,10 @@ def magnitude_threshold(x: Tensor, k: int, *, start: IntOrTensor = None, end: In
     (``max_len``: a static bound on ``end - start``, default n).  No host read.
 
     ``info`` (a dict, optional) receives device tensors: ``window_ok`` (the one-pass window held
-    the k-th largest; else the two-level histogram fallback answered, exact to 2^-14), ``stats``
-    ([above, in window, nonzero]) and the sample size ``S``.
+    the k-th largest and the answer is exact; else the two-level histogram fallback answered,
+    at or below it by at most 2^-14 relative), ``stats`` ([above, in window, nonzero]),
+    ``spilled`` (candidates past their segment's capacity; above ``cap`` the spill overflowed),
+    and the ints ``S`` (sample size) and ``cap`` (candidate capacity).
     """
     x = x.reshape(-1)
     if not x.is_contiguous():
@@ -358,7 +366,8 @@ def _range(start: IntOrTensor, end: IntOrTensor, max_len: Optional[int], n: int,
 
 def _window_bounds(x: Tensor, k: int, s, e, max_len: int, S: int, ranged: bool) -> Tensor:
     """Step 1, the window: S jittered evenly spaced positions of the range sorted by |x|; the
-    int32 |x| bits [lo, hi] at sample ranks k*S/len -+ (WINDOW_Z*sqrt(r) + 1)."""
+    int32 |x| bits [lo, hi] at sample ranks k*S/len -+ (WINDOW_Z*sqrt(r) + 1), hi at least
+    lo + 1 (a tied sample gives the one-value window [v, v + 1))."""
     dev, n = x.device, x.numel()
     if ranged:
         length = (e - s).clamp(min=1).to(torch.float64)
