@@ -9,8 +9,8 @@ judged by the share of a copy's bandwidth they reach (2.94 TB/s for 2^28 fp32 on
 from ._dispatch import BACKENDS, INTERPRET, choose, counters
 from .bookkeeping import STATS as BOOKKEEPING_STATS
 from .bookkeeping import step_bookkeeping
-from .compaction import (gather_rows, keep_flags, keep_slot_rounding, owner_magnitudes,
-                         owner_slot, row_magnitudes)
+from .compaction import (gather_rows, keep_flags, keep_row_error, keep_slot_rounding,
+                         owner_magnitudes, owner_slot, row_magnitudes)
 from .elementwise import dense_zeros, fill_if, nonfinite_flag
 from .histogram import (HIST_BINS, abs_histogram, bin_threshold, exact_threshold,
                         histogram_threshold, kth_bin)
@@ -34,4 +34,5 @@ __all__ = ["Selection", "fused_select", "empty_selection", "HIST_BINS", "abs_his
            "step_bookkeeping", "BOOKKEEPING_STATS", "scatter_rows_dense", "owner_magnitudes",
            "row_magnitudes", "keep_flags", "owner_slot", "gather_rows", "keep_slot_rounding",
            "sample_magnitudes", "sample_threshold", "staged_magnitudes", "pack_rows",
-           "slot_keys", "slot_starts", "slot_sums", "quantized_encode", "quantized_decode"]
+           "slot_keys", "slot_starts", "slot_sums", "quantized_encode", "quantized_decode",
+           "keep_row_error"]

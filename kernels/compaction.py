@@ -210,6 +210,46 @@ if HAS_TRITON:
         ptr = res_ptr + tl.load(base_ptr) + idx.to(tl.int64)
         tl.store(ptr, tl.load(ptr, mask=w, other=0.0) + err, mask=w)
 
+    @triton.jit(do_not_specialize=["idx_stride", "val_stride", "wire_stride", "got_stride",
+                                   "cnt_stride", "gcnt_stride", "cr", "cg", "steps"])
+    def _row_error_kernel(
+        res_ptr,       # *fp32  [n]        residual, += at the delivered row entries
+        idx_ptr,       # *int32 [P, cr]    the rows this rank sent (region-relative, ascending
+                       #                   or not), row stride idx_stride
+        val_ptr,       # *fp32  [P, cr]    their values as selected, row stride val_stride
+        wire_ptr,      # *fp32  [P, cr]    what the wire carried for each (the levels), row
+                       #                   stride wire_stride
+        cnt_ptr,       # *int32 [P]        the rows' true counts (may exceed cr), stride
+                       #                   cnt_stride (Ok-Topk's: the messages' header column)
+        got_ptr,       # *int32 [P, cg]    the delivered indices per row, ascending prefix
+        gcnt_ptr,      # *int32 [P]        the delivered counts, stride gcnt_stride
+        base_ptr,      # *int64 [P]        the regions' starts
+        idx_stride, val_stride, wire_stride, got_stride, cnt_stride, gcnt_stride, cr, cg,
+        steps,         # binary-search steps: bit length of cg
+        BLOCK: tl.constexpr,
+    ):
+        j = tl.program_id(0)
+        i = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        w = i < tl.minimum(tl.load(cnt_ptr + j * cnt_stride), cr)
+        target = tl.load(idx_ptr + j * idx_stride + i, mask=w, other=-1)
+        w = w & (target >= 0)
+        got = got_ptr + j * got_stride
+        gcnt = tl.minimum(tl.load(gcnt_ptr + j * gcnt_stride), cg).to(tl.int64)
+        lo = tl.zeros([BLOCK], dtype=tl.int64)         # the first delivered index >= target
+        hi = tl.zeros([BLOCK], dtype=tl.int64) + gcnt
+        for _ in range(steps):
+            open_ = w & (lo < hi)
+            mid = (lo + hi) // 2
+            right = open_ & (tl.load(got + mid, mask=open_, other=0) < target)
+            lo = tl.where(right, mid + 1, lo)
+            hi = tl.where(open_ & ~right, mid, hi)
+        hit = w & (lo < gcnt)
+        hit = hit & (tl.load(got + lo, mask=hit, other=-1) == target)
+        err = tl.load(val_ptr + j * val_stride + i, mask=hit, other=0.0) - \
+            tl.load(wire_ptr + j * wire_stride + i, mask=hit, other=0.0)
+        ptr = res_ptr + tl.load(base_ptr + j) + target.to(tl.int64)
+        tl.store(ptr, tl.load(ptr, mask=hit, other=0.0) + err, mask=hit)
+
     def _grid1(L):
         return (max(1, triton.cdiv(L, _BLOCK)),)
 
@@ -257,6 +297,15 @@ if HAS_TRITON:
             res, slot, wire, keep if keep is not None else base, base,
             nf if nf is not None else slot, cg, float(P), HAS_KEEP=keep is not None,
             HAS_NF=nf is not None, BLOCK=_BLOCK, num_warps=4, enable_fp_fusion=False)
+
+    @_dispatch.serialized_when_interpreted
+    def _row_error_triton(res, idx, val, wire, cnt, got, gcnt, base):
+        P, cr = idx.shape
+        cg = got.shape[1]
+        _row_error_kernel[(P, triton.cdiv(cr, _BLOCK))](
+            res, idx, val, wire, cnt, got, gcnt, base, idx.stride(0), val.stride(0),
+            wire.stride(0), got.stride(0), cnt.stride(0), gcnt.stride(0), cr, cg,
+            cg.bit_length(), BLOCK=_BLOCK, num_warps=4, enable_fp_fusion=False)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -334,6 +383,19 @@ def _slot_rounding_torch(res, slot, wire, keep, base, nf, P):
     idx = torch.where(mine, slot[_HEADER:_HEADER + cg], -1)
     valid = (torch.arange(cg, device=res.device) < slot[0].to(torch.int64)) & (idx >= 0)
     _dispatch.scatter_valid(res, base + idx.to(torch.int64), err, valid, add=True)
+
+
+def _row_error_torch(res, idx, val, wire, cnt, got, gcnt, base):
+    P, cr = idx.shape
+    cg = got.shape[1]
+    dev = res.device
+    live = torch.arange(cg, device=dev) < gcnt.reshape(P, 1).to(torch.int64)
+    got = torch.where(live, got, torch.full_like(got, torch.iinfo(torch.int32).max)).contiguous()
+    pos = torch.searchsorted(got, idx.contiguous()).clamp_(max=cg - 1)
+    hit = ((got.gather(1, pos) == idx) & (idx >= 0)
+           & (torch.arange(cr, device=dev) < cnt.reshape(P, 1).to(torch.int64)))
+    _dispatch.scatter_valid(res, base.reshape(P, 1) + idx.to(torch.int64), val - wire, hit,
+                            add=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -536,6 +598,47 @@ def keep_slot_rounding(residual: Tensor, slot: Tensor, wire_slot: Tensor,
              int(P))
 
 
+def keep_row_error(residual: Tensor, indices: Tensor, values: Tensor, wire: Tensor,
+                   counts: Tensor, delivered: Tensor, delivered_counts: Tensor, row_base: Tensor,
+                   *, backend: str = "auto") -> None:
+    """Quantized wire, the sender's side: ``residual[row_base[j] + indices[j, i]] += values[j, i]
+    - wire[j, i]`` for every entry this rank sent in row j (``i < min(counts[j], cr)``,
+    ``indices >= 0``) that was delivered: one of the first ``min(delivered_counts[j], cg)``
+    entries of ``delivered[j]`` (ascending; found by a binary search). ``indices`` and
+    ``delivered`` int32 [P, cr] / [P, cg], ``values`` and ``wire`` fp32 [P, cr] (every row
+    stride any, inner stride 1), ``counts`` / ``delivered_counts`` int32 [P] (any stride),
+    ``row_base`` int64 [P]; the rows lie in disjoint regions. Two roundings, as torch: the
+    difference, then the add. One launch (it was 16 torch ops and P scatter launches)."""
+    _need(residual, "residual", torch.float32, 1)
+    _need(indices, "indices", torch.int32, 2)
+    _need(delivered, "delivered", torch.int32, 2)
+    P, cr = indices.shape
+    for t, name in ((values, "values"), (wire, "wire")):
+        _need(t, name, torch.float32, 2)
+        if t.shape != indices.shape:
+            raise ValueError(f"keep_row_error: {name} must have the shape of indices, "
+                             f"{(P, cr)}, got {tuple(t.shape)}")
+    if delivered.shape[0] != P:
+        raise ValueError(f"keep_row_error: delivered must have P = {P} rows, got "
+                         f"{delivered.shape[0]}")
+    if any(t.shape[1] > 1 and t.stride(1) != 1 for t in (indices, values, wire, delivered)):
+        raise ValueError("keep_row_error: indices, values, wire and delivered need an inner "
+                         "stride of 1")
+    counts, delivered_counts = counts.reshape(-1), delivered_counts.reshape(-1)
+    row_base = row_base.reshape(-1)
+    if (counts.dtype, delivered_counts.dtype, row_base.dtype) != (torch.int32,) * 2 + (
+            torch.int64,) or not counts.numel() == delivered_counts.numel() == row_base.numel() \
+            == P or not residual.is_contiguous():
+        raise ValueError(f"keep_row_error: counts and delivered_counts int32 [{P}], row_base "
+                         f"int64 [{P}], residual contiguous")
+    cg = delivered.shape[1]
+    _dispatch.record(launches=1, bytes=P * cr * (16 + 4 * max(1, cg.bit_length())))
+    if cr and cg:
+        _run(backend, residual.device, _row_error_triton if HAS_TRITON else None,
+             _row_error_torch, residual, indices, values, wire, counts, delivered,
+             delivered_counts, row_base)
+
+
 # ----------------------------------------------------------------------------------------------
 # the CPU compile check (kernels/_compile_check.py): every kernel as its launcher launches it
 # ----------------------------------------------------------------------------------------------
@@ -581,3 +684,10 @@ def compile_variants():
                     "BLOCK": "constexpr"},
                    {"HAS_KEEP": keep, "HAS_NF": nf, "BLOCK": _BLOCK}, [0, 1, 3, 4, 5], 4,
                    {"enable_fp_fusion": False})
+    yield ("compaction row_error", _row_error_kernel,
+           {"res_ptr": "*fp32", "idx_ptr": "*i32", "val_ptr": "*fp32", "wire_ptr": "*fp32",
+            "cnt_ptr": "*i32", "got_ptr": "*i32", "gcnt_ptr": "*i32", "base_ptr": "*i64",
+            "idx_stride": "i32", "val_stride": "i32", "wire_stride": "i32", "got_stride": "i32",
+            "cnt_stride": "i32", "gcnt_stride": "i32", "cr": "i64", "cg": "i64", "steps": "i32",
+            "BLOCK": "constexpr"},
+           {"BLOCK": _BLOCK}, [0, 1, 2, 3, 4, 5, 6, 7], 4, {"enable_fp_fusion": False})

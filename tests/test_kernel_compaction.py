@@ -244,6 +244,71 @@ def test_keep_slot_rounding_matches_the_old_ops(be, nf, all_kept):
         assert torch.equal(got, res0) == (nf == 1 or int(slot[0]) == 0)
 
 
+def _row_error_case(P, cr, cg, region, seed, strided=False):
+    """What Ok-Topk's quantized wire leaves: P sent rows (region-relative indices, some -1, true
+    counts up to past cr), their values and wire levels, the delivered ascending prefixes (a
+    subset of the sent entries plus some that were not sent), counts, region starts."""
+    g = gen(seed)
+    idx = torch.full((P, cr + 3 if strided else cr), -7, dtype=torch.int32)
+    got = torch.full((P, cg), 5, dtype=torch.int32)
+    counts = torch.randint(0, cr + 3, (P,), generator=g).to(torch.int32)
+    gcounts = torch.zeros(P, dtype=torch.int32)
+    for j in range(P):
+        sent = torch.randperm(region, generator=g)[:cr].to(torch.int32)
+        sent[torch.rand(cr, generator=g) < 0.1] = -1
+        idx[j, :cr] = sent
+        real = sent[:min(int(counts[j]), cr)]
+        real = real[real >= 0]
+        pick = real[torch.rand(real.numel(), generator=g) < 0.6]
+        extra = torch.randint(0, region, (cg,), generator=g).to(torch.int32)
+        d = torch.unique(torch.cat([pick, extra]))[:cg]             # ascending, unique
+        got[j, :d.numel()] = d
+        gcounts[j] = min(d.numel(), int(torch.randint(0, cg + 1, (), generator=g)) + 2)
+    vals = torch.randn(P, cr + 2 if strided else cr, generator=g)
+    wire = vals.to(torch.bfloat16).float()
+    base = torch.arange(P, dtype=torch.int64) * region
+    if strided:      # Ok-Topk's counts are its messages' header column
+        idx, vals, wire = idx[:, :cr], vals[:, :cr], wire[:, 1:cr + 1]
+        counts = torch.stack([counts, counts], 1)[:, 0]
+        gcounts = torch.stack([gcounts, -gcounts, gcounts], 1)[:, 2]
+    return (idx.to(DEV), vals.to(DEV), wire.to(DEV), counts.to(DEV), got.to(DEV),
+            gcounts.to(DEV), base.to(DEV))
+
+
+def _loop_row_error(res, idx, vals, wire, counts, got, gcounts, base):
+    """The rule, one entry at a time."""
+    res = res.cpu().clone()
+    for j in range(idx.shape[0]):
+        delivered = set(got[j, :int(gcounts[j])].tolist())
+        for i in range(min(int(counts[j]), idx.shape[1])):
+            x = int(idx[j, i])
+            if x >= 0 and x in delivered:
+                e = (vals[j, i] - wire[j, i]).cpu()
+                res[int(base[j]) + x] = res[int(base[j]) + x] + e
+    return res
+
+
+@pytest.mark.parametrize("be", BACKENDS)
+@pytest.mark.parametrize("P,cr,cg,strided", [(4, 40, 30, False), (3, 33, 17, True),
+                                              (1, 5, 1, False), (5, 1, 64, True)])
+def test_keep_row_error_adds_at_the_delivered_sent_entries(be, P, cr, cg, strided):
+    """``v − q(v)`` added at every sent entry (within the true count, not -1) that the owner
+    delivered, nowhere else; strided rows; a delivered entry this rank did not send is left."""
+    region = 200
+    for seed in range(3):
+        case = _row_error_case(P, cr, cg, region, seed, strided)
+        res0 = torch.randn(P * region, generator=gen(seed + 5)).to(DEV)
+        ref = _loop_row_error(res0, *case)
+        got = res0.clone()
+        C.keep_row_error(got, *case, backend=be)
+        assert _same(got, ref.to(DEV))
+    idx, vals, wire, counts, gotidx, gcounts, base = _row_error_case(P, cr, cg, region, 0)
+    untouched = res0.clone()
+    C.keep_row_error(untouched, idx, vals, wire, counts, gotidx, torch.zeros_like(gcounts), base,
+                     backend=be)
+    assert torch.equal(untouched, res0)                      # nothing delivered: nothing kept
+
+
 def test_argument_errors():
     f32, i32, i64 = torch.float32, torch.int32, torch.int64
     z = torch.zeros
@@ -281,6 +346,24 @@ def test_argument_errors():
                              z(1, dtype=i64), 2, z(2, dtype=i32))
 
 
+def test_keep_row_error_argument_errors():
+    f32, i32, i64 = torch.float32, torch.int32, torch.int64
+    z = torch.zeros
+    ok = (z(2, 3, dtype=i32), z(2, 3), z(2, 3), z(2, dtype=i32), z(2, 4, dtype=i32),
+          z(2, dtype=i32), z(2, dtype=i64))
+    C.keep_row_error(z(10), *ok)
+    with pytest.raises(ValueError, match="wire must have the shape of indices"):
+        C.keep_row_error(z(10), *ok[:2], z(2, 4), *ok[3:])
+    with pytest.raises(ValueError, match="delivered must have P = 2 rows"):
+        C.keep_row_error(z(10), *ok[:4], z(3, 4, dtype=i32), *ok[5:])
+    with pytest.raises(ValueError, match="row_base int64"):
+        C.keep_row_error(z(10), *ok[:6], z(2, dtype=i32))
+    with pytest.raises(ValueError, match="indices must be a 2-dim torch.int32"):
+        C.keep_row_error(z(10), z(2, 3, dtype=i64), *ok[1:])
+    with pytest.raises(ValueError, match="inner stride of 1"):
+        C.keep_row_error(z(10), *ok[:1], z(3, 2, dtype=f32).t(), *ok[2:])
+
+
 def test_launches_recorded():
     """Each public function records one launch (the launch budget counts them on CPU)."""
     from oktopk_triton.kernels import _dispatch
@@ -296,11 +379,13 @@ def test_compile_variants_name_every_kernel_argument():
     seen = set()
     for name, fn, sig, consts, div16, warps, *options in C.compile_variants():
         assert list(sig) == list(fn.arg_names), name
-        assert options == ([{"enable_fp_fusion": False}] if "rounding" in name else [])
+        assert options == ([{"enable_fp_fusion": False}]
+                           if "rounding" in name or "row_error" in name else [])
         assert set(consts) <= set(sig) and all(0 <= a < len(sig) for a in div16)
         seen.add(fn.fn.__name__ if hasattr(fn, "fn") else fn.__name__)
     assert {"_owner_magnitudes_kernel", "_row_magnitudes_kernel", "_keep_flags_kernel",
-            "_owner_slot_kernel", "_gather_rows_kernel", "_slot_rounding_kernel"} <= seen
+            "_owner_slot_kernel", "_gather_rows_kernel", "_slot_rounding_kernel",
+            "_row_error_kernel"} <= seen
 
 
 @pytest.mark.skipif(not C._dispatch.INTERPRET, reason="records launches of CPU tensors")
@@ -310,7 +395,8 @@ def test_compile_variants_cover_the_launches(monkeypatch):
     from test_kernel_dispatch import _assert_covered, _record_launches
     variants = list(C.compile_variants())
     names = ("_owner_magnitudes_kernel", "_row_magnitudes_kernel", "_keep_flags_kernel",
-             "_owner_slot_kernel", "_gather_rows_kernel", "_slot_rounding_kernel")
+             "_owner_slot_kernel", "_gather_rows_kernel", "_slot_rounding_kernel",
+             "_row_error_kernel")
     log = _record_launches(monkeypatch, [(C, name) for name in names])
     sums, sidx, first, slot_ids = _owner_case(3, 20, 900, 0)
     mag = C.owner_magnitudes(sums, sidx, first, slot_ids, 900, 1 / 3, backend="triton")
@@ -331,4 +417,6 @@ def test_compile_variants_cover_the_launches(monkeypatch):
         for nf in (None, torch.zeros(1, dtype=torch.int32)):
             C.keep_slot_rounding(torch.zeros(100), g[0].contiguous(), g[1].contiguous(), keep,
                                  torch.zeros(1, dtype=torch.int64), 3, nf, backend="triton")
+    case = _row_error_case(3, 12, 8, 300, 0)
+    C.keep_row_error(torch.zeros(900), *case, backend="triton")
     assert _assert_covered(log, variants) == set(names)

@@ -456,19 +456,10 @@ class OkTopk(Algorithm):
                         irow_cnt: torch.Tensor) -> None:
         """Quantized wire: clear_sent zeroed this rank's delivered row entries, but the owners
         summed ``q(v)``, so the sender keeps ``v − q(v)`` there. Delivered: a sent entry of row j
-        among the first ``irow_cnt[j]`` (ascending) of ``irow_idx[j]`` (one batched
-        searchsorted; a non-finite step sent nothing, its counts are 0)."""
-        P, cr, cg = self.P, self.cap_r, self.cap_g
-        live = torch.arange(cg, device=self.device) < irow_cnt.reshape(P, 1)
-        got = torch.where(live, irow_idx, torch.full_like(irow_idx, self.numel)).contiguous()
-        sent = sel.indices.contiguous()
-        pos = torch.searchsorted(got, sent).clamp_(max=cg - 1)
-        hit = (got.gather(1, pos) == sent) & \
-            (torch.arange(cr, device=self.device) < sel.counts.reshape(P, 1))
-        idx = torch.where(hit, sent, torch.full_like(sent, -1))
-        K.scatter_rows(self.residual, idx, (sel.values - self._row_wire).contiguous(),
-                       torch.full((P,), cr, dtype=torch.int32, device=self.device),
-                       offs[:P], add=True, backend=self.backend)
+        among the first ``irow_cnt[j]`` (ascending) of ``irow_idx[j]`` (one launch; a
+        non-finite step sent nothing, its counts are 0)."""
+        K.keep_row_error(self.residual, sel.indices, sel.values, self._row_wire, sel.counts,
+                         irow_idx, irow_cnt, offs[:self.P], backend=self.backend)
 
     def _keep_slot_rounding(self, keep: Optional[torch.Tensor], offs: torch.Tensor,
                             nonfinite: Optional[torch.Tensor]) -> None:
