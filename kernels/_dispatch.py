@@ -155,14 +155,15 @@ def inside_kernel():
         _STATE.depth -= 1
 
 
-def run(backend: str, device: torch.device, triton_fn, torch_fn, *args) -> None:
+def run(backend: str, device: torch.device, triton_fn, torch_fn, *args, fits: bool = True):
     """``triton_fn(*args)`` where :func:`choose` picks Triton, else the torch reference
-    ``torch_fn(*args)`` inside :func:`inside_kernel` (its ops are the kernel's, not glue)."""
-    if choose(backend, device) == "triton":
-        triton_fn(*args)
-    else:
-        with inside_kernel():
-            torch_fn(*args)
+    ``torch_fn(*args)`` inside :func:`inside_kernel` (its ops are the kernel's, not glue);
+    returns what the one that ran returns. ``fits=False``: the reference even where Triton is
+    chosen (a size the kernel does not take; ``backend`` is still checked)."""
+    if choose(backend, device) == "triton" and fits:
+        return triton_fn(*args)
+    with inside_kernel():
+        return torch_fn(*args)
 
 
 def scatter_valid(buf: torch.Tensor, pos: torch.Tensor, vals: torch.Tensor, valid: torch.Tensor,
