@@ -134,18 +134,20 @@ def _scatter_variants():
                 "count_ptr": "*i32", "base_ptr": "*i32", "base_int": "i64", "capacity": "i32",
                 "BASE_IS_PTR": "constexpr", "BLOCK": "constexpr"},
                {"BASE_IS_PTR": False, "BLOCK": 1024}, [0, 1, 2, 3, 4], 4)
-    # scatter_rows_dense: as _scatter_rows_dense_triton launches it (n, cap, total not
-    # specialised; without a flag the counts stand in for its pointer)
+    # scatter_rows_dense: as _scatter_rows_dense_triton launches it (cap, total not
+    # specialised; n divisible by 16 or not; without a flag the counts stand in for its pointer)
     dsig = {"dense_ptr": "*fp32", "idx_ptr": "*i32", "val_ptr": "*fp32", "cnt_ptr": "*i32",
             "offs_ptr": "*i64", "flag_ptr": "*i32", "n": "i64", "cap": "i32", "total": "i64",
             "idx_stride": "i32", "val_stride": "i32", "STEPS": "constexpr",
             "HAS_FLAG": "constexpr", "BLOCK": "constexpr", "CHUNK": "constexpr"}
-    for flag, P in ((True, 4), (False, 4), (True, 128)):
-        yield (f"scatter_rows_dense flag={flag} P={P}", scatter._scatter_rows_dense_kernel,
+    for flag, P, n16 in ((True, 4, True), (False, 4, True), (True, 128, True),
+                         (True, 4, False)):
+        yield (f"scatter_rows_dense flag={flag} P={P} n%16={'0' if n16 else 'any'}",
+               scatter._scatter_rows_dense_kernel,
                dsig, {"STEPS": 25 + P.bit_length(), "HAS_FLAG": flag, "BLOCK": 4096,
                       "CHUNK": 128},
                ["dense_ptr", "idx_ptr", "val_ptr", "cnt_ptr", "offs_ptr", "flag_ptr",
-                "idx_stride", "val_stride"], 4)
+                "idx_stride", "val_stride"] + (["n"] if n16 else []), 4)
 
 
 def _region_variants():
@@ -199,7 +201,7 @@ def _bookkeeping_variants():
             consts.update(P=1, sent_stride=1)
         yield (f"bookkeeping {'region' if region else 'rank'} update_th={upd} P={P} "
                f"nonfinite={nf} zero_hist={zero}", bk._bookkeeping_kernel, vsig, consts,
-               div16, 4)
+               div16, bk.num_warps(P))
 
 
 def _wire_variants():
@@ -233,17 +235,18 @@ def _wire_variants():
                 "HAS_COUNTS": "constexpr", "BLOCK": "constexpr", "BLOCK_C": "constexpr",
                 "BC": "constexpr"},
                {"HAS_COUNTS": has, "BLOCK": wire._BLOCK, "BLOCK_C": wire._BLOCK_C,
-                "BC": wire._BC}, div, 4)
+                "BC": wire._PLACE_BC}, div, wire._PLACE_WARPS)
         dsig = {"msg_ptr": "*i32", "idx_out": "*i32", "val_out": "*fp32", "cnt_out": "*i32",
                 "cap": cap, "C": "i32", "header": "i32", "msg_stride": "i32",
                 "idx_stride": "i32", "val_stride": "i32", "cnt_stride": "i32",
                 "BLOCK": "constexpr", "BC": "constexpr"}
-        dconst = {"BLOCK": wire._BLOCK, "BC": wire._BC}
+        dconst = {"BLOCK": wire._BLOCK, "BC": wire._DECODE_BC}
         if not has:         # stands for a count column of stride 1 (specialised to 1)
             dsig["cnt_stride"], dconst["cnt_stride"] = "constexpr", 1
         yield (f"wire decode aligned={aligned} cap={cap}", wire._decode_kernel, dsig, dconst,
                ["msg_ptr", "idx_out", "val_out", "cnt_out"]
-               + (["msg_stride", "idx_stride", "val_stride"] if aligned else []), 4)
+               + (["msg_stride", "idx_stride", "val_stride"] if aligned else []),
+               wire._DECODE_WARPS)
 
 
 def _elementwise_variants():

@@ -43,6 +43,24 @@ STATS = ("local_selected", "sent", "reduce_overflow", "global_selected", "global
 _MAX_BITS = 0x7F7FFFFF
 
 
+def num_warps(P: int) -> int:
+    """The launch's warps: 4 up to P = 32, above that one warp per 8 rows of the [P, P] tiles
+    (8 at P = 64, 16 at P = 128). ptxas for sm_90 (``python -m oktopk_triton.kernels.
+    _compile_check --resources``; registers per thread / bytes spilled, not measured on a GPU):
+
+    ====  ==============  ==============  ==============
+    P     4 warps         8 warps         16 warps
+    ====  ==============  ==============  ==============
+    32    72-80 / 0       58-64 / 0       52-63 / 0
+    64    162-168 / 0     118-128 / 0     64-90 / 0-4
+    128   255 / 2768-2892 255 / 220-224   128 / 100-124
+    ====  ==============  ==============  ==============
+
+    The warps change no result: every float reduction of the kernel is exact (integer counts in
+    fp32/fp64, or one nonzero term), so any order of its partial sums gives the same bits."""
+    return max(4, next_pow2(P) // 8)
+
+
 # ----------------------------------------------------------------------------------------------
 # Triton kernel
 # ----------------------------------------------------------------------------------------------
@@ -183,7 +201,7 @@ if HAS_TRITON:
             P, n, cg, cap_s, float(fill), float(mid),
             BP=max(2, next_pow2(P)), B=SELECT_HIST_BINS, SHIFT=SELECT_HIST_SHIFT,
             REGION=region, UPDATE_TH=update_th, HAS_NF=nf is not None, BALANCE=P > 1,
-            ZERO_HIST=zero_hist, num_warps=4)
+            ZERO_HIST=zero_hist, num_warps=num_warps(P))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -303,9 +321,6 @@ def step_bookkeeping(hist: Tensor, th: Tensor, stage_counts: Tensor, sent_counts
             iidx.shape[1], int(cap_s), float(fill), float(mid), region, bool(update_th),
             bool(zero_hist))
     _dispatch.record(launches=1, bytes=4 * hist.numel() + 8 * P * 8)
-    if _dispatch.choose(backend, hist.device) == "triton" and P <= TRITON_MAX_P:
-        _bookkeeping_triton(*args)
-    else:
-        with _dispatch.inside_kernel():
-            _bookkeeping_torch(*args)
+    _dispatch.run(backend, hist.device, _bookkeeping_triton, _bookkeeping_torch, *args,
+                  fits=P <= TRITON_MAX_P)
     return stats

@@ -115,7 +115,8 @@ if HAS_TRITON:
         valid = slots < n_valid
         idx = tl.load(idx_ptr + s * idx_stride + slots, mask=valid, other=0).to(tl.int64)
         hi = tl.minimum(tl.maximum(idx >> 16, 0), C - 1)   # in the row whatever the input
-        tl.atomic_add(scratch_ptr + s * 2 * C + hi, tl.full([BLOCK], 1, tl.int32), mask=valid)
+        tl.atomic_add(scratch_ptr + s * 2 * C + hi, tl.full([BLOCK], 1, tl.int32), mask=valid,
+                      sem="relaxed")
 
     @triton.jit(do_not_specialize=["cap", "C", "header"])
     def _place_kernel(idx_ptr, val_ptr, cnt_ptr, out_ptr, scratch_ptr, cap, C, header,
@@ -137,7 +138,8 @@ if HAS_TRITON:
         val = tl.load(val_ptr + s * val_stride + slots, mask=valid, other=0.0)
         hi = tl.minimum(tl.maximum(idx >> 16, 0), C - 1)
         first = _sum_below(counts, hi, C, BLOCK, BC)
-        nth = tl.atomic_add(counts + C + hi, tl.full([BLOCK], 1, tl.int32), mask=valid)
+        nth = tl.atomic_add(counts + C + hi, tl.full([BLOCK], 1, tl.int32), mask=valid,
+                            sem="relaxed")
         pos = tl.where(valid, first + nth.to(tl.int64), slots)
         base = out_ptr + s * out_stride + header
         tl.store(base + C + pos, _word(idx, val, valid), mask=slots < cap)
@@ -173,7 +175,18 @@ if HAS_TRITON:
         tl.store(val_out + s * val_stride + slots, tl.where(valid, val, 0.0), mask=inb)
         tl.store(cnt_out + s * cnt_stride, total.to(tl.int32), mask=b == 0)
 
-    _BLOCK, _BLOCK_C, _BC = 1024, 256, 32
+    # Launch options, from ptxas for sm_90 (``_compile_check --resources``; registers per
+    # thread / bytes spilled; none measured on a GPU). BC is how many chunk counts a step of
+    # the running-count loop compares against BLOCK slots ([BLOCK, BC] int64 tiles): a pure
+    # integer sum, so BC and the warps change no result.
+    #   place   BC=32, 4 warps: 168 regs / 1704-1848 B spilled;  BC=8, 8 warps: 128 / 0
+    #   decode  BC=32, 4 warps: 255 regs / 0;                     BC=16, 8 warps: 126 / 0
+    # The count and place atomics are relaxed: each only needs its own add to be atomic (a
+    # cursor hands out distinct slots whatever the order); the launch boundary orders the
+    # passes. PTX: {atom,red}.global.gpu.relaxed.add instead of the default acq_rel.
+    _BLOCK, _BLOCK_C = 1024, 256
+    _PLACE_BC, _PLACE_WARPS = 8, 8
+    _DECODE_BC, _DECODE_WARPS = 16, 8
 
     @_dispatch.serialized_when_interpreted
     def _encode_triton(indices, values, counts, out, C, header, ordered):
@@ -193,14 +206,15 @@ if HAS_TRITON:
             num_warps=4)
         _place_kernel[grid](indices, values, cnt, out, scratch, cap, C, header,
                             indices.stride(0), values.stride(0), out.stride(0), HAS_COUNTS=has,
-                            BLOCK=_BLOCK, BLOCK_C=_BLOCK_C, BC=_BC, num_warps=4)
+                            BLOCK=_BLOCK, BLOCK_C=_BLOCK_C, BC=_PLACE_BC,
+                            num_warps=_PLACE_WARPS)
 
     @_dispatch.serialized_when_interpreted
     def _decode_triton(msg, idx, val, count, cap, C, header):
         S = msg.shape[0]
         _decode_kernel[(S, max(1, triton.cdiv(cap, _BLOCK)))](
             msg, idx, val, count, cap, C, header, msg.stride(0), idx.stride(0), val.stride(0),
-            count.stride(0), BLOCK=_BLOCK, BC=_BC, num_warps=4)
+            count.stride(0), BLOCK=_BLOCK, BC=_DECODE_BC, num_warps=_DECODE_WARPS)
 
 
 def _valid_slots(counts: Optional[Tensor], S: int, cap: int, dev) -> Tensor:
@@ -269,11 +283,8 @@ def wire_encode(indices: Tensor, values: Tensor, counts: Optional[Tensor], out: 
     # what the CUDA path launches: one pass (ordered); the counts' and cursors' memset, the
     # count pass and the placement pass (grouped)
     _dispatch.record(launches=1 if ordered else 3, bytes=12 * S * cap)
-    if _dispatch.choose(backend, indices.device) == "triton":
-        _encode_triton(indices, values, counts, out, C, header, ordered)
-    else:
-        with _dispatch.inside_kernel():
-            _encode_torch(indices, values, counts, out, C, header, ordered)
+    _dispatch.run(backend, indices.device, _encode_triton, _encode_torch, indices, values,
+                  counts, out, C, header, ordered)
 
 
 def slot_chunks(counts: Tensor, cap: int) -> Tuple[Tensor, Tensor]:
@@ -297,6 +308,19 @@ def _decode_torch(msg, cap, C, header):
     valid = torch.arange(cap, device=msg.device).expand(S, cap) < count
     return (torch.where(valid, idx, torch.full_like(idx, -1)).to(torch.int32),
             torch.where(valid, vals, torch.zeros_like(vals)))
+
+
+def _decode_torch_into(msg, idx, val, count, cap, C, header):
+    i, v = _decode_torch(msg, cap, C, header)
+    idx.copy_(i)
+    val.copy_(v)
+    count.copy_(msg[:, header:header + C].sum(1, dtype=torch.int32))
+
+
+def _decode_launch(msg, idx, val, count, cap, C, header):
+    """The Triton decode reads rows of inner stride 1 (a copy otherwise)."""
+    _decode_triton(msg if msg.stride(1) == 1 else msg.contiguous(), idx, val, count, cap, C,
+                   header)
 
 
 def wire_decode(msg: Tensor, cap: int, span: int, header: int = 0, *,
@@ -323,14 +347,6 @@ def wire_decode(msg: Tensor, cap: int, span: int, header: int = 0, *,
         raise ValueError(f"wire_decode: out must be (int32 [{S}, {cap}], fp32 [{S}, {cap}], "
                          f"int32 [{S}]) with inner stride 1")
     _dispatch.record(launches=1, bytes=12 * S * cap)
-    if _dispatch.choose(backend, msg.device) == "triton":
-        if msg.stride(1) != 1:
-            msg = msg.contiguous()
-        _decode_triton(msg, idx, val, count, cap, C, header)
-        return idx, val, count
-    with _dispatch.inside_kernel():
-        i, v = _decode_torch(msg, cap, C, header)
-        idx.copy_(i)
-        val.copy_(v)
-        count.copy_(msg[:, header:header + C].sum(1, dtype=torch.int32))
+    _dispatch.run(backend, msg.device, _decode_launch, _decode_torch_into, msg, idx, val, count,
+                  cap, C, header)
     return idx, val, count
