@@ -62,6 +62,12 @@ def dense_zeros(n: int, device) -> Tensor:
         return torch.zeros(n, dtype=torch.float32, device=device)
 
 
+def _fill_if_torch(out: Tensor, flag: Tensor, value: float) -> None:
+    # no host read on CPU either (a pass over out, ~0.2 ms at n = 2^20): the step tests
+    # forbid host reads on the torch path a GPU step shares
+    out.masked_fill_(flag != 0, value)
+
+
 def fill_if(out: Tensor, flag: Tensor, value: float, *, backend: str = "auto") -> None:
     """``out[:] = value`` if the 0-dim (or [1]) int32 device ``flag`` is nonzero; no host read.
     Costs one launch and no memory traffic when the flag is 0 (Triton)."""
@@ -69,10 +75,6 @@ def fill_if(out: Tensor, flag: Tensor, value: float, *, backend: str = "auto") -
         raise ValueError("out must be contiguous")
     flag = flag.reshape(()).to(torch.int32)
     _dispatch.record(launches=1, bytes=0)
-    if _dispatch.choose(backend, out.device) == "triton":
-        _fill_if_triton(out.view(-1), flag, value)
-    else:
-        with _dispatch.inside_kernel():
-            # no host read on CPU either (a pass over out, ~0.2 ms at n = 2^20): the step tests
-            # forbid host reads on the torch path a GPU step shares
-            out.masked_fill_(flag != 0, value)
+    _dispatch.run(backend, out.device, _fill_if_triton, _fill_if_torch, out.view(-1), flag,
+                  value)
+

@@ -193,10 +193,8 @@ def abs_histogram(x: Tensor, *, prefix: Optional[Tensor] = None, start: IntOrTen
     if skip is not None:
         skip = skip.reshape(()).to(torch.int32)
     _dispatch.record(launches=2, bytes=x.element_size() * x.numel())
-    if _dispatch.choose(backend, x.device) == "triton":
-        return _abs_histogram_triton(x, prefix, start, end, out, skip)
-    with _dispatch.inside_kernel():
-        return _abs_histogram_torch(x, prefix, start, end, out, skip)
+    return _dispatch.run(backend, x.device, _abs_histogram_triton, _abs_histogram_torch, x,
+                         prefix, start, end, out, skip)
 
 
 def kth_bin(hist: Tensor, k) -> Tuple[Tensor, Tensor]:

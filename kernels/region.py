@@ -136,6 +136,13 @@ def _clear_sent_torch(residual, sent_indices, sent_counts, region_offsets, globa
 # ----------------------------------------------------------------------------------------------
 # public
 # ----------------------------------------------------------------------------------------------
+def _clear_sent_launch(residual, sent_indices, sent_counts, region_offsets, global_indices,
+                       global_counts, velocity, keep_bf16_rounding):
+    """The Triton clear_sent reads contiguous region offsets (a copy otherwise)."""
+    _clear_sent_triton(residual, sent_indices, sent_counts, region_offsets.contiguous(),
+                       global_indices, global_counts, velocity, keep_bf16_rounding)
+
+
 def clear_sent(residual: Tensor, sent_indices: Tensor, sent_counts: Tensor, region_offsets: Tensor,
                global_indices: Tensor, global_counts: Tensor, *,
                velocity: Optional[Tensor] = None, keep_bf16_rounding: bool = False,
@@ -154,11 +161,6 @@ def clear_sent(residual: Tensor, sent_indices: Tensor, sent_counts: Tensor, regi
         raise TypeError("region_offsets must be int64")
     v = velocity.view(-1) if velocity is not None else None
     _dispatch.record(launches=1, bytes=8 * sent_indices.numel())
-    if _dispatch.choose(backend, residual.device) == "triton":
-        _clear_sent_triton(residual.view(-1), sent_indices, sent_counts,
-                           region_offsets.contiguous(), global_indices, global_counts, v,
-                           keep_bf16_rounding)
-    else:
-        with _dispatch.inside_kernel():
-            _clear_sent_torch(residual.view(-1), sent_indices, sent_counts, region_offsets,
-                              global_indices, global_counts, v, keep_bf16_rounding)
+    _dispatch.run(backend, residual.device, _clear_sent_launch, _clear_sent_torch,
+                  residual.view(-1), sent_indices, sent_counts, region_offsets, global_indices,
+                  global_counts, v, keep_bf16_rounding)

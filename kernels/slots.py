@@ -209,11 +209,8 @@ def slot_keys(head: Tensor, head_counts: Tensor, tail: Tensor, tail_counts: Tens
     _dispatch.record(launches=1, bytes=12 * R * cap)
     if out.numel() == 0:
         return out
-    if _dispatch.choose(backend, head.device) == "triton":
-        _slot_keys_triton(out, head, head_counts, tail, tail_counts, int(n))
-    else:
-        with _dispatch.inside_kernel():
-            _slot_keys_torch(out, head, head_counts, tail, tail_counts, int(n))
+    _dispatch.run(backend, head.device, _slot_keys_triton, _slot_keys_torch, out, head,
+                  head_counts, tail, tail_counts, int(n))
     return out
 
 
@@ -231,11 +228,7 @@ def slot_starts(keys: Tensor, *, out: Optional[Tensor] = None, backend: str = "a
     _dispatch.record(launches=1, bytes=9 * keys.numel())
     if keys.numel() == 0:
         return out
-    if _dispatch.choose(backend, keys.device) == "triton":
-        _slot_starts_triton(keys, out)
-    else:
-        with _dispatch.inside_kernel():
-            _slot_starts_torch(keys, out)
+    _dispatch.run(backend, keys.device, _slot_starts_triton, _slot_starts_torch, keys, out)
     return out
 
 
@@ -266,13 +259,8 @@ def slot_sums(keys: Tensor, perm: Tensor, first: Tensor, csum: Tensor, sums: Ten
     _dispatch.record(launches=1, bytes=(8 * 4 + 1 + 4 + 4) * m)
     if m == 0:
         return slot
-    if _dispatch.choose(backend, keys.device) == "triton":
-        _slot_sums_triton(keys, perm, first, csum, slot, sums, head_counts, tail_counts,
-                          head_values, tail_values)
-    else:
-        with _dispatch.inside_kernel():
-            _slot_sums_torch(keys, perm, first, csum, slot, sums, head_counts, tail_counts,
-                             head_values, tail_values)
+    _dispatch.run(backend, keys.device, _slot_sums_triton, _slot_sums_torch, keys, perm, first,
+                  csum, slot, sums, head_counts, tail_counts, head_values, tail_values)
     return slot
 
 
