@@ -1,7 +1,7 @@
 """Compile every kernel for a CUDA target without a GPU (ttir -> ... -> cubin).
 
     python -m oktopk_triton.kernels._compile_check [--arch 90] [--verbose] [--jobs N]
-                                                   [--resources]
+                                                   [--resources] [--spill-bounds]
 
 Catches errors of the compiled path (types, loop-carried values, constexpr specialisation)
 that the interpreter does not see.  Each variant is compiled with the signature and constexprs
@@ -19,6 +19,10 @@ The report ends with one line per streaming kernel (:data:`STREAMING`, and a mod
 compiled to a vector load or store (``ld.global.v4``), and which did not.  It says what the
 PTX holds, not why: a mask by a length the JIT does not specialise (``do_not_specialize``, or
 a count read on the device) or an offset of unknown alignment keeps a stream scalar.
+
+``--resources`` adds each variant's registers and spills (ptxas -v); ``--spill-bounds`` also
+FAILS a variant that spills more bytes per thread than :data:`SPILL_BOUNDS` allows its kernel
+(none, for a kernel not named): a spill nobody chose shows up as a failure, not a line to read.
 
 Must run in a process WITHOUT ``TRITON_INTERPRET=1`` (the kernels are then decorated as
 compiled JIT functions); tests/test_kernel_dispatch.py runs it in a subprocess.  Variants
@@ -287,6 +291,34 @@ STREAMING = {"_fused_select_kernel": "ld", "_abs_histogram_kernel": "ld",
              "_chunk_count_kernel": "ld", "_place_kernel": "ld", "_decode_kernel": "ld st"}
 
 
+# Bytes per thread a variant may spill (ptxas -v, sm_90) before --spill-bounds fails it; a
+# kernel not named may spill nothing. Recorded from --resources at today's launch options:
+# step_bookkeeping at P = 128 spills 100-124 B with 16 warps (2768-2892 B with 4, 220-224 B
+# with 8); the quantized wire's finish pass (kernels/wire_quantized.py: BC=32 at 4 warps, as the
+# compact wire's placement pass had before it took BC=8 at 8 warps) 1764-2004 B. Raise a bound
+# only with the numbers that justify it.
+SPILL_BOUNDS = {"_bookkeeping_kernel": 128, "_finish_kernel": 2048}
+
+
+def spill_bytes(report: str) -> int:
+    """The bytes spilled in a :func:`resources` report (``"regs R spill S B"``); -1 unknown."""
+    m = re.search(r"spill (\d+) B", report)
+    return int(m.group(1)) if m else -1
+
+
+def spill_error(kernel: str, report: str, bounds=None):
+    """Why ``kernel``'s :func:`resources` report breaks its spill bound (:data:`SPILL_BOUNDS`,
+    0 for a kernel not named there), or None when it keeps it."""
+    bound = (SPILL_BOUNDS if bounds is None else bounds).get(kernel, 0)
+    spilled = spill_bytes(report)
+    if spilled < 0:
+        return f"{kernel}: ptxas reported no spill figure ({report!r})"
+    if spilled > bound:
+        return (f"{kernel} spills {spilled} B per thread, more than its bound of {bound} B "
+                "(SPILL_BOUNDS): change the launch options or record the new bound")
+    return None
+
+
 def streaming_kernels(sources):
     """:data:`STREAMING` and the ``COMPILE_STREAMING`` of every module in ``sources`` (the
     ``(name, compile_variants)`` pairs of :func:`discovered_variants`)."""
@@ -365,8 +397,11 @@ def resources(ptx: str, arch: int, fmad: bool = True) -> str:
     return f"regs {regs.group(1) if regs else '?'} spill {spill.group(1) if spill else '?'} B"
 
 
-def _compile_one(name, fn, sig, consts, div16, warps, options, target, with_resources=False):
-    """Compile one variant; returns its report line and {op: widest bytes}. Raises on error."""
+def _compile_one(name, fn, sig, consts, div16, warps, options, target, with_resources=False,
+                 spill_bounds=False):
+    """Compile one variant; returns its report line and {op: widest bytes}. Raises on error,
+    and (``spill_bounds``, which implies ``with_resources``) when the variant spills more than
+    :data:`SPILL_BOUNDS` allows its kernel."""
     import triton
     from triton.compiler import ASTSource
     names = list(sig)
@@ -383,8 +418,13 @@ def _compile_one(name, fn, sig, consts, div16, warps, options, target, with_reso
         raise AssertionError(f"{fma} fma.rn.f32 in the velocity update: it must round "
                              "twice (u * momentum, then + grad) like the torch reference")
     width = {op: widest(ptx, op) for op in ("ld", "st")}
-    extra = (" " + resources(ptx, target.arch, options.get("enable_fp_fusion", True))
-             if with_resources else "")
+    extra = ""
+    if with_resources or spill_bounds:
+        extra = resources(ptx, target.arch, options.get("enable_fp_fusion", True))
+        error = spill_error(_kernel_name(fn), extra) if spill_bounds else None
+        if error:
+            raise AssertionError(f"{error} ({extra})")
+        extra = " " + extra
     return (f"ok    {name:<40} loads {loads} atomics {atomics} fma {fma} "
             f"vector ld {width['ld']} B st {width['st']} B{extra}"), width
 
@@ -419,7 +459,7 @@ def _sources():
 def _job(job):
     """Compile variant ``i`` of source ``src`` (run in a worker: the variants are regenerated
     there, kernels are not pickled). Returns (kernel, variant, report line, widths, error)."""
-    src, i, arch, verbose, with_resources = job
+    src, i, arch, verbose, with_resources, spill_bounds = job
     from triton.backends.compiler import GPUTarget
     _, gen = _sources()[src]
     for j, variant in enumerate(gen()):
@@ -429,7 +469,7 @@ def _job(job):
     try:
         options = variant[6] if len(variant) > 6 else {}
         line, width = _compile_one(*variant[:6], options, GPUTarget("cuda", arch, 32),
-                                   with_resources)
+                                   with_resources, spill_bounds)
         return _kernel_name(fn), name, line, width, None
     except Exception:
         return _kernel_name(fn), name, f"FAIL  {name}", None, traceback.format_exc(
@@ -444,6 +484,9 @@ def main(argv=None) -> int:
                     help="compile in this many processes (default: the cores, at most 8)")
     ap.add_argument("--resources", action="store_true",
                     help="also report each variant's registers and spills (ptxas -v once more)")
+    ap.add_argument("--spill-bounds", action="store_true",
+                    help="fail a variant that spills more than SPILL_BOUNDS allows its kernel "
+                         "(implies --resources)")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET: the kernels must be decorated as compiled JIT functions")
@@ -454,7 +497,7 @@ def main(argv=None) -> int:
         try:                                # the module's import or its generator may break
             if isinstance(gen, Exception):
                 raise gen
-            jobs += [(src, i, args.arch, args.verbose, args.resources)
+            jobs += [(src, i, args.arch, args.verbose, args.resources, args.spill_bounds)
                      for i, _ in enumerate(gen())]
         except Exception:
             failed += 1

@@ -43,14 +43,15 @@ def test_cuda_compiled_large(dtype):
 
 def test_kernels_compile_for_cuda_target():
     """Every kernel compiles to a cubin for sm_90 (no GPU needed): catches compiled-only errors
-    the interpreter cannot see.  Runs in a subprocess without TRITON_INTERPRET."""
+    the interpreter cannot see, and every variant keeps its spill bound (SPILL_BOUNDS).  Runs in
+    a subprocess without TRITON_INTERPRET."""
     import subprocess
     import sys
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    p = subprocess.run([sys.executable, "-m", "oktopk_triton.kernels._compile_check"],
-                       env=env, capture_output=True, text=True, timeout=600)
+    p = subprocess.run([sys.executable, "-m", "oktopk_triton.kernels._compile_check",
+                        "--spill-bounds"], env=env, capture_output=True, text=True, timeout=600)
     if p.returncode != 0 and "FAIL" not in p.stdout:
         pytest.skip(f"no CUDA compiler backend available: {p.stderr[-500:]}")
     assert p.returncode == 0, p.stdout + p.stderr
@@ -60,6 +61,8 @@ def test_kernels_compile_for_cuda_target():
                 if line.startswith("ok    ")}
     missing = [v[0] for v in own if v[0] not in compiled]
     assert not missing, f"not compiled: {missing}\n{p.stdout}"
+    assert all(re.search(r" regs \d+ spill \d+ B$", line) for line in p.stdout.splitlines()
+               if line.startswith("ok    ")), p.stdout
     total = re.search(r"^(\d+) compiled, (\d+) failed", p.stdout, re.M)
     assert total and int(total.group(2)) == 0 and int(total.group(1)) >= len(own), p.stdout
     # the kernels no GPU had run, each compiled in every mode its launcher has
