@@ -141,3 +141,22 @@ def test_zero_hist_clears_after_reading(backend):
     assert torch.equal(kept[1], cleared[1])                    # read before it is cleared
     assert torch.equal(kept[0]["hist"], case["hist"])          # default: left as it was
     assert not bool(cleared[0]["hist"].any())
+
+
+@needs_triton
+def test_beyond_triton_max_p_the_reference_runs():
+    """P > TRITON_MAX_P with backend='triton': the torch reference on the device (no launch
+    of the kernel), the same state as backend='torch'; the warps the launch would take grow
+    with P (4 up to 32, P/8 above)."""
+    from oktopk_triton.kernels import _dispatch
+    from oktopk_triton.kernels.bookkeeping import TRITON_MAX_P, num_warps
+    P = TRITON_MAX_P + 1
+    case = _case(P, 0, cg=4)
+    before = _dispatch.launcher_calls()
+    got = _run(case, "triton", False)
+    assert _dispatch.launcher_calls() == before
+    ref = _run(case, "torch", False)
+    for k in ("region_offsets", "th_global", "th"):
+        assert torch.equal(ref[0][k], got[0][k]), k
+    assert torch.equal(ref[1], got[1]) and torch.equal(ref[3], got[3])
+    assert [num_warps(p) for p in (1, 4, 32, 33, 64, 128)] == [4, 4, 4, 8, 8, 16]

@@ -28,6 +28,31 @@ def test_dispatch_choice():
         K.choose("cuda", cpu)
 
 
+def test_run_returns_the_chosen_result_and_falls_back_where_triton_does_not_fit():
+    """_dispatch.run: Triton where chosen (and ``fits``), else the reference inside
+    inside_kernel(); returns what ran; a bad backend is refused even with fits=False."""
+    from oktopk_triton.kernels import _dispatch
+    cpu, seen = torch.device("cpu"), []
+
+    def tri(x):
+        seen.append(("triton", x))
+        return "t"
+
+    def ref(x):
+        seen.append(("torch", x, _dispatch.in_kernel()))
+        return "r"
+
+    assert _dispatch.run("torch", cpu, tri, ref, 1) == "r" and seen[-1] == ("torch", 1, True)
+    assert not _dispatch.in_kernel()
+    if K.INTERPRET:
+        assert _dispatch.run("triton", cpu, tri, ref, 2) == "t" and seen[-1] == ("triton", 2)
+        assert _dispatch.run("auto", cpu, tri, ref, 3, fits=False) == "r"
+        assert seen[-1] == ("torch", 3, True)
+    with pytest.raises(ValueError):
+        _dispatch.run("cuda", cpu, tri, ref, 4, fits=False)
+    assert len(seen) == (3 if K.INTERPRET else 1)
+
+
 @requires_cuda
 @pytest.mark.parametrize("dtype", list(GRAD_DTYPES))
 def test_cuda_compiled_large(dtype):
