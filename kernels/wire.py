@@ -13,11 +13,11 @@ host synchronisation per steady step on an H100 (against none for fp32). Here:
   rows, filled in any order by the selection) is grouped by chunk, not sorted, in THREE
   launches: a memset of the ``[rows, 2·chunks]`` counts and cursors, a count pass (integer
   atomics), and a placement pass in which each entry adds the counts of the chunks below its
-  own (32 a step) to what an ``atomic_add`` on its chunk's cursor hands out. Decoding needs
+  own (8 a step) to what an ``atomic_add`` on its chunk's cursor hands out. Decoding needs
   the entries grouped by chunk only (the low bits are explicit), so within a chunk the order
   is the atomics' (any order on a GPU, slot order in the interpreter and the torch
   reference); Ok-Topk's owner sorts what it receives anyway.
-* :func:`wire_decode` is ONE launch: each program sums the row's running counts (32 chunks a
+* :func:`wire_decode` is ONE launch: each program sums the row's running counts (16 chunks a
   step) to find its slots' chunks, unpacks index and value, and can write straight into the
   caller's layout (Ok-Topk's gathered slots).
 * :func:`slot_chunks` is that search for the quantized formats' torch decode: static-size
