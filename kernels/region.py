@@ -104,6 +104,7 @@ if HAS_TRITON:
 # ----------------------------------------------------------------------------------------------
 def _clear_sent_torch(residual, sent_indices, sent_counts, region_offsets, global_indices,
                       global_counts, velocity=None, keep_bf16=False):
+    residual = residual.view(-1)
     P, cap_sent = sent_indices.shape
     cap_global = global_indices.shape[1]
     if cap_sent == 0 or cap_global == 0:
@@ -139,7 +140,7 @@ def _clear_sent_torch(residual, sent_indices, sent_counts, region_offsets, globa
 def _clear_sent_launch(residual, sent_indices, sent_counts, region_offsets, global_indices,
                        global_counts, velocity, keep_bf16_rounding):
     """The Triton clear_sent reads contiguous region offsets (a copy otherwise)."""
-    _clear_sent_triton(residual, sent_indices, sent_counts, region_offsets.contiguous(),
+    _clear_sent_triton(residual.view(-1), sent_indices, sent_counts, region_offsets.contiguous(),
                        global_indices, global_counts, velocity, keep_bf16_rounding)
 
 
@@ -162,5 +163,5 @@ def clear_sent(residual: Tensor, sent_indices: Tensor, sent_counts: Tensor, regi
     v = velocity.view(-1) if velocity is not None else None
     _dispatch.record(launches=1, bytes=8 * sent_indices.numel())
     _dispatch.run(backend, residual.device, _clear_sent_launch, _clear_sent_torch,
-                  residual.view(-1), sent_indices, sent_counts, region_offsets, global_indices,
+                  residual, sent_indices, sent_counts, region_offsets, global_indices,
                   global_counts, v, keep_bf16_rounding)

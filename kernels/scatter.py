@@ -269,7 +269,12 @@ def scatter_rows(dense: Tensor, indices: Tensor, values: Tensor, counts: Tensor,
                   dense.view(-1), indices, values, counts, row_base, add)
 
 
-def _scatter_rows_dense_torch(flat, indices, values, counts, offs, flag):
+def _scatter_rows_dense_launch(dense, indices, values, counts, offs, flag):
+    _scatter_rows_dense_triton(dense.view(-1), indices, values, counts, offs, flag)
+
+
+def _scatter_rows_dense_torch(dense, indices, values, counts, offs, flag):
+    flat = dense.view(-1)
     flat.zero_()
     _scatter_rows_torch(flat, indices, values, counts, offs[:indices.shape[0]], False)
     if flag is not None:
@@ -297,8 +302,8 @@ def scatter_rows_dense(dense: Tensor, indices: Tensor, values: Tensor, counts: T
         flag = flag.reshape(()).to(torch.int32)
     n = dense.numel()
     _dispatch.record(launches=1, bytes=4 * n + 12 * S * cap)
-    _dispatch.run(backend, dense.device, _scatter_rows_dense_triton, _scatter_rows_dense_torch,
-                  dense.view(-1), indices, values, counts, offs, flag)
+    _dispatch.run(backend, dense.device, _scatter_rows_dense_launch, _scatter_rows_dense_torch,
+                  dense, indices, values, counts, offs, flag)
 
 
 def _scatter_add_launch(dense, indices, values, counts, base):

@@ -473,19 +473,17 @@ def fused_select(grad: Tensor, residual: Tensor, threshold: Tensor, region_offse
     threshold = _check_threshold(threshold, P, residual.device)
     gbytes = grad.element_size() * n
     vbytes = 8 * n if velocity is not None else 0
-    if _dispatch.choose(backend, residual.device) == "triton":
-        _dispatch.record(launches=3, bytes=gbytes + 8 * n + vbytes)
-        return _fused_select_triton(grad, residual, threshold, region_offsets, capacity, skip, out,
-                                    velocity, momentum, mask_velocity, hist)
-    fast = residual.device.type == "cpu" and not REFERENCE
-    impl = _fused_select_cpu if fast else _fused_select_torch
+    # the torch side: the CPU fast path, or the reference counted as the one pass it stands for
+    fast = (_dispatch.choose(backend, residual.device) == "torch"
+            and residual.device.type == "cpu" and not REFERENCE)
     if fast:
         _dispatch.record(launches=1, bytes=_cpu_select_bytes(n, gbytes, vbytes, hist is not None))
-    else:   # the reference: counted as the one pass it stands for
+    else:
         _dispatch.record(launches=3, bytes=gbytes + 8 * n + vbytes)
-    with _dispatch.inside_kernel():
-        return impl(grad, residual, threshold, region_offsets, capacity, skip, out,
-                    velocity, momentum, mask_velocity, hist)
+    return _dispatch.run(backend, residual.device, _fused_select_triton,
+                         _fused_select_cpu if fast else _fused_select_torch, grad, residual,
+                         threshold, region_offsets, capacity, skip, out, velocity, momentum,
+                         mask_velocity, hist)
 
 
 def _check_vectors(grad: Tensor, residual: Tensor, velocity: Optional[Tensor]) -> int:
