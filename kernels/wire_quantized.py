@@ -127,12 +127,13 @@ if HAS_TRITON:
         b = tl.program_id(1).to(tl.int64)
         tab = tab_ptr + s * 6 * C
         bits = tl.abs(val).to(tl.int32, bitcast=True).to(tl.int64)
-        tl.atomic_add(tab + hi, tl.full([BLOCK], 1, tl.int64), mask=valid)
+        tl.atomic_add(tab + hi, tl.full([BLOCK], 1, tl.int64), mask=valid, sem="relaxed")
         if Q2:
-            tl.atomic_max(tab + C + hi, tl.maximum(bits >> 23, 1), mask=valid)
+            tl.atomic_max(tab + C + hi, tl.maximum(bits >> 23, 1), mask=valid, sem="relaxed")
         else:
-            tl.atomic_max(tab + C + hi, 0x7F800000 - bits, mask=valid)   # inf's bits
-            tl.atomic_max(tab + 2 * C + hi, bits, mask=valid)
+            tl.atomic_max(tab + C + hi, 0x7F800000 - bits, mask=valid,    # inf's bits
+                          sem="relaxed")
+            tl.atomic_max(tab + 2 * C + hi, bits, mask=valid, sem="relaxed")
         body = out_ptr + s * out_stride + header + 3 * C
         wi = b * (BLOCK // 2) + tl.arange(0, BLOCK // 2)
         tl.store(body + wi, tl.zeros([BLOCK // 2], tl.int32), mask=wi < iw)
@@ -151,10 +152,11 @@ if HAS_TRITON:
         units = _fixed_terms(a, tl.load(tab + C + hi, mask=valid, other=1))
         if SPLIT:
             big = valid & (a >= _mean_of(tab, hi, C, valid))
-            tl.atomic_add(tab + 3 * C + hi, tl.full([BLOCK], 1, tl.int64), mask=big)
-            tl.atomic_add(tab + 4 * C + hi, units, mask=big)
+            tl.atomic_add(tab + 3 * C + hi, tl.full([BLOCK], 1, tl.int64), mask=big,
+                          sem="relaxed")
+            tl.atomic_add(tab + 4 * C + hi, units, mask=big, sem="relaxed")
         else:
-            tl.atomic_add(tab + 2 * C + hi, units, mask=valid)
+            tl.atomic_add(tab + 2 * C + hi, units, mask=valid, sem="relaxed")
 
     @triton.jit(do_not_specialize=["cap", "C", "header", "iw"])
     def _finish_kernel(idx_ptr, val_ptr, cnt_ptr, tab_ptr, out_ptr, wire_ptr, cap, C, header,
@@ -195,13 +197,14 @@ if HAS_TRITON:
             pos = slots
         else:
             first = _sum_below(tab, hi, C, BLOCK, BC)
-            nth = tl.atomic_add(tab + 5 * C + hi, tl.full([BLOCK], 1, tl.int64), mask=valid)
+            nth = tl.atomic_add(tab + 5 * C + hi, tl.full([BLOCK], 1, tl.int64), mask=valid,
+                                sem="relaxed")
             pos = tl.where(valid, first + nth, slots)
         row = out_ptr + s * out_stride + header
         low = (idx & 0xFFFF).to(tl.int32) << ((pos & 1) * 16).to(tl.int32)
-        tl.atomic_or(row + 3 * C + pos // 2, low, mask=valid)
+        tl.atomic_or(row + 3 * C + pos // 2, low, mask=valid, sem="relaxed")
         cw = (code & ((1 << B) - 1)) << ((pos % PER) * B).to(tl.int32)
-        tl.atomic_or(row + 3 * C + iw + pos // PER, cw, mask=valid)
+        tl.atomic_or(row + 3 * C + iw + pos // PER, cw, mask=valid, sem="relaxed")
         cs = b * BLOCK_C + tl.arange(0, BLOCK_C)
         cm = cs < C
         cbase, cstep = _scales(tab, cs, C, cm, Q2, TOP)
@@ -256,7 +259,14 @@ if HAS_TRITON:
         tl.store(val_out + s * val_stride + slots, tl.where(valid, val, 0.0), mask=inb)
         tl.store(cnt_out + s * cnt_stride, total.to(tl.int32), mask=b == 0)
 
-    _BLOCK, _BLOCK_C, _BC = 1024, 256, 32
+    _BLOCK, _BLOCK_C = 1024, 256
+    # chunks a step of the running-count scans, and warps (ptxas, sm_90, per thread; as the
+    # compact wire's passes): finish BC=32 with 4 warps spilled 1764-2004 B, BC=8 with 8 warps
+    # 0-24 B (128-176 registers); decode BC=16 with 8 warps 127 registers, no spill. BC only
+    # sets how many chunk counts one step of an integer scan loads: the bits do not depend on
+    # it. Every atomic is relaxed: counts, maxima, sums and ORs that later launches read.
+    _FINISH_BC, _FINISH_WARPS = 8, 8
+    _DECODE_BC, _DECODE_WARPS = 16, 8
 
     @_dispatch.serialized_when_interpreted
     def _encode_triton(indices, values, counts, out, wire, C, header, bits, ordered):
@@ -280,16 +290,16 @@ if HAS_TRITON:
         _finish_kernel[grid](*common, out, values if wire is None else wire, cap, C, header, iw,
                              *strides, out.stride(0), 0 if wire is None else wire.stride(0),
                              Q2=q2, HAS_COUNTS=has, ORDERED=ordered, HAS_WIRE=wire is not None,
-                             B=bits, BLOCK=_BLOCK, BLOCK_C=_BLOCK_C, BC=_BC, num_warps=4,
-                             enable_fp_fusion=False)
+                             B=bits, BLOCK=_BLOCK, BLOCK_C=_BLOCK_C, BC=_FINISH_BC,
+                             num_warps=_FINISH_WARPS, enable_fp_fusion=False)
 
     @_dispatch.serialized_when_interpreted
     def _decode_triton(msg, idx, val, count, cap, C, header, bits):
         S = msg.shape[0]
         _decode_kernel[(S, max(1, triton.cdiv(cap, _BLOCK)))](
             msg, idx, val, count, cap, C, header, (cap + 1) // 2, msg.stride(0), idx.stride(0),
-            val.stride(0), count.stride(0), B=bits, BLOCK=_BLOCK, BC=_BC, num_warps=4,
-            enable_fp_fusion=False)
+            val.stride(0), count.stride(0), B=bits, BLOCK=_BLOCK, BC=_DECODE_BC,
+            num_warps=_DECODE_WARPS, enable_fp_fusion=False)
 
 
 # ---- torch references ---------------------------------------------------------------------
@@ -531,13 +541,15 @@ def compile_variants():
                             "BLOCK": "constexpr", "BLOCK_C": "constexpr", "BC": "constexpr"},
                            {"Q2": bits == 2, "HAS_COUNTS": has, "ORDERED": ordered,
                             "HAS_WIRE": has_wire, "B": bits, "BLOCK": _BLOCK,
-                            "BLOCK_C": _BLOCK_C, "BC": _BC}, [0, 1, 2, 3, 4, 5], 4, no_fma)
+                            "BLOCK_C": _BLOCK_C, "BC": _FINISH_BC}, [0, 1, 2, 3, 4, 5],
+                           _FINISH_WARPS, no_fma)
         yield (f"wire_quantized decode b={bits}", _decode_kernel,
                {"msg_ptr": "*i32", "idx_out": "*i32", "val_out": "*fp32", "cnt_out": "*i32",
                 "cap": "i32", "C": "i32", "header": "i32", "iw": "i32", "msg_stride": "i32",
                 "idx_stride": "i32", "val_stride": "i32", "cnt_stride": "i32",
                 "B": "constexpr", "BLOCK": "constexpr", "BC": "constexpr"},
-               {"B": bits, "BLOCK": _BLOCK, "BC": _BC}, [0, 1, 2, 3], 4, no_fma)
+               {"B": bits, "BLOCK": _BLOCK, "BC": _DECODE_BC}, [0, 1, 2, 3], _DECODE_WARPS,
+               no_fma)
     for has in (False, True):
         for split in (False, True):
             yield (f"wire_quantized sum split={split} counts={has}", _sum_kernel,
