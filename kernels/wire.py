@@ -146,6 +146,28 @@ if HAS_TRITON:
         cs = b * BLOCK_C + tl.arange(0, BLOCK_C)
         tl.store(base + cs, tl.load(counts + cs, mask=cs < C, other=0), mask=cs < C)
 
+    @triton.jit
+    def _chunk_of_slots(row, slots, C, BLOCK: tl.constexpr, BC: tl.constexpr):
+        """Per lane: the chunk of slot ``slots`` (how many running counts of ``row[0:C]`` are at
+        or below it), and the row's total count; BC counts a step. Both decodes use it."""
+        chunk = tl.zeros([BLOCK], tl.int64)
+        total = tl.sum(tl.zeros([BC], tl.int64), 0)
+        for c0 in range(0, C, BC):
+            cs = c0 + tl.arange(0, BC)
+            cc = tl.load(row + cs, mask=cs < C, other=0).to(tl.int64)
+            ends = tl.cumsum(cc, 0) + total
+            below = (ends[None, :] <= slots[:, None]) & (cs < C)[None, :]
+            chunk += tl.sum(below.to(tl.int64), axis=1)
+            total += tl.sum(cc, 0)
+        return chunk, total
+
+    @triton.jit
+    def _store_decoded(idx_row, val_row, cnt_at, slots, valid, inb, idx, val, total, b):
+        """A decoded row's slots (-1 / 0 past its count) and, from program (s, 0), its count."""
+        tl.store(idx_row + slots, tl.where(valid, idx, -1), mask=inb)
+        tl.store(val_row + slots, tl.where(valid, val, 0.0), mask=inb)
+        tl.store(cnt_at, total.to(tl.int32), mask=b == 0)
+
     @triton.jit(do_not_specialize=["cap", "C", "header"])
     def _decode_kernel(msg_ptr, idx_out, val_out, cnt_out, cap, C, header, msg_stride,
                        idx_stride, val_stride, cnt_stride, BLOCK: tl.constexpr,
@@ -157,23 +179,14 @@ if HAS_TRITON:
         b = tl.program_id(1)
         slots = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         row = msg_ptr + s * msg_stride + header
-        chunk = tl.zeros([BLOCK], tl.int64)
-        total = tl.sum(tl.zeros([BC], tl.int64), 0)
-        for c0 in range(0, C, BC):
-            cs = c0 + tl.arange(0, BC)
-            cc = tl.load(row + cs, mask=cs < C, other=0).to(tl.int64)
-            ends = tl.cumsum(cc, 0) + total
-            below = (ends[None, :] <= slots[:, None]) & (cs < C)[None, :]
-            chunk += tl.sum(below.to(tl.int64), axis=1)
-            total += tl.sum(cc, 0)
+        chunk, total = _chunk_of_slots(row, slots, C, BLOCK, BC)
         inb = slots < cap
         valid = (slots < total) & inb
         w = tl.load(row + C + slots, mask=valid, other=0)
         idx = (chunk.to(tl.int32) << 16) | (w & 0xFFFF)
         val = (w & -65536).to(tl.float32, bitcast=True)
-        tl.store(idx_out + s * idx_stride + slots, tl.where(valid, idx, -1), mask=inb)
-        tl.store(val_out + s * val_stride + slots, tl.where(valid, val, 0.0), mask=inb)
-        tl.store(cnt_out + s * cnt_stride, total.to(tl.int32), mask=b == 0)
+        _store_decoded(idx_out + s * idx_stride, val_out + s * val_stride,
+                       cnt_out + s * cnt_stride, slots, valid, inb, idx, val, total, b)
 
     # Launch options, from ptxas for sm_90 (``_compile_check --resources``; registers per
     # thread / bytes spilled; none measured on a GPU). BC is how many chunk counts a step of

@@ -45,6 +45,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from .wire import _chunk_of_slots, _store_decoded, _sum_below   # shared with the compact wire
+
 CHUNK_BITS = 16
 _LOW = (1 << CHUNK_BITS) - 1
 _INF_BITS = 0x7F800000
@@ -212,16 +214,6 @@ if HAS_TRITON:
         tl.store(row + C + cs, cbase.to(tl.int32, bitcast=True), mask=cm)
         tl.store(row + 2 * C + cs, cstep.to(tl.int32, bitcast=True), mask=cm)
 
-    @triton.jit
-    def _sum_below(cnt_ptr, chunk, C, BLOCK: tl.constexpr, BC: tl.constexpr):
-        """Per lane: ``sum(cnt[c] for c < chunk)`` (the chunk's first slot), BC chunks a step."""
-        acc = tl.zeros([BLOCK], tl.int64)
-        for c0 in range(0, C, BC):
-            cs = c0 + tl.arange(0, BC)
-            cc = tl.load(cnt_ptr + cs, mask=cs < C, other=0).to(tl.int64)
-            acc += tl.sum(tl.where(cs[None, :] < chunk[:, None], cc[None, :], 0), axis=1)
-        return acc
-
     @triton.jit(do_not_specialize=["cap", "C", "header", "iw"])
     def _decode_kernel(msg_ptr, idx_out, val_out, cnt_out, cap, C, header, iw, msg_stride,
                        idx_stride, val_stride, cnt_stride, B: tl.constexpr,
@@ -234,15 +226,7 @@ if HAS_TRITON:
         PER: tl.constexpr = 32 // B
         slots = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         row = msg_ptr + s * msg_stride + header
-        chunk = tl.zeros([BLOCK], tl.int64)
-        total = tl.sum(tl.zeros([BC], tl.int64), 0)
-        for c0 in range(0, C, BC):
-            cs = c0 + tl.arange(0, BC)
-            cc = tl.load(row + cs, mask=cs < C, other=0).to(tl.int64)
-            ends = tl.cumsum(cc, 0) + total
-            below = (ends[None, :] <= slots[:, None]) & (cs < C)[None, :]
-            chunk += tl.sum(below.to(tl.int64), axis=1)
-            total += tl.sum(cc, 0)
+        chunk, total = _chunk_of_slots(row, slots, C, BLOCK, BC)
         inb = slots < cap
         valid = (slots < total) & inb
         hc = tl.minimum(chunk, C - 1)
@@ -255,9 +239,8 @@ if HAS_TRITON:
         mag = base + (code & ((1 << (B - 1)) - 1)).to(tl.float32) * step
         val = tl.where((code >> (B - 1)) != 0, -mag, mag)
         idx = (chunk.to(tl.int32) << 16) | low
-        tl.store(idx_out + s * idx_stride + slots, tl.where(valid, idx, -1), mask=inb)
-        tl.store(val_out + s * val_stride + slots, tl.where(valid, val, 0.0), mask=inb)
-        tl.store(cnt_out + s * cnt_stride, total.to(tl.int32), mask=b == 0)
+        _store_decoded(idx_out + s * idx_stride, val_out + s * val_stride,
+                       cnt_out + s * cnt_stride, slots, valid, inb, idx, val, total, b)
 
     _BLOCK, _BLOCK_C = 1024, 256
     # chunks a step of the running-count scans, and warps (ptxas, sm_90, per thread; as the

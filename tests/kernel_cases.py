@@ -102,3 +102,26 @@ def tail_count(x, t):
     """#{nonzero finite entries with |x| >= t}."""
     x = x.float().cpu()
     return int(((x.abs() >= float(t)) & finite_nonzero(x)).sum())
+
+
+def wire_rows(S, cap, span, seed, ascending, specials=()):
+    """A wire's input rows: ``S`` rows of ``cap`` distinct indices below ``span`` (ascending
+    or in any order) and values over seven decades; ``specials`` overwrite row 0's first
+    values (bf16 ties, signed zeros)."""
+    g = gen(seed)
+    idx = torch.stack([torch.randperm(span, generator=g)[:cap] for _ in range(S)]).int()
+    if ascending:
+        idx = torch.sort(idx, 1).values
+    vals = torch.randn(S, cap, generator=g) * 10.0 ** torch.randint(-3, 4, (S, cap), generator=g)
+    if specials:
+        vals[0, :len(specials)] = torch.tensor(specials)
+    return idx, vals
+
+
+def range_kwargs(start, end, on_device):
+    """``magnitude_threshold``'s range: by value, or (``on_device``) as device tensors with a
+    host bound ``max_len`` a little above the length."""
+    if not on_device:
+        return dict(start=start, end=end)
+    return dict(start=torch.tensor(start, device=DEV), end=torch.tensor(end, device=DEV),
+                max_len=end - start + 7)

@@ -20,6 +20,7 @@ from kernel_cases import (
     finite_nonzero,
     gen,
     needs_triton,
+    range_kwargs,
     tail_count,
 )
 from oktopk_triton.kernels import threshold as T
@@ -114,10 +115,7 @@ def test_magnitude_threshold_ignores_nan_inf_and_zeros():
 def test_magnitude_threshold_range(device_range):
     x = DATA["lognormal"](N_WINDOW + 20000, gen(10)).to(DEV)
     s, e, k = 12345, 12345 + N_WINDOW - 2, 600
-    kw = dict(start=s, end=e)
-    if device_range:
-        kw = dict(start=torch.tensor(s, device=DEV), end=torch.tensor(e, device=DEV),
-                  max_len=e - s + 7)
+    kw = range_kwargs(s, e, device_range)
     want = kth_largest(x[s:e], k)
     assert want != kth_largest(x, k)
     res = threshold_both(x, k, **kw)

@@ -10,7 +10,8 @@ stay small for the interpreter (n = 70001 is above the exact cut-off EXACT_BELOW
 import oktopk_triton.kernels as K
 import pytest
 import torch
-from kernel_cases import DEV, INF_BITS, abs_bits, gen, needs_triton, tail_count
+from kernel_cases import (DEV, INF_BITS, abs_bits, gen, needs_triton, range_kwargs,
+                          tail_count)
 from oktopk_triton.kernels import threshold as T
 from test_kernel_threshold import kth_largest, written
 
@@ -89,10 +90,7 @@ def test_range_with_hot_blocks_is_exact(device_range):
     x = clustered(N + 20000, [40000], seed=3)
     x[5000:9096] = 5 + torch.rand(4096, generator=gen(4)).to(DEV)   # outside the range
     s, e, k = 12345, 12345 + N - 2, 600
-    kw = dict(start=s, end=e)
-    if device_range:
-        kw = dict(start=torch.tensor(s, device=DEV), end=torch.tensor(e, device=DEV),
-                  max_len=e - s + 7)
+    kw = range_kwargs(s, e, device_range)
     want = kth_largest(x[s:e], k)
     assert want != kth_largest(x, k)
     t, info = triton_threshold(x, k, **kw)

@@ -14,6 +14,7 @@ import os
 import pytest
 import torch
 
+from kernel_cases import wire_rows
 from oktopk_triton import kernels as K
 from oktopk_triton.algorithms import _wire as W
 from oktopk_triton.kernels import _dispatch
@@ -33,14 +34,8 @@ CASES = [  # span, cap, header, counts
 
 
 def _rows(S, cap, span, seed, ascending):
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.stack([torch.randperm(span, generator=g)[:cap] for _ in range(S)]).int()
-    if ascending:
-        idx = torch.sort(idx, 1).values
-    vals = torch.randn(S, cap, generator=g) * 10.0 ** torch.randint(-3, 4, (S, cap),
-                                                                     generator=g)
-    vals[0, :2] = torch.tensor([-0.0, 0.0])
-    return idx, vals
+    # signed zeros in row 0
+    return wire_rows(S, cap, span, seed, ascending, specials=(-0.0, 0.0))
 
 
 def _valid(counts, S, cap):

@@ -14,6 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conservation import mixed
+from kernel_cases import wire_rows
 from oktopk_triton import kernels as K
 from oktopk_triton.algorithms import _wire as W
 from oktopk_triton.comm.local import LocalCluster
@@ -48,14 +49,9 @@ class _Trace(TorchDispatchMode):
 
 
 def _rows(S, cap, span, seed, ascending):
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.stack([torch.randperm(span, generator=g)[:cap] for _ in range(S)]).int()
-    if ascending:
-        idx = torch.sort(idx, 1).values
-    vals = torch.randn(S, cap, generator=g) * 10.0 ** torch.randint(-3, 4, (S, cap),
-                                                                     generator=g)
-    vals[0, :3] = torch.tensor([1.00390625 + 1e-4, -2.00390625, 0.0])   # bf16 ties / rounding
-    return idx, vals
+    # bf16 ties / rounding in row 0
+    return wire_rows(S, cap, span, seed, ascending,
+                     specials=(1.00390625 + 1e-4, -2.00390625, 0.0))
 
 
 CASES = [  # span, cap, header, counts
