@@ -147,9 +147,23 @@ if HAS_TRITON:
         tl.store(base + cs, tl.load(counts + cs, mask=cs < C, other=0), mask=cs < C)
 
     @triton.jit
+    def _decode_slots(msg_ptr, msg_stride, header, cap, C, BLOCK: tl.constexpr,
+                      BC: tl.constexpr):
+        """Both decodes' start: this program's row ``s`` and BLOCK of ``slots``, the row's
+        words after its header, each slot's chunk and whether it is in bounds and holds an
+        entry, and the row's total count."""
+        s = tl.program_id(0).to(tl.int64)
+        b = tl.program_id(1)
+        slots = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        row = msg_ptr + s * msg_stride + header
+        chunk, total = _chunk_of_slots(row, slots, C, BLOCK, BC)
+        inb = slots < cap
+        return s, b, slots, row, chunk, total, inb, (slots < total) & inb
+
+    @triton.jit
     def _chunk_of_slots(row, slots, C, BLOCK: tl.constexpr, BC: tl.constexpr):
         """Per lane: the chunk of slot ``slots`` (how many running counts of ``row[0:C]`` are at
-        or below it), and the row's total count; BC counts a step. Both decodes use it."""
+        or below it), and the row's total count; BC counts a step."""
         chunk = tl.zeros([BLOCK], tl.int64)
         total = tl.sum(tl.zeros([BC], tl.int64), 0)
         for c0 in range(0, C, BC):
@@ -175,13 +189,8 @@ if HAS_TRITON:
         """Slot i of row s: its chunk is the number of running counts at or below i (BC counts
         a step), its index ``chunk << 16 | low``, its value the word's top half as fp32; -1 / 0
         past the row's count, which program (s, 0) writes."""
-        s = tl.program_id(0).to(tl.int64)
-        b = tl.program_id(1)
-        slots = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        row = msg_ptr + s * msg_stride + header
-        chunk, total = _chunk_of_slots(row, slots, C, BLOCK, BC)
-        inb = slots < cap
-        valid = (slots < total) & inb
+        s, b, slots, row, chunk, total, inb, valid = _decode_slots(msg_ptr, msg_stride, header,
+                                                                   cap, C, BLOCK, BC)
         w = tl.load(row + C + slots, mask=valid, other=0)
         idx = (chunk.to(tl.int32) << 16) | (w & 0xFFFF)
         val = (w & -65536).to(tl.float32, bitcast=True)

@@ -45,7 +45,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .wire import _chunk_of_slots, _store_decoded, _sum_below   # shared with the compact wire
+    from .wire import _decode_slots, _store_decoded, _sum_below   # shared with the compact wire
 
 CHUNK_BITS = 16
 _LOW = (1 << CHUNK_BITS) - 1
@@ -221,14 +221,9 @@ if HAS_TRITON:
         """Slot i of row s: its chunk from the running counts (BC a step), its index
         ``chunk << 16 | low``, its value ``±(base + j·step)``; -1 / 0 past the row's count,
         which program (s, 0) writes."""
-        s = tl.program_id(0).to(tl.int64)
-        b = tl.program_id(1)
         PER: tl.constexpr = 32 // B
-        slots = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        row = msg_ptr + s * msg_stride + header
-        chunk, total = _chunk_of_slots(row, slots, C, BLOCK, BC)
-        inb = slots < cap
-        valid = (slots < total) & inb
+        s, b, slots, row, chunk, total, inb, valid = _decode_slots(msg_ptr, msg_stride, header,
+                                                                   cap, C, BLOCK, BC)
         hc = tl.minimum(chunk, C - 1)
         wi = tl.load(row + 3 * C + slots // 2, mask=valid, other=0)
         low = (wi >> ((slots & 1) * 16).to(tl.int32)) & 0xFFFF
