@@ -362,3 +362,20 @@ def whole_and_resumed(make, run, calls: int, cut: int, at_load=None):
     seen = None if at_load is None else at_load(resumed)
     run(*resumed, cut, calls)
     return whole, resumed, seen
+
+
+def continued_from_save(make, call, steps: int, cut: int):
+    """``(a, outs, b, outs2)``: a reducer ``a = make()`` called for ``steps`` steps
+    (``call(a, t)`` returns step t's output), its state saved before step ``cut`` (through
+    bytes, ``weights_only``) and loaded into a fresh ``b = make()`` that runs steps
+    ``cut..steps-1``."""
+    a, outs, blob = make(), [], None
+    for t in range(steps):
+        if t == cut:
+            buf = io.BytesIO()
+            torch.save(a.state_dict(), buf)
+            blob = buf.getvalue()
+        outs.append(call(a, t))
+    b = make()
+    b.load_state_dict(torch.load(io.BytesIO(blob), weights_only=True))
+    return a, outs, b, [call(b, t) for t in range(cut, steps)]

@@ -1,11 +1,10 @@
 """SparseAllreduce (oktopk_triton/module.py): the public front."""
-import io
 
 import pytest
 import torch
 
-from conservation import (assert_bitwise_agreement, assert_conservation, host_syncs_raise, mixed,
-                          run_steps, toy_calls, whole_and_resumed)
+from conservation import (assert_bitwise_agreement, assert_conservation, continued_from_save,
+                          host_syncs_raise, mixed, run_steps, toy_calls, whole_and_resumed)
 from conservation import toy_model as _model
 from oktopk_triton import SparseAllreduce
 from oktopk_triton.comm.local import LocalCluster
@@ -346,17 +345,9 @@ def test_numel_differing_across_ranks_raises_everywhere():
 def _state_body(comm, steps, cut):
     fn = mixed(9)
     opts = dict(momentum=0.9, **BE)
-    a = SparseAllreduce(2000, comm=comm, density=0.02, **opts)
-    outs, blob = [], None
-    for t in range(steps):
-        if t == cut:
-            buf = io.BytesIO()
-            torch.save(a.state_dict(), buf)
-            blob = buf.getvalue()
-        outs.append(a(fn(comm.rank, t, 2000)))
-    b = SparseAllreduce(2000, comm=comm, density=0.02, **opts)
-    b.load_state_dict(torch.load(io.BytesIO(blob), weights_only=True))
-    outs2 = [b(fn(comm.rank, t, 2000)) for t in range(cut, steps)]
+    a, outs, b, outs2 = continued_from_save(
+        lambda: SparseAllreduce(2000, comm=comm, density=0.02, **opts),
+        lambda sar, t: sar(fn(comm.rank, t, 2000)), steps, cut)
     # nested in a model's state_dict too
     holder = torch.nn.Module()
     holder.sar = b

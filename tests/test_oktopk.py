@@ -4,13 +4,13 @@ gloo == LocalCluster, state_dict continuation.
 
 Run with ``-s`` to see the measured distributions (|I| / k, bytes per step against the bound).
 """
-import io
 
 import pytest
 import torch
 
-from conservation import (assert_bitwise_agreement, assert_conservation, mixed, moving_hotspots,
-                          one_big_rank, run_steps, steady_steps_never_sync, student_t)
+from conservation import (assert_bitwise_agreement, assert_conservation, continued_from_save,
+                          mixed, moving_hotspots, one_big_rank, run_steps,
+                          steady_steps_never_sync, student_t)
 from oktopk_triton.algorithms.oktopk import OkTopk, source_order
 from oktopk_triton.comm.local import LocalCluster
 
@@ -244,17 +244,9 @@ def test_gloo_matches_local_cluster():
 def _state_body(comm, n, steps, cut):
     opts = dict(backend=BE, momentum=0.9)
     fn = mixed(33)
-    a = OkTopk(n, comm, 0.01, **opts)
-    outs, blob = [], None
-    for t in range(steps):
-        if t == cut:
-            buf = io.BytesIO()
-            torch.save(a.state_dict(), buf)
-            blob = buf.getvalue()
-        outs.append(a(fn(comm.rank, t, n)).clone())
-    b = OkTopk(n, comm, 0.01, **opts)
-    b.load_state_dict(torch.load(io.BytesIO(blob), weights_only=True))
-    outs2 = [b(fn(comm.rank, t, n)).clone() for t in range(cut, steps)]
+    a, outs, b, outs2 = continued_from_save(lambda: OkTopk(n, comm, 0.01, **opts),
+                                            lambda alg, t: alg(fn(comm.rank, t, n)).clone(),
+                                            steps, cut)
     return outs[cut:], outs2, a.residual.clone(), b.residual.clone(), (a.cap_r, a.cap_g), \
         (b.cap_r, b.cap_g)
 
