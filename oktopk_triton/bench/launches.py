@@ -54,11 +54,14 @@ BUDGET_FILE = os.path.join(os.path.dirname(__file__), "launch_budget.json")
 COLUMNS = ("dispatches", "glue", "kernel", "launches", "collectives", "host_reads",
            "full_passes")
 
-# aten ops that never launch a kernel: allocation without a fill, metadata, no-op lifts
+# aten ops that never launch a kernel: allocation without a fill, metadata, no-op lifts, and
+# the profiler's ranges (``torch.optim``'s ``record_function`` around every ``step()``: a
+# host-side annotation)
 _NO_LAUNCH = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
               "resize_", "set_", "lift_fresh", "detach", "alias", "size", "stride",
               "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size",
-              "_reshape_alias", "_unsafe_view", "view", "as_strided"}
+              "_reshape_alias", "_unsafe_view", "view", "as_strided",
+              "_record_function_enter", "_record_function_enter_new", "_record_function_exit"}
 # aten ops that read the host on CUDA (the value decides a shape or a Python value)
 _HOST_READ = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique",
               "_unique2", "unique_consecutive", "unique_dim", "is_nonzero", "equal",
