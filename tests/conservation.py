@@ -379,3 +379,10 @@ def continued_from_save(make, call, steps: int, cut: int):
     b = make()
     b.load_state_dict(torch.load(io.BytesIO(blob), weights_only=True))
     return a, outs, b, [call(b, t) for t in range(cut, steps)]
+
+
+def torch_kernels(name: str) -> Dict[str, Any]:
+    """The option that runs an algorithm's kernels through their torch references, for the
+    algorithms that take one (their interpreted Triton paths cost minutes in whole-run tests and
+    are compared with the references in tests/test_kernel_*.py and tests/test_oktopk.py)."""
+    return {"backend": "torch"} if "backend" in get_algorithm(name).OPTIONS else {}

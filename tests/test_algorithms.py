@@ -27,7 +27,8 @@ import math
 import pytest
 import torch
 
-from conservation import FLAG_BYTES, assert_bitwise_agreement, assert_conservation, mixed, run_steps
+from conservation import (FLAG_BYTES, assert_bitwise_agreement, assert_conservation, mixed,
+                          run_steps, torch_kernels)
 from oktopk_triton.algorithms import SPARSE_ALGORITHMS, get_algorithm
 from oktopk_triton.algorithms._sparse import volume_formula_words
 from oktopk_triton.comm.local import LocalCluster
@@ -63,7 +64,7 @@ def byte_bound(name: str, n: int, k: int, P: int, cls=None, **opts) -> int:
 def _run(name: str, P: int):
     # Ok-Topk's kernels through the interpreter cost minutes here; its interpreted path is
     # compared with the torch path in tests/test_oktopk.py
-    opts = {"backend": "torch"} if name == "oktopk" else {}
+    opts = torch_kernels(name)
     return run_steps(name, P, N, STEPS, DENSITY, mixed(seed=P), timeout=120.0, **opts)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conservation import torch_kernels
 
 from oktopk_triton.algorithms import REGISTRY, get_algorithm
 from oktopk_triton.algorithms.schedule import CollectiveSpec, schedule_of
@@ -95,7 +96,7 @@ def assert_matches(specs, log, exact=True):
 
 
 def _opts(name):
-    return {"backend": "torch"} if name == "oktopk" else {}
+    return torch_kernels(name)
 
 
 STATIC = [a for a in REGISTRY if a != "topkdsa"]

@@ -9,7 +9,8 @@ refusals.
 import pytest
 import torch
 
-from conservation import assert_bitwise_agreement, assert_conservation, mixed, run_steps
+from conservation import (assert_bitwise_agreement, assert_conservation, mixed, run_steps,
+                          torch_kernels)
 from oktopk_triton import SparseAllreduce
 from oktopk_triton.algorithms import _wire as W
 from oktopk_triton.algorithms.schedule import schedule_of
@@ -173,7 +174,7 @@ def test_every_algorithm_compact_conserves_agrees_and_halves_the_bytes(name, P):
     wire)."""
     n, steps = PER_RANK * P, 3
     res = run_steps(name, P, n, steps, 0.01, mixed(P), wire_format="compact",
-                    check_finite="off")
+                    check_finite="off", **torch_kernels(name))
     assert_conservation(res)
     assert_bitwise_agreement(res)
     assert sum(_far_entries(name, res.outs[t][0], P) for t in range(steps)) > 0
@@ -196,7 +197,7 @@ def test_compact_keeps_momentum_masking_and_the_nonfinite_policy(name):
     as many entries as the fp32 step (their residual holds the rounding, not 0); a NaN on one
     rank leaves every residual bit for bit."""
     P, n = 3, 3000
-    opts = {"backend": BE} if name == "oktopk" else {}
+    opts = torch_kernels(name)
     zeros = {}
     for wf in ("fp32", "compact"):
         res = run_steps(name, P, n, 8, 0.02, mixed(5), momentum=0.9, wire_format=wf,

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conservation import (assert_bitwise_agreement, assert_conservation, mixed, run_steps,
-                          steady_steps_never_sync)
+                          steady_steps_never_sync, torch_kernels)
 from oktopk_triton import SparseAllreduce
 from oktopk_triton.algorithms import _wire as W
 from oktopk_triton.algorithms.schedule import bytes_per_step, density_for_bytes, schedule_of
@@ -93,7 +93,7 @@ def test_contract_and_bytes(name, fmt, P):
     near 2.25/4 (q2) or 2.5/4 (q4) of compact's at the same k (the chunk words and headers
     weigh more at this small n)."""
     n, steps = 70_000 * P, 4
-    opts = {"backend": BE} if name == "oktopk" else {}
+    opts = torch_kernels(name)
     res = run_steps(name, P, n, steps, 0.01, mixed(P), wire_format=fmt, check_finite="off",
                     **opts)
     assert_conservation(res)
@@ -114,7 +114,7 @@ def test_contract_and_bytes(name, fmt, P):
 def test_odd_world_momentum_and_nonfinite(name):
     """P = 5 with momentum correction (masked velocity), and a NaN on one rank: the contract
     holds and the non-finite step leaves every residual bit for bit."""
-    opts = {"backend": BE} if name == "oktopk" else {}
+    opts = torch_kernels(name)
     res = run_steps(name, 5, 9000, 8, 0.02, mixed(7), momentum=0.9, wire_format="q2",
                     nonfinite={4: 3}, **opts)
     assert_conservation(res)

@@ -7,13 +7,13 @@ Per step:
    ``threshold = |mu| + z·sigma`` with ``z = Phi^-1(1 - density/2)`` (the two-sided normal
    quantile: under a normal fit, a fraction ``density`` of the entries has ``|acc| >= threshold``).
 2. **Correction on the device** (the reference code instead loops on the host, reading the
-   count back each time). ``iters`` fixed iterations (default 8), each one counting pass over
+   count back each time; here one kernel, ``kernels.gaussian_threshold``, two launches an
+   iteration). ``iters`` fixed iterations (default 8), each one counting pass over
    ``acc``: a count below ``lo·k`` makes the threshold an upper bracket, above ``hi·k`` a lower
    bracket; the next threshold is the geometric mean of the brackets once both exist, else the
    threshold is divided by 4 (too few) or multiplied by 4 (too many) -- galloping, then
-   bisection in log space; inside the band it stays put. All of it is ``torch.where`` on 0-dim
-   device tensors: no host read, no data-dependent sizes (and no early exit: the ``iters``
-   passes are always paid).
+   bisection in log space; inside the band it stays put. No host read, no data-dependent sizes
+   (and no early exit: the ``iters`` passes are always paid).
 3. Select ``|acc| >= threshold`` (and ``acc != 0``), compact in ascending index order into a
    fixed capacity ``cap = ceil(slack·k)`` (default slack 1.5); entries past the capacity are not
    sent and stay in the residual (``stats["overflow"]``).
@@ -45,6 +45,7 @@ from typing import List, Optional
 
 import torch
 
+from .. import kernels as K
 from . import _wire as W
 from ._sparse import compact, pack_entries, scatter_add_sources, unpack_entries
 from . import schedule as S
@@ -55,7 +56,8 @@ __all__ = ["Gaussiank"]
 
 class Gaussiank(Algorithm):
     name = "gaussiank"
-    OPTIONS = {"slack": 1.5, "iters": 8, "lo": 0.75, "hi": 1.25}
+    OPTIONS = {"slack": 1.5, "iters": 8, "lo": 0.75, "hi": 1.25,
+               "backend": "auto"}         # kernels backend: auto | triton | torch
     HEADER = 2
     compact_refusal = None     # global indices: chunk counts over all of n
 
@@ -96,29 +98,21 @@ class Gaussiank(Algorithm):
         if not (0.0 < float(o["lo"]) <= 1.0 <= float(o["hi"])):
             raise ValueError(f"gaussiank: need 0 < lo <= 1 <= hi, "
                              f"got lo={o['lo']!r}, hi={o['hi']!r}")
+        if o["backend"] not in K.BACKENDS:
+            raise ValueError(f"gaussiank: backend must be one of {K.BACKENDS}, "
+                             f"got {o['backend']!r}")
+        K.choose(o["backend"], self.device)      # 'triton' without CUDA or the interpreter
         self.cap = self.capacity(self.k, self.numel, o["slack"])
         dens = min(self.density, 1.0 - 1e-12)
         self.z = NormalDist().inv_cdf(1.0 - dens / 2.0)
 
     def threshold(self, acc: torch.Tensor) -> torch.Tensor:
-        """Fitted and device-corrected threshold (0-dim fp32); see the module docstring."""
+        """Fitted and device-corrected threshold (0-dim fp32); see the module docstring. One
+        kernel (``kernels.gaussian_threshold``): ``std_mean`` and ``1 + 2·iters`` launches."""
         k = float(self.k)
-        lo_c, hi_c = float(self.opts["lo"]) * k, float(self.opts["hi"]) * k
-        std, mean = torch.std_mean(acc, correction=0)
-        a = acc.abs()
-        thr = mean.abs() + self.z * std
-        lo_t = torch.zeros_like(thr)
-        hi_t = torch.full_like(thr, float("inf"))
-        for _ in range(int(self.opts["iters"])):
-            c = ((a >= thr) & (acc != 0)).sum()
-            few, many = c < lo_c, c > hi_c
-            lo_t = torch.where(many, thr, lo_t)
-            hi_t = torch.where(few, thr, hi_t)
-            bracket = (lo_t > 0) & torch.isfinite(hi_t)
-            nxt = torch.where(bracket, torch.sqrt(lo_t * hi_t),
-                              torch.where(few, thr * 0.25, thr * 4.0))
-            thr = torch.where(few | many, nxt, thr)
-        return thr
+        return K.gaussian_threshold(acc, self.z, float(self.opts["lo"]) * k,
+                                    float(self.opts["hi"]) * k, int(self.opts["iters"]),
+                                    backend=self.opts["backend"])
 
     def step(self, grad: torch.Tensor, out: torch.Tensor,
              nonfinite: Optional[torch.Tensor]) -> None:
