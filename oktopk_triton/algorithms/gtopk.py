@@ -129,7 +129,8 @@ class GTopk(Algorithm):
 
     def _pack(self, idx: torch.Tensor, val: torch.Tensor) -> torch.Tensor:
         if self.compact:
-            return W.encode(idx, val, None, self.numel).view(-1)
+            # topk_entries and merge_topk give ascending indices: written as they are, no sort
+            return W.encode(idx, val, None, self.numel, order="ascending").view(-1)
         return pack_entries(idx, val)
 
     def _unpack(self, buf: torch.Tensor):

@@ -236,7 +236,8 @@ class TopkDSA(Algorithm):
         residual = acc_pad.scatter(1, ridx, acc_pad.gather(1, ridx) - wire)
         if self.compact:   # for the velocity mask (_mark_sent), dropped there
             self._sent = (ridx, rvals != 0)
-        msg = W.encode(ridx, rvals, None, L) if self.compact else \
+        # compact: grouped by chunk (no sort); the owner adds each row's unique indices
+        msg = W.encode(ridx, rvals, None, L, order="chunks") if self.compact else \
             self._pack(ridx, rvals, sent_count)
         rmsg = torch.empty_like(msg)
         if P > 1:
@@ -259,7 +260,7 @@ class TopkDSA(Algorithm):
             R.scatter_(0, gidx, W.bf16_rounding(gvals) if self.compact
                        else torch.zeros_like(gvals))
             if self.compact:
-                gmsg = W.encode(gidx, gvals, None, L, header=1).view(-1)
+                gmsg = W.encode(gidx, gvals, None, L, header=1, order="chunks").view(-1)
                 gmsg[0] = fill_own.to(torch.int32)
             else:
                 gmsg = self._pack(gidx, gvals, fill_own)
