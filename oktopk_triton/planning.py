@@ -176,11 +176,12 @@ PASSES = {
     # fused_select reads grad and residual and writes the residual in its own pass; the rest of
     # the step works on rows of ~k entries (entry_work)
     "oktopk": (4 + 4, 1, 0),
-    # acc (12); topk_entries: arange int64 (8) and the int64 keys (to 12, & 16, << 16, - 16,
-    # | 24), a top-k of n int64 keys; out /= P (8); commit (20)
-    "topka": (4 + 4 + 12 + 8 + 84 + 8 + 20, 0, 2),
+    # acc (12); topk_entries: the int64 keys in one kernel (kernels.magnitude_keys: read 4,
+    # write 8; the torch ops before it moved 92), a top-k of n int64 keys; out /= P (8);
+    # commit (20)
+    "topka": (4 + 4 + 12 + 12 + 8 + 20, 0, 2),
     # as TopkA (its top-k of n int64 keys) without the division (out.index_copy_)
-    "gtopk": (4 + 4 + 12 + 8 + 84 + 20, 0, 2),
+    "gtopk": (4 + 4 + 12 + 12 + 20, 0, 2),
     # acc (12); Spar-Reduce-Scatter touches (P-1)/P of n on each side: index_select + |.| +
     # index_copy on the sending side (24), index_select + index_copy on the receiving side (16),
     # the block top-ks cover n once (fp32); padded out (4), copy + div (16), commit (20)
@@ -189,10 +190,11 @@ PASSES = {
     # row-wise top-k over n; residual scatter clone (8); padded out (4); copy + div (16),
     # commit (20)
     "topkdsa": (4 + 4 + 12 + 8 + 4 + 5 + 8 + 8 + 4 + 16 + 20, 0, 2),
-    # acc (12), std_mean (4), |acc| (8), 8 counting passes (>=, !=, &, sum: 14 each), the final
-    # mask (21), compact (int64 cumsum, masks, where, arange, two scatters of n: 115), the
-    # residual where (17) and commit (20), the (n+1) copies of the scatter-add (20), out /= P (8)
-    "gaussiank": (4 + 4 + 12 + 4 + 8 + 8 * 14 + 21 + 115 + 17 + 20 + 20 + 8, 0, 0),
+    # acc (12), std_mean (4), 8 counting passes (kernels.gaussian_threshold: read 4 each; the
+    # torch ops before it: |acc| once, then >=, !=, &, sum, 14 each), the final mask (21),
+    # compact (int64 cumsum, masks, where, arange, two scatters of n: 115), the residual where
+    # (17) and commit (20), the (n+1) copies of the scatter-add (20), out /= P (8)
+    "gaussiank": (4 + 4 + 12 + 4 + 8 * 4 + 21 + 115 + 17 + 20 + 20 + 8, 0, 0),
 }
 
 

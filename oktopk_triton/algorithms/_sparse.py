@@ -31,6 +31,9 @@ from typing import Optional, Tuple
 
 import torch
 
+from .. import kernels as K
+from ..kernels.keys import magnitude_key
+
 __all__ = ["magnitude_key", "topk_entries", "pack_entries", "unpack_entries", "merge_topk",
            "is_member", "compact", "scatter_add_sources", "pack_bits", "unpack_bits",
            "volume_formula_words", "volume_formula_range", "DEAD_KEY"]
@@ -39,27 +42,18 @@ _LOW32 = (1 << 32) - 1
 DEAD_KEY = -1  # below every magnitude key (all of which are >= 0)
 
 
-def magnitude_key(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """int64 keys ordering entries by ``|value|`` descending, then by index ascending.
-
-    ``values`` fp32, ``indices`` any integer dtype (< 2^32), same shape. Keys are unique when the
-    indices are. NaN sorts above +Inf (its bit pattern is larger); -0.0 equals +0.0.
-    """
-    bits = values.contiguous().view(torch.int32).to(torch.int64) & 0x7FFFFFFF
-    return (bits << 32) | (_LOW32 - indices.to(torch.int64))
-
-
-def topk_entries(x: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def topk_entries(x: torch.Tensor, k: int,
+                 backend: str = "auto") -> Tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` entries of largest ``|x|`` (ties by lower index), sorted by index ascending.
 
-    Returns ``(indices int32 [k], values fp32 [k])`` with ``values == x[indices]`` bit for bit.
-    Zeros are taken when ``x`` has fewer than ``k`` nonzeros (they contribute nothing).
+    ``x`` fp32 [n]. Returns ``(indices int32 [k], values fp32 [k])`` with ``values ==
+    x[indices]`` bit for bit. Zeros are taken when ``x`` has fewer than ``k`` nonzeros (they
+    contribute nothing). The keys are one kernel (``kernels.magnitude_keys``, ``backend``).
     """
     n = x.numel()
     if not (1 <= k <= n):
         raise ValueError(f"topk_entries: k must be in [1, {n}], got {k}")
-    ar = torch.arange(n, device=x.device, dtype=torch.int64)
-    key = magnitude_key(x, ar)
+    key = K.magnitude_keys(x.reshape(-1), backend=backend)
     pos = torch.topk(key, k, sorted=False).indices
     pos, _ = torch.sort(pos)
     return pos.to(torch.int32), x[pos]

@@ -397,6 +397,16 @@ class Algorithm(abc.ABC):
         self._wire_delivered = mask if self._wire_delivered is None else \
             self._wire_delivered | mask
 
+    def kernel_backend(self) -> str:
+        """The validated ``backend`` option of an algorithm that takes one (where its kernels
+        run: ``auto`` | ``triton`` | ``torch``); a one-line error for anything else, or for
+        ``triton`` without CUDA or the interpreter."""
+        be = self.opts["backend"]
+        if be not in K.BACKENDS:
+            raise ValueError(f"{self.name}: backend must be one of {K.BACKENDS}, got {be!r}")
+        K.choose(be, self.device)
+        return be
+
     def accumulate(self, grad: torch.Tensor) -> torch.Tensor:
         """``acc = residual + grad`` in fp32, as a new tensor (residual untouched)."""
         return self.residual + grad.float()

@@ -98,10 +98,7 @@ class Gaussiank(Algorithm):
         if not (0.0 < float(o["lo"]) <= 1.0 <= float(o["hi"])):
             raise ValueError(f"gaussiank: need 0 < lo <= 1 <= hi, "
                              f"got lo={o['lo']!r}, hi={o['hi']!r}")
-        if o["backend"] not in K.BACKENDS:
-            raise ValueError(f"gaussiank: backend must be one of {K.BACKENDS}, "
-                             f"got {o['backend']!r}")
-        K.choose(o["backend"], self.device)      # 'triton' without CUDA or the interpreter
+        self.backend = self.kernel_backend()
         self.cap = self.capacity(self.k, self.numel, o["slack"])
         dens = min(self.density, 1.0 - 1e-12)
         self.z = NormalDist().inv_cdf(1.0 - dens / 2.0)
@@ -112,7 +109,7 @@ class Gaussiank(Algorithm):
         k = float(self.k)
         return K.gaussian_threshold(acc, self.z, float(self.opts["lo"]) * k,
                                     float(self.opts["hi"]) * k, int(self.opts["iters"]),
-                                    backend=self.opts["backend"])
+                                    backend=self.backend)
 
     def step(self, grad: torch.Tensor, out: torch.Tensor,
              nonfinite: Optional[torch.Tensor]) -> None:

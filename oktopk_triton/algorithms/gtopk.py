@@ -63,6 +63,7 @@ def _layout(P: int):
 class GTopk(Algorithm):
     name = "gtopk"
     compact_refusal = None     # global indices; a group's rounding kept by its lowest member
+    OPTIONS = {"backend": "auto"}   # kernels backend: auto | triton | torch
 
     @staticmethod
     def _set_words(n: int, k: int, compact) -> int:
@@ -107,6 +108,7 @@ class GTopk(Algorithm):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.backend = self.kernel_backend()
         P, r = self.P, self.rank
         self._P2, self._extra = _layout(P)
         e = self._extra
@@ -146,7 +148,7 @@ class GTopk(Algorithm):
         nmask = (k + 31) // 32
         words = self._set_words(self.numel, k, self.compact)
         acc = self.accumulate(grad)
-        L_idx, L_val = topk_entries(acc, k)
+        L_idx, L_val = topk_entries(acc, k, self.backend)
         # compact: [indices, rounding, still alive] this rank keeps where the index survives
         owed: list = []
 

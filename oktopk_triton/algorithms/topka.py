@@ -38,6 +38,7 @@ class TopkA(Algorithm):
     name = "topka"
     compact_refusal = None     # global indices: chunk counts over all of n
     quantized_refusal = None   # every sent entry is delivered: the sender keeps acc - q(acc)
+    OPTIONS = {"backend": "auto"}   # kernels backend: auto | triton | torch
 
     @classmethod
     def volume_bound_bytes(cls, n: int, k: int, P: int, **opts) -> int:
@@ -59,11 +60,15 @@ class TopkA(Algorithm):
         msg = cls._msg_bytes(n, k, o["wire_format"])
         return S.flag_specs(P, o) + ([S.allgather(msg, P)] if P > 1 else [])
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.backend = self.kernel_backend()
+
     def step(self, grad: torch.Tensor, out: torch.Tensor,
              nonfinite: Optional[torch.Tensor]) -> None:
         k, P = self.k, self.P
         acc = self.accumulate(grad)
-        idx, val = topk_entries(acc, k)
+        idx, val = topk_entries(acc, k, self.backend)
         if self.compact:
             fmt = self.wire_format
             msg, wire = W.encode(idx, val, None, self.numel, fmt=fmt, return_wire=True,
