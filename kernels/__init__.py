@@ -12,7 +12,7 @@ from .bookkeeping import step_bookkeeping
 from .compaction import (gather_rows, keep_flags, keep_row_error, keep_slot_rounding,
                          owner_magnitudes, owner_slot, row_magnitudes)
 from .elementwise import dense_zeros, fill_if, nonfinite_flag
-from .gaussian import gaussian_threshold
+from .gaussian import gaussian_threshold, select_above
 from .keys import magnitude_keys
 from .histogram import (HIST_BINS, abs_histogram, bin_threshold, exact_threshold,
                         histogram_threshold, kth_bin)
@@ -37,4 +37,5 @@ __all__ = ["Selection", "fused_select", "empty_selection", "HIST_BINS", "abs_his
            "row_magnitudes", "keep_flags", "owner_slot", "gather_rows", "keep_slot_rounding",
            "sample_magnitudes", "sample_threshold", "staged_magnitudes", "pack_rows",
            "slot_keys", "slot_starts", "slot_sums", "quantized_encode", "quantized_decode",
-           "keep_row_error", "gaussian_threshold", "magnitude_keys"]
+           "keep_row_error", "gaussian_threshold", "magnitude_keys",
+           "select_above"]

@@ -1,5 +1,6 @@
-"""Gaussiank's threshold (oktopk_triton/algorithms/gaussiank.py): the normal fit, then ``iters``
-device-side corrections, in ``1 + 2·iters`` launches, with a torch reference beside it.
+"""Gaussiank's threshold and selection (oktopk_triton/algorithms/gaussiank.py): the normal fit,
+then ``iters`` device-side corrections, in ``1 + 2·iters`` launches, and the compaction of what
+passes it in 3, each with a torch reference beside it.
 
 Why a kernel: the correction is a loop of ``iters`` steps (8 by default), each one count over
 ``acc`` and a bracket update on 0-dim tensors. As torch ops that is about 19 launches a step
@@ -16,6 +17,12 @@ standard deviation), then per step ``c = #{|acc| >= thr, acc != 0}``; ``c < lo_c
 ``thr`` an upper bracket, ``c > hi_c`` a lower one; the next threshold is the geometric mean of
 the brackets once both exist, else ``thr/4`` (too few) or ``4·thr`` (too many); inside the band
 it stays. No host read, static sizes.
+
+:func:`select_above`: the entries at or above that threshold, compacted in ascending index order
+into a fixed capacity. As torch ops (a mask of four ops, then an int64 cumsum over n, a where,
+an arange and two scatters) it moved about 136 bytes an entry through n-sized temporaries; here
+a count per block, a cumsum of the block counts and one writing pass read ``acc`` twice and
+write the kept mask: 9 bytes an entry, 3 launches.
 """
 from __future__ import annotations
 
@@ -85,6 +92,64 @@ if HAS_TRITON:
         tl.store(state_ptr + 1, lo_t)
         tl.store(state_ptr + 2, hi_t)
 
+    @triton.jit
+    def _block_counts_kernel(
+        acc_ptr,       # *fp32 [n]       acc
+        thr_ptr,       # *fp32 []        the threshold
+        cnt_ptr,       # *int64 [blocks] out: #{|acc| >= thr, acc != 0} of each block
+        n,
+        BLOCK: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        e = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(acc_ptr + e, mask=e < n, other=0.0)
+        hit = (tl.abs(x) >= tl.load(thr_ptr)) & (x != 0)
+        tl.store(cnt_ptr + b, tl.sum(hit.to(tl.int64), axis=0))
+
+    @triton.jit
+    def _select_write_kernel(
+        acc_ptr,       # *fp32 [n]       acc
+        thr_ptr,       # *fp32 []        the threshold
+        cnt_ptr,       # *int64 [blocks] each block's count
+        end_ptr,       # *int64 [blocks] their running sum (inclusive)
+        idx_ptr,       # *int32 [cap]    out: the first cap selected indices, ascending; -1 after
+        val_ptr,       # *fp32 [cap]     out: their values; 0 after
+        kept_ptr,      # *int8 [n]       out: selected and within the capacity
+        count_ptr,     # *int32 []       out: the true count (may exceed cap)
+        n, cap, blocks,
+        BLOCK: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        lane = tl.arange(0, BLOCK)
+        total = tl.load(end_ptr + blocks - 1)
+        if b < blocks:
+            e = b.to(tl.int64) * BLOCK + lane
+            inb = e < n
+            x = tl.load(acc_ptr + e, mask=inb, other=0.0)
+            hit = (tl.abs(x) >= tl.load(thr_ptr)) & (x != 0) & inb
+            start = tl.load(end_ptr + b) - tl.load(cnt_ptr + b)
+            pos = start + tl.cumsum(hit.to(tl.int64), axis=0) - 1
+            keep = hit & (pos < cap)
+            tl.store(idx_ptr + pos, e.to(tl.int32), mask=keep)
+            tl.store(val_ptr + pos, x, mask=keep)
+            tl.store(kept_ptr + e, keep.to(tl.int8), mask=inb)
+        slot = b.to(tl.int64) * BLOCK + lane              # the padding past the count
+        pad = (slot < cap) & (slot >= total)
+        tl.store(idx_ptr + slot, tl.full([BLOCK], -1, tl.int32), mask=pad)
+        tl.store(val_ptr + slot, tl.zeros([BLOCK], tl.float32), mask=pad)
+        tl.store(count_ptr, total.to(tl.int32), mask=b == 0)
+
+    @_dispatch.serialized_when_interpreted
+    def _select_counts_triton(acc, thr, cnt):
+        n = acc.numel()
+        _block_counts_kernel[(cnt.numel(),)](acc, thr, cnt, n, BLOCK=_BLOCK, num_warps=8)
+
+    @_dispatch.serialized_when_interpreted
+    def _select_write_triton(acc, thr, cnt, ends, idx, val, kept, count):
+        n, cap, nb = acc.numel(), idx.numel(), cnt.numel()
+        _select_write_kernel[(max(nb, triton.cdiv(cap, _BLOCK)),)](
+            acc, thr, cnt, ends, idx, val, kept, count, n, cap, nb, BLOCK=_BLOCK, num_warps=8)
+
     @_dispatch.serialized_when_interpreted
     def _fit_triton(mean, std, state, cnt, z):
         _fit_kernel[(1,)](mean, std, state, cnt, z, cnt.numel(), BLOCK=64, num_warps=1,
@@ -149,6 +214,58 @@ def gaussian_threshold(acc: Tensor, z: float, lo_count: float, hi_count: float, 
                          float(hi_count), iters)
 
 
+def _select_above_triton(acc, thr, cap):
+    n, dev = acc.numel(), acc.device
+    nb = triton.cdiv(n, _BLOCK)
+    cnt = torch.empty(nb, dtype=torch.int64, device=dev)
+    _select_counts_triton(acc, thr, cnt)
+    ends = torch.cumsum(cnt, 0)
+    idx = torch.empty(cap, dtype=torch.int32, device=dev)
+    val = torch.empty(cap, dtype=torch.float32, device=dev)
+    kept = torch.empty(n, dtype=torch.bool, device=dev)
+    count = torch.empty((), dtype=torch.int32, device=dev)
+    _select_write_triton(acc, thr, cnt, ends, idx, val, kept.view(torch.int8), count)
+    return idx, val, count, kept
+
+
+def _select_above_torch(acc, thr, cap):
+    """The specification: the mask, then a fixed-capacity compaction in ascending order (the
+    ops Gaussiank's step issued before this kernel)."""
+    mask = (acc.abs() >= thr) & (acc != 0)
+    n, dev = mask.numel(), mask.device
+    pos = torch.cumsum(mask.to(torch.int64), 0) - 1
+    kept = mask & (pos < cap)
+    dest = torch.where(kept, pos, torch.full_like(pos, cap))   # cap = trash slot
+    ar = torch.arange(n, device=dev, dtype=torch.int64)
+    bi = torch.full((cap + 1,), -1, dtype=torch.int64, device=dev)
+    bv = torch.zeros(cap + 1, dtype=torch.float32, device=dev)
+    bi.scatter_(0, dest, ar)
+    bv.scatter_(0, dest, acc)
+    count = mask.sum(dtype=torch.int64).to(torch.int32)
+    return bi[:cap].to(torch.int32), bv[:cap], count, kept
+
+
+def select_above(acc: Tensor, thr: Tensor, cap: int, *, backend: str = "auto"):
+    """Gaussiank's selection: the entries with ``|acc| >= thr`` and ``acc != 0`` (``thr`` a
+    0-dim fp32 device tensor), the first ``cap`` of them in ascending index order. Returns
+    ``(indices int32 [cap] (-1 padding), values fp32 [cap] (0 padding), count int32 0-dim
+    (the true count, may exceed cap), kept bool [n] (selected and within the capacity))``.
+    Triton: a count per block, a cumsum of the counts, a writing pass (3 launches, 8 bytes an
+    entry read and 1 written); no host read."""
+    if not isinstance(acc, Tensor) or acc.dtype != torch.float32 or acc.dim() != 1 \
+            or not acc.is_contiguous() or acc.numel() == 0:
+        got = f"{acc.dtype} {tuple(acc.shape)}" if isinstance(acc, Tensor) else type(acc).__name__
+        raise ValueError(f"acc must be a contiguous non-empty 1-dim float32 tensor, got {got}")
+    if not isinstance(thr, Tensor) or thr.numel() != 1 or thr.dtype != torch.float32:
+        raise ValueError("thr must be a one-element float32 tensor")
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+        raise ValueError(f"cap must be an int >= 1, got {cap!r}")
+    n = acc.numel()
+    _dispatch.record(launches=3, bytes=9 * n + 8 * cap)
+    return _dispatch.run(backend, acc.device, _select_above_triton, _select_above_torch, acc,
+                         thr.reshape(()), cap)
+
+
 # ----------------------------------------------------------------------------------------------
 # compile check (kernels/_compile_check.py compiles these for sm_90 without a GPU)
 # ----------------------------------------------------------------------------------------------
@@ -166,10 +283,20 @@ def compile_variants():
                {"acc_ptr": "*fp32", "state_ptr": "*fp32", "cnt_ptr": "*i64", "n": "i64",
                 "BLOCK": "constexpr"},
                {"BLOCK": _BLOCK}, [0, 1, 2] + ([3] if n16 else []), 8, {})
+    for n16 in (True, False):
+        yield (f"gaussian block counts n%16={'0' if n16 else 'any'}", _block_counts_kernel,
+               {"acc_ptr": "*fp32", "thr_ptr": "*fp32", "cnt_ptr": "*i64", "n": "i64",
+                "BLOCK": "constexpr"},
+               {"BLOCK": _BLOCK}, [0, 1, 2] + ([3] if n16 else []), 8, {})
+        yield (f"gaussian select write n%16={'0' if n16 else 'any'}", _select_write_kernel,
+               {"acc_ptr": "*fp32", "thr_ptr": "*fp32", "cnt_ptr": "*i64", "end_ptr": "*i64",
+                "idx_ptr": "*i32", "val_ptr": "*fp32", "kept_ptr": "*i8", "count_ptr": "*i32",
+                "n": "i64", "cap": "i64", "blocks": "i32", "BLOCK": "constexpr"},
+               {"BLOCK": _BLOCK}, [0, 1, 2, 3, 4, 5, 6, 7] + ([8] if n16 else []), 8, {})
     yield ("gaussian update", _update_kernel,
            {"state_ptr": "*fp32", "cnt_ptr": "*i64", "lo_c": "fp32", "hi_c": "fp32"},
            {}, [0, 1], 1, no_fma)
 
 
 # the count streams acc: the compile check reports whether its load is vectorised
-COMPILE_STREAMING = {"_count_kernel": "ld"}
+COMPILE_STREAMING = {"_count_kernel": "ld", "_block_counts_kernel": "ld"}

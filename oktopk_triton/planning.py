@@ -191,10 +191,11 @@ PASSES = {
     # commit (20)
     "topkdsa": (4 + 4 + 12 + 8 + 4 + 5 + 8 + 8 + 4 + 16 + 20, 0, 2),
     # acc (12), std_mean (4), 8 counting passes (kernels.gaussian_threshold: read 4 each; the
-    # torch ops before it: |acc| once, then >=, !=, &, sum, 14 each), the final mask (21),
-    # compact (int64 cumsum, masks, where, arange, two scatters of n: 115), the residual where
-    # (17) and commit (20), the (n+1) copies of the scatter-add (20), out /= P (8)
-    "gaussiank": (4 + 4 + 12 + 4 + 8 * 4 + 21 + 115 + 17 + 20 + 20 + 8, 0, 0),
+    # torch ops before it: |acc| once, then >=, !=, &, sum, 14 each), the selection
+    # (kernels.select_above: acc read twice, the kept mask written, 9; the mask and compaction
+    # before it: 136), the residual where (17) and commit (20), the (n+1) copies of the
+    # scatter-add (20), out /= P (8)
+    "gaussiank": (4 + 4 + 12 + 4 + 8 * 4 + 9 + 17 + 20 + 20 + 8, 0, 0),
 }
 
 

@@ -116,3 +116,39 @@ def test_bad_input_is_named():
     comm = LocalCluster(1).communicator(0)
     with pytest.raises(ValueError, match="gaussiank: backend must be one of"):
         Gaussiank(100, comm, 0.1, backend="cuda")
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_select_above_small_cases(backend):
+    """Ascending order, the capacity cut (the true count kept), -1 / 0 padding, zeros never
+    selected."""
+    x = torch.tensor([0., 3., 0., -1., 4., 5.], device=DEV)
+    thr = torch.zeros((), device=DEV)
+    idx, val, count, kept = G.select_above(x, thr, 3, backend=backend)
+    assert idx.tolist() == [1, 3, 4] and val.tolist() == [3., -1., 4.] and int(count) == 4
+    assert kept.tolist() == [False, True, False, True, True, False]
+    idx, val, count, kept = G.select_above(x, thr + 3.5, 3, backend=backend)
+    assert idx.tolist() == [4, 5, -1] and val.tolist() == [4., 5., 0.] and int(count) == 2
+    assert kept.tolist() == [False] * 4 + [True, True]
+
+
+@needs_triton
+@pytest.mark.parametrize("n,cap,kind", [(10001, 150, "normal"), (10001, 40, "ties"),
+                                        (4096, 5000, "sparse"), (3, 8, "zeros"),
+                                        (9000, 100, "nan")])
+def test_select_above_is_the_reference(n, cap, kind):
+    """Several blocks, a capacity cut inside a block, a capacity above n (padding past every
+    block), nothing selected, a NaN (never at or above a threshold)."""
+    acc = _acc(kind, n, seed=cap)
+    thr = acc.abs().nan_to_num(0.0).kthvalue(max(1, n - 120)).values.clamp(min=0.0)
+    ref = G.select_above(acc, thr, cap, backend="torch")
+    tri = G.select_above(acc, thr, cap, backend="triton")
+    for a, b in zip(ref, tri):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_select_above_bad_input():
+    with pytest.raises(ValueError, match="cap must be an int >= 1"):
+        G.select_above(torch.ones(4), torch.zeros(()), 0)
+    with pytest.raises(ValueError, match="thr must be a one-element float32 tensor"):
+        G.select_above(torch.ones(4), torch.zeros(2), 2)

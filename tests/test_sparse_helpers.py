@@ -1,6 +1,6 @@
 """The shared helpers of ``oktopk_triton.algorithms._sparse`` against brute force: top-k
-entries and their tie order, merging, packing, membership, compaction, scatter-add and the volume
-formulas."""
+entries and their tie order, merging, packing, membership, scatter-add and the volume formulas
+(the compaction is Gaussiank's kernel: tests/test_kernel_gaussian.py)."""
 from __future__ import annotations
 
 import math
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from oktopk_triton.algorithms._sparse import (compact, is_member, merge_topk, pack_bits,
+from oktopk_triton.algorithms._sparse import (is_member, merge_topk, pack_bits,
                                                pack_entries, scatter_add_sources, topk_entries,
                                                unpack_bits, unpack_entries, volume_formula_range,
                                                volume_formula_words)
@@ -74,15 +74,9 @@ def test_pack_unpack_entries_and_bits():
         assert torch.equal(unpack_bits(words, m), mask)
 
 
-def test_is_member_compact_scatter_add():
+def test_is_member_scatter_add():
     s = torch.tensor([2, 5, 9], dtype=torch.int32)
     assert is_member(torch.tensor([9, 1, 2, 10]), s).tolist() == [True, False, True, False]
-    x = torch.tensor([0., 3., 0., -1., 4., 5.])
-    idx, val, count, kept = compact(x != 0, x, 3)
-    assert idx.tolist() == [1, 3, 4] and val.tolist() == [3., -1., 4.] and int(count) == 4
-    assert kept.tolist() == [False, True, False, True, True, False]
-    idx, val, count, kept = compact(x > 3.5, x, 3)
-    assert idx.tolist() == [4, 5, -1] and val.tolist() == [4., 5., 0.] and int(count) == 2
     dense = torch.zeros(6)
     scatter_add_sources(dense, torch.tensor([[1, 2, 0], [2, 5, 5]]),
                         torch.tensor([[1., 2., 9.], [10., 20., 99.]]), torch.tensor([2, 5]))

@@ -13,8 +13,6 @@ Public for the other algorithm files (SparDL, TopkDSA, ... may import from here)
   union, the first operand's value always added first (``a + b``), so every rank merging the
   same pair computes the same set bit for bit.
 * :func:`is_member` -- which indices of one set are in a sorted other set (searchsorted).
-* :func:`compact` -- fixed-capacity compaction of a boolean mask (cumsum + scatter, ascending
-  index order, overflow dropped -- the caller keeps it in the residual).
 * :func:`scatter_add_sources` -- ``dense += sources`` in source order 0..S-1 (deterministic).
 * :func:`pack_bits` / :func:`unpack_bits` -- a bool vector as ``ceil(m/32)`` int32 words.
 * :func:`volume_formula_words` / :func:`volume_formula_range` -- the per-rank per-step volume
@@ -35,7 +33,7 @@ from .. import kernels as K
 from ..kernels.keys import magnitude_key
 
 __all__ = ["magnitude_key", "topk_entries", "pack_entries", "unpack_entries", "merge_topk",
-           "is_member", "compact", "scatter_add_sources", "pack_bits", "unpack_bits",
+           "is_member", "scatter_add_sources", "pack_bits", "unpack_bits",
            "volume_formula_words", "volume_formula_range", "DEAD_KEY"]
 
 _LOW32 = (1 << 32) - 1
@@ -124,28 +122,6 @@ def is_member(query: torch.Tensor, sorted_set: torch.Tensor) -> torch.Tensor:
     q = query.to(torch.int64).contiguous()
     pos = torch.searchsorted(s, q).clamp_(max=s.numel() - 1)
     return s[pos] == q
-
-
-def compact(mask: torch.Tensor, values: torch.Tensor, cap: int):
-    """Fixed-capacity compaction of ``values[mask]`` in ascending index order.
-
-    Returns ``(indices int32 [cap] (-1 padding), values fp32 [cap] (0 padding), count int32
-    0-dim (true count, may exceed cap), kept bool [n] (mask & fitted))``. Entries past the
-    capacity are not written; ``kept`` tells the caller which to clear from the residual.
-    """
-    n = mask.numel()
-    dev = mask.device
-    pos = torch.cumsum(mask.to(torch.int64), 0) - 1
-    kept = mask & (pos < cap)
-    dest = torch.where(kept, pos, torch.full_like(pos, cap))   # cap = trash slot
-    ar = torch.arange(n, device=dev, dtype=torch.int64)
-    bi = torch.full((cap + 1,), -1, dtype=torch.int64, device=dev)
-    bv = torch.zeros(cap + 1, dtype=torch.float32, device=dev)
-    bi.scatter_(0, dest, ar)
-    bv.scatter_(0, dest, values.to(torch.float32))
-    count = (mask.sum(dtype=torch.int64).to(torch.int32) if n
-             else torch.zeros((), dtype=torch.int32, device=dev))
-    return bi[:cap].to(torch.int32), bv[:cap], count, kept
 
 
 def scatter_add_sources(dense: torch.Tensor, indices: torch.Tensor, values: torch.Tensor,

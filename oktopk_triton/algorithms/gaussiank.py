@@ -47,7 +47,7 @@ import torch
 
 from .. import kernels as K
 from . import _wire as W
-from ._sparse import compact, pack_entries, scatter_add_sources, unpack_entries
+from ._sparse import pack_entries, scatter_add_sources, unpack_entries
 from . import schedule as S
 from .base import Algorithm
 
@@ -116,10 +116,9 @@ class Gaussiank(Algorithm):
         P, cap, H = self.P, self.cap, self.HEADER
         acc = self.accumulate(grad)
         thr = self.threshold(acc)
-        mask = (acc.abs() >= thr) & (acc != 0)
-        idx, val, count, kept = compact(mask, acc, cap)
+        idx, val, count, kept = K.select_above(acc, thr, cap, backend=self.backend)
         if self.compact:
-            msg = W.encode(idx, val, count, self.numel, order="ascending")   # compact(): sorted
+            msg = W.encode(idx, val, count, self.numel, order="ascending")   # ascending already
             allmsg = torch.empty(P, msg.shape[1], dtype=torch.int32, device=acc.device)
             if P > 1:
                 self.comm.allgather(allmsg, msg)
