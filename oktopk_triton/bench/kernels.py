@@ -20,6 +20,10 @@ grad, k = density * n, P regions), it times:
                   scatter was done before; 12·P·capacity).
 * selection       magnitude_threshold + fused select compaction (both formulas), against
                   topk + gather.
+* the competitors' kernels, each beside the torch ops it replaced: magnitude_keys (TopkA's and
+                  gTop-k's top-k keys, 12n against 92n), gaussian_threshold (the fit and 8
+                  corrections, 36n against 124n) and select_above (Gaussiank's selection,
+                  9n + 8*cap against 136n).
 
 Every row has ``kernel`` (a stable id), ``n``, ``ms`` (median), its bytes formula, GB/s and
 the % of the copy bandwidth of the same run.  CUDA: CUDA events after warm-up, median of >= 10
@@ -304,6 +308,32 @@ def _time_selection(b: _Setup) -> None:
           + 8 * b.selected, "magnitude_threshold + fused select formulas", grad_dtype=gd0)
 
 
+def _time_competitors(b: _Setup) -> None:
+    """The competitors' kernels against the torch ops they replaced (their references): TopkA's
+    and gTop-k's top-k keys, Gaussiank's threshold (8 corrections) and its selection."""
+    K, acc, n, k = b.K, b.acc, b.n, b.k
+    for be, what in ((b.backend, ""), ("torch", " (torch ops)")):
+        if be == b.backend and what:
+            continue
+        b.add("magnitude_keys" + ("_torch" if what else ""), "magnitude_keys" + what,
+              lambda be=be: K.magnitude_keys(acc, backend=be), None,
+              92 * n if what else 12 * n,
+              "92n (arange and five int64 passes)" if what else "12n (read fp32, write int64)")
+        z, lo, hi = 2.5758293035489004, 0.75 * k, 1.25 * k
+        b.add("gaussian_threshold" + ("_torch" if what else ""), "gaussian_threshold" + what,
+              lambda be=be: K.gaussian_threshold(acc, z, lo, hi, 8, backend=be), None,
+              (12 + 8 * 14) * n if what else (4 + 8 * 4) * n,
+              "12n + 8 * 14n (|acc|, then >=, !=, &, sum a step)" if what
+              else "4n + 8 * 4n (std_mean, then one count pass a step)")
+        thr = K.gaussian_threshold(acc, z, lo, hi, 8, backend=be)
+        cap = int(math.ceil(1.5 * k))
+        b.add("select_above" + ("_torch" if what else ""), "select_above" + what,
+              lambda be=be, thr=thr: K.select_above(acc, thr, cap, backend=be), None,
+              136 * n if what else 9 * n + 8 * cap,
+              "136n (mask, int64 cumsum, where, arange, two scatters)" if what
+              else "9n + 8*cap (acc read twice, the kept mask, the slots)")
+
+
 def run(n: int, density: float, dtype="fp32", regions: int = 8, repeats: int = 5,
         warmup: int = 2, device: Optional[str] = None, backend: Optional[str] = None,
         seed: int = 0) -> Dict:
@@ -320,7 +350,7 @@ def run(n: int, density: float, dtype="fp32", regions: int = 8, repeats: int = 5
     grad_dtypes = [dtype] if isinstance(dtype, str) else list(dtype)
     b = _Setup(n, density, grad_dtypes, regions, repeats, warmup, dev, backend, seed)
     for timed in (_time_references, _time_window_pass, _time_selects, _time_scatters,
-                  _time_selection):
+                  _time_selection, _time_competitors):
         timed(b)
     rows = b.rows
     byname = {r["kernel"]: r for r in rows}
