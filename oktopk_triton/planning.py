@@ -193,9 +193,8 @@ PASSES = {
     # acc (12), std_mean (4), 8 counting passes (kernels.gaussian_threshold: read 4 each; the
     # torch ops before it: |acc| once, then >=, !=, &, sum, 14 each), the selection
     # (kernels.select_above: acc read twice, the kept mask written, 9; the mask and compaction
-    # before it: 136), the residual where (17) and commit (20), the (n+1) copies of the
-    # scatter-add (20), out /= P (8)
-    "gaussiank": (4 + 4 + 12 + 4 + 8 * 4 + 9 + 17 + 20 + 20 + 8, 0, 0),
+    # before it: 136), the sent entries zeroed in acc (9) and commit (20), out /= P (8)
+    "gaussiank": (4 + 4 + 12 + 4 + 8 * 4 + 9 + 9 + 20 + 8, 0, 0),
 }
 
 

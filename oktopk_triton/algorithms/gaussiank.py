@@ -47,7 +47,7 @@ import torch
 
 from .. import kernels as K
 from . import _wire as W
-from ._sparse import pack_entries, scatter_add_sources, unpack_entries
+from ._sparse import pack_entries, unpack_entries
 from . import schedule as S
 from .base import Algorithm
 
@@ -134,11 +134,12 @@ class Gaussiank(Algorithm):
             counts = hdr[:, 0]
         else:
             all_idx, all_val, counts = idx.view(1, cap), val.view(1, cap), count.view(1)
-        scatter_add_sources(out, all_idx, all_val, counts)
+        # sources in rank order, one launch each (no copy of out in and out, as torch needs)
+        K.scatter_add(out, all_idx, all_val, counts, backend=self.backend)
         out.div_(P)
         # the compact wire's rounding stays owed
-        sent = W.bf16_rounding(acc) if self.compact else torch.zeros_like(acc)
-        self.commit_residual(torch.where(kept, sent, acc), nonfinite)
+        self.commit_residual(torch.where(kept, W.bf16_rounding(acc), acc) if self.compact
+                             else acc.masked_fill_(kept, 0.0), nonfinite)
         self.mark_delivered(kept)
         self.stats.update(local_selected=torch.clamp(count, max=cap),
                           global_selected=(out != 0).sum(),
