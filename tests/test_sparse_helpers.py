@@ -1,6 +1,6 @@
 """The shared helpers of ``oktopk_triton.algorithms._sparse`` against brute force: top-k
-entries and their tie order, merging, packing, membership, scatter-add and the volume formulas
-(the compaction is Gaussiank's kernel: tests/test_kernel_gaussian.py)."""
+entries and their tie order, merging, packing, membership and the volume formulas (the
+compaction and the scatter-add are kernels: tests/test_kernel_gaussian.py, test_kernel_scatter.py)."""
 from __future__ import annotations
 
 import math
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from oktopk_triton.algorithms._sparse import (is_member, merge_topk, pack_bits,
-                                               pack_entries, scatter_add_sources, topk_entries,
+                                               pack_entries, topk_entries,
                                                unpack_bits, unpack_entries, volume_formula_range,
                                                volume_formula_words)
 
@@ -74,15 +74,9 @@ def test_pack_unpack_entries_and_bits():
         assert torch.equal(unpack_bits(words, m), mask)
 
 
-def test_is_member_scatter_add():
+def test_is_member():
     s = torch.tensor([2, 5, 9], dtype=torch.int32)
     assert is_member(torch.tensor([9, 1, 2, 10]), s).tolist() == [True, False, True, False]
-    dense = torch.zeros(6)
-    scatter_add_sources(dense, torch.tensor([[1, 2, 0], [2, 5, 5]]),
-                        torch.tensor([[1., 2., 9.], [10., 20., 99.]]), torch.tensor([2, 5]))
-    # row 0: two valid; row 1: count 5 > cap 3 -> all three valid (5 twice is the caller's
-    # problem: indices are unique within a row in real use; here 20 + 99 both land on 5)
-    assert dense.tolist() == [0., 1., 12., 0., 0., 119.]
 
 
 def test_volume_formulas():

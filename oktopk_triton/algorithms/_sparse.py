@@ -13,7 +13,6 @@ Public for the other algorithm files (SparDL, TopkDSA, ... may import from here)
   union, the first operand's value always added first (``a + b``), so every rank merging the
   same pair computes the same set bit for bit.
 * :func:`is_member` -- which indices of one set are in a sorted other set (searchsorted).
-* :func:`scatter_add_sources` -- ``dense += sources`` in source order 0..S-1 (deterministic).
 * :func:`pack_bits` / :func:`unpack_bits` -- a bool vector as ``ceil(m/32)`` int32 words.
 * :func:`volume_formula_words` / :func:`volume_formula_range` -- the per-rank per-step volume
   formulas of docs/algorithms.md §6 for every algorithm of the library, in words (4 bytes), so the
@@ -33,7 +32,7 @@ from .. import kernels as K
 from ..kernels.keys import magnitude_key
 
 __all__ = ["magnitude_key", "topk_entries", "pack_entries", "unpack_entries", "merge_topk",
-           "is_member", "scatter_add_sources", "pack_bits", "unpack_bits",
+           "is_member", "pack_bits", "unpack_bits",
            "volume_formula_words", "volume_formula_range", "DEAD_KEY"]
 
 _LOW32 = (1 << 32) - 1
@@ -122,32 +121,6 @@ def is_member(query: torch.Tensor, sorted_set: torch.Tensor) -> torch.Tensor:
     q = query.to(torch.int64).contiguous()
     pos = torch.searchsorted(s, q).clamp_(max=s.numel() - 1)
     return s[pos] == q
-
-
-def scatter_add_sources(dense: torch.Tensor, indices: torch.Tensor, values: torch.Tensor,
-                        counts: Optional[torch.Tensor] = None) -> None:
-    """``dense[indices[s, i]] += values[s, i]`` for s = 0..S-1 in that order (deterministic).
-
-    ``indices`` int [S, cap] unique within a row; with ``counts`` (int [S]) only the first
-    ``min(counts[s], cap)`` slots of row s are added (the rest may hold anything). Same meaning
-    as ``oktopk_triton.kernels.scatter_add`` with ``base=None``.
-    """
-    S, cap = indices.shape
-    n = dense.numel()
-    if counts is not None:
-        slot = torch.arange(cap, device=indices.device)
-        valid = slot.unsqueeze(0) < counts.to(torch.int64).unsqueeze(1)
-        ext = torch.zeros(n + 1, dtype=dense.dtype, device=dense.device)
-        ext[:n] = dense
-        idx = torch.where(valid, indices.to(torch.int64),
-                          torch.full_like(indices, n, dtype=torch.int64))
-        val = torch.where(valid, values, torch.zeros_like(values))
-        for s in range(S):
-            ext.index_add_(0, idx[s], val[s])
-        dense.copy_(ext[:n])
-    else:
-        for s in range(S):
-            dense.index_add_(0, indices[s].to(torch.int64), values[s])
 
 
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:

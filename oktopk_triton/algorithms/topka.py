@@ -26,8 +26,9 @@ from typing import List, Optional
 
 import torch
 
+from .. import kernels as K
 from . import _wire as W
-from ._sparse import pack_entries, scatter_add_sources, topk_entries, unpack_entries
+from ._sparse import pack_entries, topk_entries, unpack_entries
 from . import schedule as S
 from .base import Algorithm
 
@@ -63,6 +64,8 @@ class TopkA(Algorithm):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.backend = self.kernel_backend()
+        # every source sends k entries: the counts kernels.scatter_add takes
+        self._counts = torch.full((self.P,), self.k, dtype=torch.int32, device=self.device)
 
     def step(self, grad: torch.Tensor, out: torch.Tensor,
              nonfinite: Optional[torch.Tensor]) -> None:
@@ -86,7 +89,7 @@ class TopkA(Algorithm):
             _, all_idx, all_val = unpack_entries(allmsg.view(P, 2 * k), k)
         else:
             all_idx, all_val = idx.view(1, k), val.view(1, k)
-        scatter_add_sources(out, all_idx, all_val)
+        K.scatter_add(out, all_idx, all_val, self._counts, backend=self.backend)  # rank order
         out.div_(P)
         # every sent entry is in out; what the packed wire dropped (rounding, quantization)
         # stays owed
