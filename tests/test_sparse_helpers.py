@@ -1,6 +1,7 @@
 """The shared helpers of ``oktopk_triton.algorithms._sparse`` against brute force: top-k
 entries and their tie order, merging, packing, membership and the volume formulas (the
-compaction and the scatter-add are kernels: tests/test_kernel_gaussian.py, test_kernel_scatter.py)."""
+compaction and the scatter-add are kernels: tests/test_kernel_gaussian.py and
+tests/test_kernel_scatter.py)."""
 from __future__ import annotations
 
 import math
