@@ -75,3 +75,6 @@ def test_launch_recorded_and_bad_input_named():
     from oktopk_triton.algorithms.topka import TopkA
     with pytest.raises(ValueError, match="topka: backend must be one of"):
         TopkA(100, comm, 0.1, backend="gpu")
+    from oktopk_triton.algorithms.oktopk import OkTopk
+    with pytest.raises(ValueError, match="oktopk: backend must be one of"):
+        OkTopk(100, comm, 0.1, backend="gpu")          # at construction, not at the first step

@@ -155,7 +155,7 @@ class OkTopk(Algorithm):
         if self.compact and self.bf16_wire:
             raise ValueError(f"oktopk: wire_dtype='bf16' does not combine with "
                              f"wire_format={self.wire_format!r} (it packs the values itself)")
-        self.backend = o["backend"]
+        self.backend = self.kernel_backend()
         dev, n, P = self.device, self.numel, self.P
         # compact: the same entries as fp32 (the budget counts fp32 entries), in half the bytes
         self.cap_r, self.cap_g = self.capacities(n, self.k, P, budget, o["capacity_split"],
