@@ -88,8 +88,8 @@ class SparseAllreduce(torch.nn.Module):
             :class:`~oktopk_triton.local_steps.LocalSteps` (update rule, invariant, advice).
         moment_sync_every, moment_sync, moment_dtype: with local steps, average the optimizer's
             Adam moments over the ranks every ``moment_sync_every``-th sync (default 0: off;
-            ``moment_sync="both"`` or ``"second"``, ``moment_dtype="fp32"`` or ``"bf16"`` on the
-            wire; DES-LOC). See :class:`~oktopk_triton.moments.MomentSync`.
+            ``moment_sync="both"``, ``"first"`` or ``"second"``, ``moment_dtype="fp32"`` or
+            ``"bf16"`` on the wire; DES-LOC). See :class:`~oktopk_triton.moments.MomentSync`.
     """
 
     def __init__(self, numel_or_params: Union[int, Iterable[torch.Tensor], torch.nn.Module],

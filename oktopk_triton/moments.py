@@ -5,7 +5,7 @@ and ``exp_avg_sq``, so each local step is normalised by one rank's small-batch n
 replicas' optimizers drift apart. DES-LOC syncs the weights and Adam's moments on separate
 periods. :class:`MomentSync` averages the moments over the ranks every ``every``-th sync with
 one dense allreduce through the reducer's communicator (counted in ``bytes_sent``), optionally
-only the second moment and in bf16 (a quarter of "both" in fp32).
+only the first or the second moment and in bf16 (a quarter of "both" in fp32).
 
 Used through ``SparseAllreduce(params, ..., sync_every=H, moment_sync_every=K)``; options
 :data:`OPTIONS`.
@@ -23,7 +23,7 @@ __all__ = ["MomentSync", "OPTIONS", "MOMENTS", "MOMENT_DTYPES"]
 # the SparseAllreduce keyword arguments this component owns (one home for the names)
 OPTIONS = ("moment_sync_every", "moment_sync", "moment_dtype")
 # which optimizer-state entries each ``moment_sync`` value averages (torch's Adam/AdamW names)
-MOMENTS = {"both": ("exp_avg", "exp_avg_sq"), "second": ("exp_avg_sq",)}
+MOMENTS = {"both": ("exp_avg", "exp_avg_sq"), "first": ("exp_avg",), "second": ("exp_avg_sq",)}
 MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -33,8 +33,9 @@ class MomentSync:
 
     * ``every`` (``moment_sync_every``, K >= 1): syncs between two moment averagings (0 = off:
       :meth:`build` returns ``None``).
-    * ``moments`` (``moment_sync``): ``"both"`` (``exp_avg`` and ``exp_avg_sq``, DES-LOC) or
-      ``"second"`` (``exp_avg_sq`` only: the per-coordinate scale, which moves slowly).
+    * ``moments`` (``moment_sync``): ``"both"`` (``exp_avg`` and ``exp_avg_sq``, DES-LOC),
+      ``"first"`` (``exp_avg`` only: the direction the next local steps share) or ``"second"``
+      (``exp_avg_sq`` only: the per-coordinate scale, which moves slowly).
     * ``dtype`` (``moment_dtype``): ``"fp32"`` or ``"bf16"`` on the wire (the ranks sum bf16
       values: about 3 significant digits, ample for a scale; half the bytes). The average is
       written back into the state in the state's dtype, so a bf16 wire rounds every rank's
