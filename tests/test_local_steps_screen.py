@@ -37,6 +37,8 @@ def test_rows_and_configurations(tmp_path):
            sync_every=4, wire_format="compact")
     _write(d / "dense-H4-lr2.json", [_run("dense", 0, 1.5, 250.0, curve)],
            sync_every=4, outer_lr=2.0)
+    _write(d / "dense-H4-ms1.json", [_run("dense", 0, 1.2, 750.0, curve)],
+           sync_every=4, moment_sync_every=1, moment_sync="first", moment_dtype="bf16")
     rs = {r["tag"]: r for r in screen.rows(str(d), str(dense))}
     r = rs["oktopk-H4"]
     assert r["sync_every"] == 4 and r["wire_format"] == "compact" and r["outer"] == "-"
@@ -46,7 +48,9 @@ def test_rows_and_configurations(tmp_path):
     assert r["conservation"] == 3e-8 and rs["oktopk-H4-s1"]["conservation"] is None
     assert rs["oktopk-H4-s1"]["steps_ratio"] == pytest.approx(1200 / 900)   # seed 1's dense
     assert rs["dense-H4-lr2"]["outer"] == "lr 2"
+    assert rs["dense-H4-ms1"]["outer"] == "moments first bf16 every 1"   # its own configuration
     cs = {(c["algorithm"], c["outer"]): c for c in screen.configurations(list(rs.values()))}
+    assert ("dense", "moments first bf16 every 1") in cs and ("dense", "lr 2") in cs
     c = cs[("oktopk", "-")]
     assert c["seeds"] == [0, 1] and c["conservation_checked"] == 1
     # the mean final loss (2.0) against dense's mean curve (4, 2.5, 1): crossed at step 800

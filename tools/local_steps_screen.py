@@ -62,8 +62,13 @@ def dense_run(path: str, seed: int, steps: int = 1200, size: str = "1m") -> dict
 
 
 def _outer(opts: dict) -> str:
+    """The outer step's options that differ from the defaults, and the moment sync if on."""
     parts = [f"{short} {opts[k]:g}" for k, default, short in _OUTER
              if k in opts and float(opts[k]) != default]
+    every = int(opts.get("moment_sync_every", 0))
+    if every:
+        parts.append(f"moments {opts.get('moment_sync', 'both')} "
+                     f"{opts.get('moment_dtype', 'fp32')} every {every}")
     return ", ".join(parts) or "-"
 
 
