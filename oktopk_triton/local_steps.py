@@ -165,7 +165,8 @@ class LocalSteps:
         sent = alg.stats.get("bytes_sent", 0)
         per_sync = sent
         if self.moments is not None:       # Adam's moments averaged every K syncs (DES-LOC)
-            moment_bytes = self.moments.after_sync(sar.comm, optimizer, params)
+            moment_bytes = self.moments.after_sync(sar.comm, optimizer, params,
+                                                   sar._algorithm_like)
             per_sync = sent + self.moments.amortised(sar.comm, optimizer, params)
             sent = sent + moment_bytes
         self.stats = {**alg.stats, "synced": True, "bytes_sent": sent,

@@ -86,10 +86,14 @@ class SparseAllreduce(torch.nn.Module):
             :meth:`reduce_adam` or ``forward``; with ``cuda_graph=True`` every sync replays the
             captured step. See
             :class:`~oktopk_triton.local_steps.LocalSteps` (update rule, invariant, advice).
-        moment_sync_every, moment_sync, moment_dtype: with local steps, average the optimizer's
-            Adam moments over the ranks every ``moment_sync_every``-th sync (default 0: off;
+        moment_sync_every, moment_sync, moment_dtype, moment_density: with local steps, average
+            the optimizer's Adam moments over the ranks every ``moment_sync_every``-th sync
+            (default 0: off;
             ``moment_sync="both"``, ``"first"`` or ``"second"``, ``moment_dtype="fp32"`` or
-            ``"bf16"`` on the wire; DES-LOC). See :class:`~oktopk_triton.moments.MomentSync`.
+            ``"bf16"`` on the wire; DES-LOC); ``moment_density=d > 0`` (with
+            ``moment_sync="first"``) sends the first moment's change sparsely instead, through
+            a second instance of this algorithm at density ``d``, error feedback included.
+            See :class:`~oktopk_triton.moments.MomentSync`.
     """
 
     def __init__(self, numel_or_params: Union[int, Iterable[torch.Tensor], torch.nn.Module],
@@ -98,13 +102,15 @@ class SparseAllreduce(torch.nn.Module):
                  check_finite: str = "skip", sync_every: int = 1, outer_lr: float = 1.0,
                  outer_momentum: float = 0.0, residual_decay: float = 1.0,
                  moment_sync_every: int = 0, moment_sync: str = "both",
-                 moment_dtype: str = "fp32", density_schedule: Any = None,
+                 moment_dtype: str = "fp32", moment_density: float = 0.0,
+                 density_schedule: Any = None,
                  adam: Optional[str] = None, cuda_graph: bool = False, **options: Any) -> None:
         super().__init__()
         # local_steps.LocalSteps: None with the defaults (every call syncs)
         self.local_steps = LocalSteps.build(sync_every, outer_lr, outer_momentum, residual_decay,
                                             moment_sync_every=moment_sync_every,
-                                            moment_sync=moment_sync, moment_dtype=moment_dtype)
+                                            moment_sync=moment_sync, moment_dtype=moment_dtype,
+                                            moment_density=moment_density)
         cls = get_algorithm(algorithm)  # clear ValueError for unknown names
         numel, params, device = parse_params(numel_or_params, device)
         if comm is None:
@@ -162,6 +168,12 @@ class SparseAllreduce(torch.nn.Module):
         if ledger is not None:
             ledger.delivered(out)
         return out
+
+    def _algorithm_like(self, numel: int, density: float) -> Algorithm:
+        """A new instance of this reducer's algorithm with its options (no momentum) over
+        ``numel`` entries at ``density``: what sparse moment sync reduces the moments with."""
+        build = {k: v for k, v in self._build.items() if k != "momentum"}
+        return self._cls(numel, self.comm, density, **build)
 
     def audit(self) -> ConservationLedger:
         """Start a run-long conservation audit (:mod:`oktopk_triton.ledger`): from now on every
