@@ -121,35 +121,13 @@ def test_moments_bitwise_identical_on_gloo_ranks(monkeypatch):
 
 
 # -- a NaN on one rank stays that rank's own ---------------------------------------------------
-def _nan_body(comm):
+def _nan_body(comm, **moments):
+    """Two calls, one sync; rank 1's second gradient has a NaN. Returns the sparse reducer's
+    moment sync (or None), the moments and the weights."""
     m = _model(7)
     opt = torch.optim.AdamW(m.parameters(), lr=0.02)
     sar = SparseAllreduce(m.parameters(), comm=comm, density=0.2, sync_every=2,
-                          moment_sync_every=1, backend="torch")
-    gen = torch.Generator().manual_seed(comm.rank)
-    for t in range(2):
-        opt.zero_grad()
-        m(torch.randn(6, 8, generator=gen)).pow(2).mean().backward()
-        if comm.rank == 1 and t == 1:
-            next(m.parameters()).grad[0, 0] = float("nan")
-        sar.reduce_updates(opt)
-    return _moments(opt, "exp_avg_sq"), _flat(m.parameters())
-
-
-def test_a_nan_moment_is_not_spread():
-    res = LocalCluster(3).run(_nan_body)
-    v = [r[0] for r in res]
-    assert torch.isnan(v[1][0]) and torch.isfinite(v[0][0]) and torch.isfinite(v[2][0])
-    assert torch.equal(v[0][1:], v[1][1:]) and torch.equal(v[0][1:], v[2][1:])
-    assert torch.equal(res[0][1], res[1][1]) and torch.isfinite(res[0][1]).all()
-
-
-def _sparse_nan_body(comm):
-    m = _model(7)
-    opt = torch.optim.AdamW(m.parameters(), lr=0.02)
-    sar = SparseAllreduce(m.parameters(), comm=comm, density=0.2, sync_every=2,
-                          moment_sync_every=1, moment_sync="first", moment_density=0.2,
-                          backend="torch")
+                          moment_sync_every=1, backend="torch", **moments)
     gen = torch.Generator().manual_seed(comm.rank)
     for t in range(2):
         opt.zero_grad()
@@ -158,13 +136,22 @@ def _sparse_nan_body(comm):
             next(m.parameters()).grad[0, 0] = float("nan")
         sar.reduce_updates(opt)
     ms = sar.local_steps.moments
-    return _moments(opt, "exp_avg"), ms.common, ms.algorithm.stats["nonfinite"]
+    return (_moments(opt, "exp_avg"), _moments(opt, "exp_avg_sq"), _flat(m.parameters()),
+            ms.common, None if ms.algorithm is None else ms.algorithm.stats["nonfinite"])
+
+
+def test_a_nan_moment_is_not_spread():
+    res = LocalCluster(3).run(_nan_body)
+    v = [r[1] for r in res]
+    assert torch.isnan(v[1][0]) and torch.isfinite(v[0][0]) and torch.isfinite(v[2][0])
+    assert torch.equal(v[0][1:], v[1][1:]) and torch.equal(v[0][1:], v[2][1:])
+    assert torch.equal(res[0][2], res[1][2]) and torch.isfinite(res[0][2]).all()
 
 
 def test_a_nan_first_moment_stops_the_sparse_moment_sync():
     """A flagged moment sync changes neither the common moment nor any rank's moment."""
-    res = LocalCluster(3).run(_sparse_nan_body)
-    for _, common, flag in res:
+    res = LocalCluster(3).run(_nan_body, moment_sync="first", moment_density=0.2)
+    for _, _, _, common, flag in res:
         assert int(flag) == 1 and torch.equal(common, torch.zeros_like(common))
     assert torch.isnan(res[1][0][0]) and torch.isfinite(res[0][0]).all()
     assert not torch.equal(res[0][0], res[2][0])    # each rank's own, not the common zeros
