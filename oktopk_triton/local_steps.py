@@ -166,7 +166,7 @@ class LocalSteps:
         per_sync = sent
         if self.moments is not None:       # Adam's moments averaged every K syncs (DES-LOC)
             moment_bytes = self.moments.after_sync(sar.comm, optimizer, params,
-                                                   sar._algorithm_like)
+                                                   sar._moment_algorithm)
             per_sync = sent + self.moments.amortised(sar.comm, optimizer, params)
             sent = sent + moment_bytes
         self.stats = {**alg.stats, "synced": True, "bytes_sent": sent,

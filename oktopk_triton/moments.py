@@ -56,7 +56,9 @@ class MomentSync:
     Sparse (``density`` = ``moment_density`` > 0, first moment only): the ranks keep a common
     first moment ``c`` (zeros at the start, identical on every rank). At a moment sync each rank
     reduces ``d_p = exp_avg_p - c`` with a second instance of the reducer's algorithm and
-    options at this density; then ``c += out`` and ``exp_avg_p = c + r_p``, where ``r_p`` is
+    options at this density (a 2- or 4-bit wire becomes the compact one: the moment keeps each
+    value's rounding, and 2-bit roundings kept there grew until the loss diverged); then
+    ``c += out`` and ``exp_avg_p = c + r_p``, where ``r_p`` is
     what of ``d_p`` the algorithm did not deliver (its residual, then zeroed: the moment itself
     holds what is owed, so nothing is lost and nothing goes stale). The mean of the ranks'
     moments is unchanged (``Σ_p exp_avg_p`` before = after); where every rank's change was
