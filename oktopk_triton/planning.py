@@ -694,14 +694,16 @@ def steps_ratio(dense_steps: List[float], dense_loss: List[float], run_steps: fl
     ``final_loss``, linearly interpolated between evaluations. 1.0 = no slower than dense. When
     dense never gets that low the ratio is clamped to run_steps / dense's last step (a lower bound
     on how much faster dense is: reported as ``clamped: "never"``); when dense's first evaluation
-    is already at or below it, the crossing is clamped to that first step (``clamped: "first"``).
+    is already at or below it, the crossing is clamped to that first step (``clamped: "first"``;
+    a first evaluation at step 0, before any training, gives ``inf``: a run that ended no better
+    than an untrained model, a diverged one).
     """
     if len(dense_steps) != len(dense_loss) or not dense_steps:
         raise ValueError(f"steps_ratio: expected equal, non-empty step and loss lists, got "
                          f"{len(dense_steps)} and {len(dense_loss)}")
     if dense_loss[0] <= final_loss:
-        return {"ratio": run_steps / dense_steps[0], "dense_step": dense_steps[0],
-                "clamped": "first"}
+        ratio = run_steps / dense_steps[0] if dense_steps[0] > 0 else float("inf")
+        return {"ratio": ratio, "dense_step": dense_steps[0], "clamped": "first"}
     for i in range(1, len(dense_steps)):
         lo, hi = dense_loss[i - 1], dense_loss[i]
         if hi <= final_loss:   # first crossing: interpolate between evaluations i-1 and i

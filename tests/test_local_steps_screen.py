@@ -39,7 +39,10 @@ def test_rows_and_configurations(tmp_path):
            sync_every=4, outer_lr=2.0)
     _write(d / "dense-H4-ms1.json", [_run("dense", 0, 1.2, 750.0, curve)],
            sync_every=4, moment_sync_every=1, moment_sync="first", moment_dtype="bf16")
+    _write(d / "oktopk-H4-msf.json", [_run("oktopk", 0, 1.2, 20.0, curve, 0.06)],
+           sync_every=4, moment_sync_every=1, moment_sync="first", moment_density=0.02)
     rs = {r["tag"]: r for r in screen.rows(str(d), str(dense))}
+    assert rs["oktopk-H4-msf"]["outer"] == "moments first at 0.02 every 1"
     r = rs["oktopk-H4"]
     assert r["sync_every"] == 4 and r["wire_format"] == "compact" and r["outer"] == "-"
     assert r["bytes_vs_dense"] == pytest.approx(0.02)

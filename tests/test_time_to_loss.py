@@ -31,6 +31,9 @@ def test_clamped_when_dense_never_reaches():
 def test_clamped_at_first_eval():
     r = lm.steps_ratio([60, 120], [4.0, 3.0], 240, 4.5)
     assert r["clamped"] == "first" and r["ratio"] == pytest.approx(4.0)
+    # a diverged run, no better than dense's untrained step 0: infinitely slower, not an error
+    r = lm.steps_ratio([0, 120], [5.4, 3.0], 240, 114.0)
+    assert r["clamped"] == "first" and r["ratio"] == float("inf")
 
 
 def test_first_crossing_wins_on_noisy_curve():

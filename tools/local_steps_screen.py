@@ -67,8 +67,9 @@ def _outer(opts: dict) -> str:
              if k in opts and float(opts[k]) != default]
     every = int(opts.get("moment_sync_every", 0))
     if every:
-        parts.append(f"moments {opts.get('moment_sync', 'both')} "
-                     f"{opts.get('moment_dtype', 'fp32')} every {every}")
+        sparse = float(opts.get("moment_density", 0))
+        wire = f"at {sparse:g}" if sparse else opts.get("moment_dtype", "fp32")
+        parts.append(f"moments {opts.get('moment_sync', 'both')} {wire} every {every}")
     return ", ".join(parts) or "-"
 
 
