@@ -7,7 +7,7 @@ periods. :class:`MomentSync` averages the moments over the ranks every ``every``
 one dense allreduce through the reducer's communicator (counted in ``bytes_sent``), optionally
 only the first or the second moment and in bf16 (a quarter of "both" in fp32); or, with
 ``moment_density``, the first moment's change since the last common one through a second
-instance of the reducer's sparse algorithm, error feedback included (a few percent of the bytes).
+instance of the reducer's sparse algorithm, the moment itself keeping what is not delivered.
 
 Used through ``SparseAllreduce(params, ..., sync_every=H, moment_sync_every=K)``; options
 :data:`OPTIONS`.
@@ -178,8 +178,9 @@ class MomentSync:
     def amortised(self, comm: Any, optimizer: torch.optim.Optimizer,
                   params: List[torch.Tensor]) -> float:
         """One moment averaging's bytes spread over the ``every`` syncs it covers (the bytes a
-        sync pays for it on average, the same on every sync)."""
-        if not self.sent_bytes:
+        sync pays for it on average, the same on every sync; sparse: the last averaging's
+        bytes, which vary with what is selected, and 0 before the first)."""
+        if not self.sent_bytes and self.density == 0:
             held = self._held(optimizer, params)
             n = sum(p.numel() for p in held) * len(MOMENTS[self.moments])
             size = torch.empty((), dtype=MOMENT_DTYPES[self.dtype]).element_size()

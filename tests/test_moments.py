@@ -281,6 +281,8 @@ def test_saved_position_must_fit():
         ms.load_state_dict({"count": 5})
     ms.load_state_dict(None)                        # saved without moment sync: starts afresh
     assert ms.count == 0
+    # sparse, before its first averaging: nothing sent yet, no dense allreduce's bytes guessed
+    assert MomentSync(2, "first", density=0.1).amortised(None, None, None) == 0
 
 
 # -- errors and the CLI ------------------------------------------------------------------------
