@@ -165,8 +165,7 @@ class LocalSteps:
         sent = alg.stats.get("bytes_sent", 0)
         per_sync = sent
         if self.moments is not None:       # Adam's moments averaged every K syncs (DES-LOC)
-            moment_bytes = self.moments.after_sync(sar.comm, optimizer, params,
-                                                   sar._moment_algorithm)
+            moment_bytes = self.moments.after_sync(sar.comm, optimizer, params)
             per_sync = sent + self.moments.amortised(sar.comm, optimizer, params)
             sent = sent + moment_bytes
         self.stats = {**alg.stats, "synced": True, "bytes_sent": sent,

@@ -32,7 +32,6 @@ from typing import Any, Dict, Iterable, List, Optional, Union
 import torch
 
 from .algorithms import get_algorithm
-from .algorithms._wire import QUANTIZED
 from .algorithms.base import Algorithm, LossScale
 from .comm.base import Communicator, resolve_device
 from .density_schedule import DensitySchedule
@@ -87,15 +86,10 @@ class SparseAllreduce(torch.nn.Module):
             :meth:`reduce_adam` or ``forward``; with ``cuda_graph=True`` every sync replays the
             captured step. See
             :class:`~oktopk_triton.local_steps.LocalSteps` (update rule, invariant, advice).
-        moment_sync_every, moment_sync, moment_dtype, moment_density: with local steps, average
-            the optimizer's Adam moments over the ranks every ``moment_sync_every``-th sync
-            (default 0: off;
-            ``moment_sync="both"``, ``"first"`` or ``"second"``, ``moment_dtype="fp32"`` or
-            ``"bf16"`` on the wire; DES-LOC); ``moment_density=d > 0`` (with
-            ``moment_sync="first"``) sends the first moment's change sparsely instead, through
-            a second instance of this algorithm at density ``d`` (on the compact wire where
-            this one is 2- or 4-bit), the moment itself keeping what is not delivered.
-            See :class:`~oktopk_triton.moments.MomentSync`.
+        moment_sync_every, moment_sync, moment_dtype: with local steps, average the optimizer's
+            Adam moments over the ranks every ``moment_sync_every``-th sync (default 0: off;
+            ``moment_sync="both"`` or ``"second"``, ``moment_dtype="fp32"`` or ``"bf16"`` on the
+            wire; DES-LOC). See :class:`~oktopk_triton.moments.MomentSync`.
     """
 
     def __init__(self, numel_or_params: Union[int, Iterable[torch.Tensor], torch.nn.Module],
@@ -104,15 +98,13 @@ class SparseAllreduce(torch.nn.Module):
                  check_finite: str = "skip", sync_every: int = 1, outer_lr: float = 1.0,
                  outer_momentum: float = 0.0, residual_decay: float = 1.0,
                  moment_sync_every: int = 0, moment_sync: str = "both",
-                 moment_dtype: str = "fp32", moment_density: float = 0.0,
-                 density_schedule: Any = None,
+                 moment_dtype: str = "fp32", density_schedule: Any = None,
                  adam: Optional[str] = None, cuda_graph: bool = False, **options: Any) -> None:
         super().__init__()
         # local_steps.LocalSteps: None with the defaults (every call syncs)
         self.local_steps = LocalSteps.build(sync_every, outer_lr, outer_momentum, residual_decay,
                                             moment_sync_every=moment_sync_every,
-                                            moment_sync=moment_sync, moment_dtype=moment_dtype,
-                                            moment_density=moment_density)
+                                            moment_sync=moment_sync, moment_dtype=moment_dtype)
         cls = get_algorithm(algorithm)  # clear ValueError for unknown names
         numel, params, device = parse_params(numel_or_params, device)
         if comm is None:
@@ -170,18 +162,6 @@ class SparseAllreduce(torch.nn.Module):
         if ledger is not None:
             ledger.delivered(out)
         return out
-
-    def _moment_algorithm(self, numel: int, density: float) -> Algorithm:
-        """What sparse moment sync (:class:`~oktopk_triton.moments.MomentSync`) reduces the
-        first moment with: a new instance of this reducer's algorithm over ``numel`` entries at
-        ``density``, with its options but no momentum, and a 2- or 4-bit wire replaced by the
-        compact one (bf16 values). The moment keeps what is not delivered, so a quantized
-        value's rounding would land in the optimizer and grow: on the 4m GPT, with q2 for both,
-        the loss went from 2.19 at step 240 to 114 at step 1200."""
-        build = {k: v for k, v in self._build.items() if k != "momentum"}
-        if build.get("wire_format") in QUANTIZED:
-            build["wire_format"] = "compact"
-        return self._cls(numel, self.comm, density, **build)
 
     def audit(self) -> ConservationLedger:
         """Start a run-long conservation audit (:mod:`oktopk_triton.ledger`): from now on every

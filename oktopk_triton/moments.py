@@ -5,28 +5,25 @@ and ``exp_avg_sq``, so each local step is normalised by one rank's small-batch n
 replicas' optimizers drift apart. DES-LOC syncs the weights and Adam's moments on separate
 periods. :class:`MomentSync` averages the moments over the ranks every ``every``-th sync with
 one dense allreduce through the reducer's communicator (counted in ``bytes_sent``), optionally
-only the first or the second moment and in bf16 (a quarter of "both" in fp32); or, with
-``moment_density``, the first moment's change since the last common one through a second
-instance of the reducer's sparse algorithm, the moment itself keeping what is not delivered.
+only the second moment and in bf16 (a quarter of "both" in fp32).
 
 Used through ``SparseAllreduce(params, ..., sync_every=H, moment_sync_every=K)``; options
 :data:`OPTIONS`.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
 from .comm.base import ring_allreduce_bytes
-from .flat_params import nonfinite_mask
 
 __all__ = ["MomentSync", "OPTIONS", "MOMENTS", "MOMENT_DTYPES"]
 
 # the SparseAllreduce keyword arguments this component owns (one home for the names)
-OPTIONS = ("moment_sync_every", "moment_sync", "moment_dtype", "moment_density")
+OPTIONS = ("moment_sync_every", "moment_sync", "moment_dtype")
 # which optimizer-state entries each ``moment_sync`` value averages (torch's Adam/AdamW names)
-MOMENTS = {"both": ("exp_avg", "exp_avg_sq"), "first": ("exp_avg",), "second": ("exp_avg_sq",)}
+MOMENTS = {"both": ("exp_avg", "exp_avg_sq"), "second": ("exp_avg_sq",)}
 MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -36,9 +33,8 @@ class MomentSync:
 
     * ``every`` (``moment_sync_every``, K >= 1): syncs between two moment averagings (0 = off:
       :meth:`build` returns ``None``).
-    * ``moments`` (``moment_sync``): ``"both"`` (``exp_avg`` and ``exp_avg_sq``, DES-LOC),
-      ``"first"`` (``exp_avg`` only: the direction the next local steps share) or ``"second"``
-      (``exp_avg_sq`` only: the per-coordinate scale, which moves slowly).
+    * ``moments`` (``moment_sync``): ``"both"`` (``exp_avg`` and ``exp_avg_sq``, DES-LOC) or
+      ``"second"`` (``exp_avg_sq`` only: the per-coordinate scale, which moves slowly).
     * ``dtype`` (``moment_dtype``): ``"fp32"`` or ``"bf16"`` on the wire (the ranks sum bf16
       values: about 3 significant digits, ample for a scale; half the bytes). The average is
       written back into the state in the state's dtype, so a bf16 wire rounds every rank's
@@ -52,24 +48,9 @@ class MomentSync:
     Cost per moment sync: copy in, one allreduce of ``numel * len(moments)`` values, copy out
     (a persistent flat buffer of that size). ``sent_bytes`` (2(P-1)/P of the buffer per rank) is
     added to the sync's ``bytes_sent``; :meth:`amortised` spreads it over the K syncs.
-
-    Sparse (``density`` = ``moment_density`` > 0, first moment only): the ranks keep a common
-    first moment ``c`` (zeros at the start, identical on every rank). At a moment sync each rank
-    reduces ``d_p = exp_avg_p - c`` with a second instance of the reducer's algorithm and
-    options at this density (a 2- or 4-bit wire becomes the compact one: the moment keeps each
-    value's rounding, and 2-bit roundings kept there grew until the loss diverged); then
-    ``c += out`` and ``exp_avg_p = c + r_p``, where ``r_p`` is
-    what of ``d_p`` the algorithm did not deliver (its residual, then zeroed: the moment itself
-    holds what is owed, so nothing is lost and nothing goes stale). The mean of the ranks'
-    moments is unchanged (``Σ_p exp_avg_p`` before = after); where every rank's change was
-    delivered the moments are the average, bitwise identical; elsewhere each rank keeps its
-    own. Bytes: what that algorithm sends (its wire format's); memory: ``c``, the buffer and
-    the algorithm's state. A sync the algorithm flags non-finite changes neither ``c`` nor any
-    rank's moment.
     """
 
-    def __init__(self, every: int, moments: str = "both", dtype: str = "fp32",
-                 density: float = 0.0) -> None:
+    def __init__(self, every: int, moments: str = "both", dtype: str = "fp32") -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"moment_sync_every must be an int >= 1 (syncs between moment "
                              f"averagings; 0 turns it off), got {every!r}")
@@ -78,63 +59,42 @@ class MomentSync:
         if dtype not in MOMENT_DTYPES:
             raise ValueError(f"moment_dtype must be one of {sorted(MOMENT_DTYPES)}, "
                              f"got {dtype!r}")
-        if isinstance(density, bool) or not isinstance(density, (int, float)) \
-                or not 0.0 <= density < 1.0:
-            raise ValueError(f"moment_density must be a number in [0, 1) (0: average the "
-                             f"moments densely), got {density!r}")
-        if density > 0 and moments != "first":
-            raise ValueError(f"moment_density needs moment_sync='first' (a second moment "
-                             f"rebuilt from sparse changes could turn negative), got {moments!r}")
-        if density > 0 and dtype != "fp32":
-            raise ValueError(f"moment_density sends the first moment on the reducer's algorithm "
-                             f"and wire format; leave moment_dtype at 'fp32', got {dtype!r}")
         self.every, self.moments, self.dtype = every, moments, dtype
-        self.density = float(density)
         self.count = 0                                  # syncs since the last moment averaging
         self._flat: Optional[torch.Tensor] = None
         self.sent_bytes = 0                             # what one moment averaging sends
-        # sparse: the common first moment and the algorithm that reduces changes from it
-        self.common: Optional[torch.Tensor] = None
-        self.algorithm: Any = None
-        self._pending: Optional[Dict[str, Any]] = None  # a loaded algorithm state, not yet built
 
     @classmethod
     def build(cls, moment_sync_every: int = 0, moment_sync: str = "both",
-              moment_dtype: str = "fp32", moment_density: float = 0.0) -> Optional["MomentSync"]:
+              moment_dtype: str = "fp32") -> Optional["MomentSync"]:
         """The validated component, or ``None`` when ``moment_sync_every == 0`` (off)."""
         if isinstance(moment_sync_every, int) and not isinstance(moment_sync_every, bool) \
                 and moment_sync_every == 0:
-            cls(1, moment_sync, moment_dtype, moment_density)   # the others are still checked
+            cls(1, moment_sync, moment_dtype)          # the other two are still checked
             return None
-        return cls(moment_sync_every, moment_sync, moment_dtype, moment_density)
+        return cls(moment_sync_every, moment_sync, moment_dtype)
 
     def describe(self) -> Dict[str, Any]:
         return dict(moment_sync_every=self.every, moment_sync=self.moments,
-                    moment_dtype=self.dtype, moment_density=self.density)
+                    moment_dtype=self.dtype)
 
     # -- one sync ---------------------------------------------------------------------------------
     @torch.no_grad()
     def after_sync(self, comm: Any, optimizer: torch.optim.Optimizer,
-                   params: List[torch.Tensor],
-                   algorithm_for: Optional[Callable[[int, float], Any]] = None) -> int:
+                   params: List[torch.Tensor]) -> int:
         """Called once per sync of the local steps, on every rank; every ``every``-th call
-        averages the moments. Returns the bytes this call sent (0 between averagings).
-        ``algorithm_for(numel, density)``: a new instance of the reducer's algorithm (sparse
-        moment sync builds one at its first averaging)."""
+        averages the moments. Returns the bytes this call sent (0 between averagings)."""
         self.count += 1
         if self.count < self.every:
             return 0
         self.count = 0
         states = self._moment_tensors(optimizer, params)
         if self._flat is None or self._flat.numel() != sum(t.numel() for t in states):
-            dtype = torch.float32 if self.density > 0 else MOMENT_DTYPES[self.dtype]
-            self._flat = torch.empty(sum(t.numel() for t in states), dtype=dtype,
-                                     device=states[0].device)
+            self._flat = torch.empty(sum(t.numel() for t in states),
+                                     dtype=MOMENT_DTYPES[self.dtype], device=states[0].device)
         flat = self._flat
         views = list(flat.split([t.numel() for t in states]))
         torch._foreach_copy_(views, [t.reshape(-1) for t in states])
-        if self.density > 0:
-            return self._sparse(comm, states, flat, algorithm_for)
         before = comm.bytes_sent
         comm.allreduce(flat)
         self.sent_bytes = comm.bytes_sent - before
@@ -144,43 +104,11 @@ class MomentSync:
             t.copy_(torch.where(torch.isfinite(v), v.to(t.dtype), t))
         return self.sent_bytes
 
-    def _sparse(self, comm: Any, states: List[torch.Tensor], flat: torch.Tensor,
-                algorithm_for: Optional[Callable[[int, float], Any]]) -> int:
-        """The sparse averaging: ``d = exp_avg - c`` reduced, ``c += out``,
-        ``exp_avg = c + residual`` and the residual zeroed (see the class)."""
-        if self.algorithm is None:
-            if algorithm_for is None:
-                raise ValueError("moment_density: sparse moment sync needs the reducer's "
-                                 "algorithm (use it through SparseAllreduce)")
-            self.algorithm = algorithm_for(flat.numel(), self.density)
-            if self._pending is not None:
-                self.algorithm.load_state_dict(self._pending)
-                self._pending = None
-        if self.common is None:
-            self.common = torch.zeros_like(flat)
-        elif self.common.device != flat.device:      # loaded from a checkpoint elsewhere
-            self.common = self.common.to(flat.device)
-        alg = self.algorithm
-        flat.sub_(self.common)                          # d_p: this rank's change since c
-        out = alg(flat)
-        skip = nonfinite_mask(out, alg.stats.get("nonfinite"))
-        torch.where(skip, self.common, self.common + out, out=self.common)
-        flat.copy_(self.common + alg.residual)          # c + what this rank still owes
-        alg.residual.zero_()                            # ... now held by the moment itself
-        sizes = [t.numel() for t in states]
-        skips = [skip] * len(states) if skip.dim() == 0 else list(skip.split(sizes))
-        for t, m, sk in zip(states, flat.split(sizes), skips):
-            t.copy_(torch.where(sk.view(t.shape) if sk.dim() else sk, t,
-                                m.view(t.shape).to(t.dtype)))
-        self.sent_bytes = int(alg.stats.get("bytes_sent", 0))
-        return self.sent_bytes
-
     def amortised(self, comm: Any, optimizer: torch.optim.Optimizer,
                   params: List[torch.Tensor]) -> float:
         """One moment averaging's bytes spread over the ``every`` syncs it covers (the bytes a
-        sync pays for it on average, the same on every sync; sparse: the last averaging's
-        bytes, which vary with what is selected, and 0 before the first)."""
-        if not self.sent_bytes and self.density == 0:
+        sync pays for it on average, the same on every sync)."""
+        if not self.sent_bytes:
             held = self._held(optimizer, params)
             n = sum(p.numel() for p in held) * len(MOMENTS[self.moments])
             size = torch.empty((), dtype=MOMENT_DTYPES[self.dtype]).element_size()
@@ -212,12 +140,7 @@ class MomentSync:
 
     # -- state ------------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
-        sd: Dict[str, Any] = {**self.describe(), "count": self.count}
-        if self.density > 0:        # sparse: the common moment and what each rank still owes
-            sd["common"] = None if self.common is None else self.common.clone()
-            sd["algorithm"] = self.algorithm.state_dict() if self.algorithm is not None \
-                else self._pending
-        return sd
+        return {**self.describe(), "count": self.count}
 
     def load_state_dict(self, sd: Optional[Dict[str, Any]]) -> None:
         """Restore the position between averagings (``None``: a state saved without moment
@@ -227,14 +150,3 @@ class MomentSync:
             raise ValueError(f"SparseAllreduce: the saved moment-sync position {count} does not "
                              f"fit moment_sync_every={self.every}")
         self.count = count
-        if self.density > 0:
-            common = None if sd is None else sd.get("common")
-            self.common = None if common is None else common.clone()
-            alg = None if sd is None else sd.get("algorithm")
-            self._pending = None
-            if alg is None:                  # saved before the first averaging: start afresh
-                self.algorithm = None
-            elif self.algorithm is not None:
-                self.algorithm.load_state_dict(alg)
-            else:                            # built at the next averaging, then loaded
-                self._pending = alg
