@@ -73,7 +73,9 @@ class LocalSteps:
     5. ``moment_sync_every`` (K, default 0: off), ``moment_sync``, ``moment_dtype``: every K-th
        sync averages the optimizer's Adam moments over the ranks (DES-LOC;
        :class:`~oktopk_triton.moments.MomentSync`); its bytes are in the sync's ``bytes_sent``
-       and, spread over K syncs, in ``bytes_per_step``.
+       and, spread over K syncs, in ``bytes_per_step``. Both moments at K = 1 lowered the 4m
+       GPT's floor from 1.26 to 1.13 at three times dense pseudo-gradients' bytes; the second
+       alone did nothing (1.27).
 
     Costs: the anchor (one copy of the weights, their dtypes), and with ``outer_momentum`` an
     fp32 velocity of ``numel``. A local call: the optimizer step and a few Python lines, no
