@@ -67,7 +67,7 @@ def _outer(opts: dict) -> str:
              if k in opts and float(opts[k]) != default]
     every = int(opts.get("moment_sync_every", 0))
     if every:
-        sparse = float(opts.get("moment_density", 0))
+        sparse = float(opts.get("moment_density", 0))   # a removed option, in recorded runs
         wire = f"at {sparse:g}" if sparse else opts.get("moment_dtype", "fp32")
         parts.append(f"moments {opts.get('moment_sync', 'both')} {wire} every {every}")
     return ", ".join(parts) or "-"
