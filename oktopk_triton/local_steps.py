@@ -15,12 +15,15 @@ import torch
 from .flat_params import finite_or_zero, nonfinite_mask, optimizer_step, zero_if_flagged_
 from .moments import OPTIONS as MOMENT_OPTIONS
 from .moments import MomentSync
+from .realign import OPTIONS as REALIGN_OPTIONS
+from .realign import MomentRealign
 
 __all__ = ["LocalSteps", "OPTIONS"]
 
 # the SparseAllreduce keyword arguments this component owns (one home for the names), with
 # moments.MomentSync's (optimizer moments averaged every K syncs)
-OPTIONS = ("sync_every", "outer_lr", "outer_momentum", "residual_decay") + MOMENT_OPTIONS
+OPTIONS = ("sync_every", "outer_lr", "outer_momentum", "residual_decay") + MOMENT_OPTIONS \
+    + REALIGN_OPTIONS
 
 
 class LocalSteps:
@@ -109,24 +112,30 @@ class LocalSteps:
         self.anchor: Optional[List[torch.Tensor]] = None  # the weights at the last sync
         self.velocity: Optional[torch.Tensor] = None      # the outer Nesterov momentum (fp32)
         self.moments: Optional[MomentSync] = None         # moments.MomentSync (build sets it)
+        self.realign: Optional[MomentRealign] = None      # realign.MomentRealign (build sets it)
         self.stats: Dict[str, Any] = {}
 
     @classmethod
     def build(cls, sync_every: int = 1, outer_lr: float = 1.0, outer_momentum: float = 0.0,
-              residual_decay: float = 1.0, **moments: Any) -> Optional["LocalSteps"]:
+              residual_decay: float = 1.0, moment_realign: float = 0.0,
+              **moments: Any) -> Optional["LocalSteps"]:
         """The validated component, or ``None`` for the defaults (plain ``reduce_updates``).
         ``moments``: :class:`~oktopk_triton.moments.MomentSync`'s options (``moment_sync_every``
-        > 0 turns local steps on even at ``sync_every=1``)."""
+        > 0 turns local steps on even at ``sync_every=1``); ``moment_realign``:
+        :class:`~oktopk_triton.realign.MomentRealign`'s."""
         ls = cls(sync_every, outer_lr, outer_momentum, residual_decay)
         ls.moments = MomentSync.build(**moments)
+        ls.realign = MomentRealign.build(moment_realign)
         if (ls.sync_every, ls.outer_lr, ls.outer_momentum, ls.residual_decay) == (1, 1.0, 0.0,
                                                                                    1.0) \
-                and ls.moments is None:
+                and ls.moments is None and ls.realign is None:
             return None
         return ls
 
     def describe(self) -> Dict[str, Any]:
         ms = {} if self.moments is None else self.moments.describe()
+        if self.realign is not None:
+            ms.update(self.realign.describe())
         return dict(sync_every=self.sync_every, outer_lr=self.outer_lr,
                     outer_momentum=self.outer_momentum, residual_decay=self.residual_decay, **ms)
 
@@ -144,6 +153,8 @@ class LocalSteps:
         if self.anchor is None:
             self.anchor = [p.detach().clone() for p in params]
         optimizer_step(optimizer, scaler)
+        if self.realign is not None:
+            self.realign.after_step(optimizer)
         self.position += 1
         if self.position < self.sync_every:
             self.stats = {"synced": False, "bytes_sent": 0, "bytes_per_step": 0,
@@ -163,7 +174,10 @@ class LocalSteps:
         nonfinite = alg.stats.get("nonfinite")
         if saved is not None and nonfinite is not None:
             alg.residual.copy_(torch.where(nonfinite > 0, saved, alg.residual))
-        fp.move_to(self.anchor, self._outer_step(out, nonfinite))   # weights = anchor += step
+        step = self._outer_step(out, nonfinite)
+        fp.move_to(self.anchor, step)          # weights = anchor += step
+        if self.realign is not None:           # Adam's first moment along the common step
+            self.realign.after_sync(optimizer, params, fp.of(step))
         sent = alg.stats.get("bytes_sent", 0)
         per_sync = sent
         if self.moments is not None:       # Adam's moments averaged every K syncs (DES-LOC)
@@ -205,7 +219,8 @@ class LocalSteps:
         return {**self.describe(), "position": self.position,
                 "anchor": None if self.anchor is None else [a.clone() for a in self.anchor],
                 "velocity": None if self.velocity is None else self.velocity.clone(),
-                "moments": None if self.moments is None else self.moments.state_dict()}
+                "moments": None if self.moments is None else self.moments.state_dict(),
+                "realign": None if self.realign is None else self.realign.state_dict()}
 
     def load_state_dict(self, sd: Dict[str, Any], params: List[torch.Tensor]) -> None:
         position = int(sd["position"])
@@ -223,6 +238,8 @@ class LocalSteps:
         self.velocity = None if v is None else v.to(params[0].device).clone()
         if self.moments is not None:
             self.moments.load_state_dict(sd.get("moments"))
+        if self.realign is not None:
+            self.realign.load_state_dict(sd.get("realign"))
 
 
 def _real(x: Any) -> bool:

@@ -90,6 +90,9 @@ class SparseAllreduce(torch.nn.Module):
             Adam moments over the ranks every ``moment_sync_every``-th sync (default 0: off;
             ``moment_sync="both"`` or ``"second"``, ``moment_dtype="fp32"`` or ``"bf16"`` on the
             wire; DES-LOC). See :class:`~oktopk_triton.moments.MomentSync`.
+        moment_realign: with local steps, after each sync move every rank's Adam first moment
+            towards the common step's direction, at no bytes (default 0: off; 1 replaces it on
+            the entries the step moved). See :class:`~oktopk_triton.realign.MomentRealign`.
     """
 
     def __init__(self, numel_or_params: Union[int, Iterable[torch.Tensor], torch.nn.Module],
@@ -98,13 +101,15 @@ class SparseAllreduce(torch.nn.Module):
                  check_finite: str = "skip", sync_every: int = 1, outer_lr: float = 1.0,
                  outer_momentum: float = 0.0, residual_decay: float = 1.0,
                  moment_sync_every: int = 0, moment_sync: str = "both",
-                 moment_dtype: str = "fp32", density_schedule: Any = None,
+                 moment_dtype: str = "fp32", moment_realign: float = 0.0,
+                 density_schedule: Any = None,
                  adam: Optional[str] = None, cuda_graph: bool = False, **options: Any) -> None:
         super().__init__()
         # local_steps.LocalSteps: None with the defaults (every call syncs)
         self.local_steps = LocalSteps.build(sync_every, outer_lr, outer_momentum, residual_decay,
                                             moment_sync_every=moment_sync_every,
-                                            moment_sync=moment_sync, moment_dtype=moment_dtype)
+                                            moment_sync=moment_sync, moment_dtype=moment_dtype,
+                                            moment_realign=moment_realign)
         cls = get_algorithm(algorithm)  # clear ValueError for unknown names
         numel, params, device = parse_params(numel_or_params, device)
         if comm is None:
