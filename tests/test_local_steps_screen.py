@@ -41,7 +41,10 @@ def test_rows_and_configurations(tmp_path):
            sync_every=4, moment_sync_every=1, moment_sync="first", moment_dtype="bf16")
     _write(d / "oktopk-H4-msf.json", [_run("oktopk", 0, 1.2, 20.0, curve, 0.06)],
            sync_every=4, moment_sync_every=1, moment_sync="first", moment_density=0.02)
+    _write(d / "oktopk-H4-ra.json", [_run("oktopk", 0, 1.9, 20.0, curve, 0.08)],
+           sync_every=4, wire_format="compact", moment_realign=0.5)
     rs = {r["tag"]: r for r in screen.rows(str(d), str(dense))}
+    assert rs["oktopk-H4-ra"]["outer"] == "realign 0.5"       # not pooled with plain H4
     assert rs["oktopk-H4-msf"]["outer"] == "moments first at 0.02 every 1"
     r = rs["oktopk-H4"]
     assert r["sync_every"] == 4 and r["wire_format"] == "compact" and r["outer"] == "-"

@@ -62,7 +62,8 @@ def dense_run(path: str, seed: int, steps: int = 1200, size: str = "1m") -> dict
 
 
 def _outer(opts: dict) -> str:
-    """The outer step's options that differ from the defaults, and the moment sync if on."""
+    """The outer step's options that differ from the defaults, and the moment sync and the
+    first moment's realignment if on."""
     parts = [f"{short} {opts[k]:g}" for k, default, short in _OUTER
              if k in opts and float(opts[k]) != default]
     every = int(opts.get("moment_sync_every", 0))
@@ -70,6 +71,8 @@ def _outer(opts: dict) -> str:
         sparse = float(opts.get("moment_density", 0))   # a removed option, in recorded runs
         wire = f"at {sparse:g}" if sparse else opts.get("moment_dtype", "fp32")
         parts.append(f"moments {opts.get('moment_sync', 'both')} {wire} every {every}")
+    if float(opts.get("moment_realign", 0)):
+        parts.append(f"realign {float(opts['moment_realign']):g}")
     return ", ".join(parts) or "-"
 
 
