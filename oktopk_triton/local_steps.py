@@ -79,6 +79,11 @@ class LocalSteps:
        and, spread over K syncs, in ``bytes_per_step``. Both moments at K = 1 lowered the 4m
        GPT's floor from 1.26 to 1.13 at three times dense pseudo-gradients' bytes; the second
        alone did nothing (1.27).
+    6. ``moment_realign`` (a, default 0: off): after each sync every rank's Adam first moment
+       moves a fraction ``a`` of the way to the common step's direction, at no bytes
+       (:class:`~oktopk_triton.realign.MomentRealign`). 0.3 with TopkA at 2% of dense's bytes
+       took the 4m GPT from 1.25 to 1.14 (seed 0); 1 stalled Ok-Topk (its error-fed steps
+       overstate the direction): keep it near 0.3.
 
     Costs: the anchor (one copy of the weights, their dtypes), and with ``outer_momentum`` an
     fp32 velocity of ``numel``. A local call: the optimizer step and a few Python lines, no
