@@ -82,8 +82,9 @@ class LocalSteps:
     6. ``moment_realign`` (a, default 0: off): after each sync every rank's Adam first moment
        moves a fraction ``a`` of the way to the common step's direction, at no bytes
        (:class:`~oktopk_triton.realign.MomentRealign`). 0.3 with TopkA at 2% of dense's bytes
-       took the 4m GPT from 1.24 to 1.16 (three seeds); 1 stalled Ok-Topk (its error-fed steps
-       overstate the direction): keep it near 0.3.
+       took the 4m GPT from 1.24 to 1.16 (three seeds); at 0.2% (0.70% a sync) it did not
+       help (1.60 against 1.56, one seed); 1 stalled Ok-Topk (its error-fed steps overstate
+       the direction): keep it near 0.3, at a few percent a sync.
 
     Costs: the anchor (one copy of the weights, their dtypes), and with ``outer_momentum`` an
     fp32 velocity of ``numel``. A local call: the optimizer step and a few Python lines, no
