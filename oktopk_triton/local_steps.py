@@ -64,8 +64,8 @@ class LocalSteps:
        density with H to keep the bytes per step (``density = H * per-step density``). H = 4 at
        4% was best in the prototype (+9.2% validation loss over dense AdamW, against +15.2% for
        1% every step); H = 2, 8, 16 gave +11.8%, +11.6%, +13.5%.
-       On the 4m GPT, H = 4 was best at 2% of dense's bytes and H = 2 at 0.2% (TopkA: 1.46x
-       dense's steps against 1.59x at H = 4 and 1.82x at H = 8).
+       On the 4m GPT, H = 4 was best at 2% of dense's bytes (Ok-Topk: 1.28x dense's steps
+       against 1.31x at H = 2) and H = 2 at 0.2% (TopkA: 1.46x against 1.59x at H = 4).
     2. ``outer_lr`` (default 1.0: the replicas take the reduced change as it is): DiLoCo tunes
        it with Nesterov momentum; plain local SGD averaging is 1.0.
     3. ``outer_momentum`` (default 0): with ``algorithm="dense"``, ``outer_lr=0.36,
