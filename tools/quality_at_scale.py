@@ -132,7 +132,7 @@ def _check(rec: Dict[str, Any]) -> str:
     return ""
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world-size", type=int, default=64)
     p.add_argument("--algorithms", nargs="+", default=["topka", "oktopk"])
@@ -148,7 +148,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                    metavar="KEY=VALUE", help="SparseAllreduce option (VALUE as JSON if it parses)")
     p.add_argument("--timeout", type=float, default=600.0, help="per collective, seconds")
     p.add_argument("--json", default=None)
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    a = parse_args(argv)
     torch.set_num_threads(1)
     cfg = make_config(a)
     corpus = load_corpus()

@@ -1,0 +1,90 @@
+"""tools/quality_at_scale.py: the GPT's local steps on P thread ranks of a LocalCluster.
+
+Its ranks must train what ``train --model gpt`` trains on P gloo processes (the same validation
+loss from the same seed); every run checks conservation and identical replicas, counts TopkA's
+allgather as the closed form says, and a broken run makes the tool fail."""
+import argparse
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+from distutil import run_gloo
+from oktopk_triton.bench import gpt, lm_loop, train
+from oktopk_triton.bench.records import HEADER_KEYS
+from oktopk_triton.comm.base import ring_allreduce_bytes
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "tools"))
+import quality_at_scale as qas  # noqa: E402
+
+# the torch references on CPU where the kernels allow it
+OPTIONS = ["--option", "sync_every=2", "--option", "wire_format=q2", "--option", 'backend="torch"']
+ARGS = ["--size", "tiny", "--steps", "6", "--density", "0.05", "--eval-sequences", "16"]
+
+
+def _tool_config(P):
+    return qas.make_config(qas.parse_args(["--world-size", str(P), *ARGS, *OPTIONS]))
+
+
+def _train_body(comm, cfg):
+    corpus = gpt.load_corpus(cfg["val_fraction"])
+    return lm_loop.train_one_lm(cfg, "topka", 0, comm, torch.device("cpu"),
+                                (corpus.train, corpus.val), log=False)
+
+
+def test_thread_ranks_train_what_train_trains(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    p = argparse.ArgumentParser()
+    train.add_arguments(p)
+    cli = train.build_config(p.parse_args(["--model", "gpt", "--world-size", "2",
+                                           "--batch-size", "1", "--eval-times", "1",
+                                           *ARGS, *OPTIONS]), ["topka"])
+    by_gloo = run_gloo(2, _train_body, cli, timeout=120)[0]
+    monkeypatch.undo()   # this process imported the kernels under the interpreter: keep it on
+    cfg = _tool_config(2)
+    rec = qas.run_one(cfg, "topka", 0, gpt.load_corpus(), timeout=60)
+    assert rec["final_val_loss"] == pytest.approx(by_gloo["final_val_loss"], rel=1e-6)
+    assert rec["replicas_identical"] and rec["conservation_checked"]
+    assert rec["syncs"] == 3 and rec["steps"] == 6
+
+
+@pytest.mark.parametrize("P", [3, 5])
+def test_records_bytes_conservation_and_replicas(P):
+    cfg = _tool_config(P)
+    corpus = gpt.load_corpus()
+    ta = qas.run_one(cfg, "topka", 0, corpus, timeout=60)
+    ok = qas.run_one(cfg, "oktopk", 0, corpus, timeout=60)
+    for r in (ta, ok):
+        assert r["replicas_identical"] and r["conservation_checked"], r
+        assert r["conservation_relative_error"] < 1e-5 and math.isfinite(r["final_val_loss"])
+        assert qas._check(r) == ""
+    # TopkA: an allgather of k entries (q2 wire) from every other rank plus the 4-byte flag, the
+    # same bytes sent as received; Ok-Topk receives less at the same k
+    assert ta["received_per_sync"] == ta["sent_per_sync"]
+    assert ta["received_per_sync"] > (P - 1) * ta["k"] + ring_allreduce_bytes(4, P)
+    assert ok["received_per_sync"] < ta["received_per_sync"]
+
+
+def test_a_broken_run_fails_the_tool(monkeypatch, tmp_path, capsys):
+    real = qas.run_one
+
+    def diverged(*a, **k):
+        return {**real(*a, **k), "replicas_identical": False}
+    monkeypatch.setattr(qas, "run_one", diverged)
+    out = tmp_path / "q.json"
+    rc = qas.main(["--world-size", "2", *ARGS, *OPTIONS, "--algorithms", "topka",
+                   "--json", str(out)])
+    assert rc == 1 and "replicas diverged" in capsys.readouterr().err
+    rec = json.loads(out.read_text())
+    assert set(HEADER_KEYS) <= set(rec) and rec["benchmark"] == "quality-at-scale"
+    assert [r["algorithm"] for r in rec["runs"]] == ["topka"]
+
+
+def test_a_bad_option_is_one_line():
+    with pytest.raises(SystemExit) as e:
+        qas.main(["--option", "sync_every"])
+    assert e.value.code == 2
