@@ -6,7 +6,7 @@
 
 Why threads: ``oktopk-bench train`` runs one process per rank, and each holds ~140 MB of torch
 before its model (measured on the 2-core, 24 GiB CPU machine: 64 gloo ranks of the 1m GPT
-filled its memory). The ranks here share one torch: the 1m GPT at P = 64 fits in ~5 GB.
+filled its memory). The ranks here share one torch: the 1m GPT at P = 64 peaked at ~9 GB.
 
 Each rank runs what ``train --model gpt`` runs (oktopk_triton/bench/lm_loop.py): the same
 model, AdamW, learning-rate schedule, per-rank windows and reduction
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import os
 import sys
@@ -38,10 +37,9 @@ from oktopk_triton.bench.gpt import GPT, SIZES, GPTConfig, batch_at, load_corpus
 from oktopk_triton.bench.lm_loop import _lm_lr, resolve_reduce  # noqa: E402
 from oktopk_triton.bench.loops import sparse_setup  # noqa: E402
 from oktopk_triton.bench.measure import params_checksum  # noqa: E402
+from oktopk_triton.bench.train import CONSERVATION_TOL, GPT_DEFAULTS, _parse_option  # noqa: E402
 from oktopk_triton.comm.local import LocalCluster  # noqa: E402
 from volume_at_scale import count_received  # noqa: E402
-
-TOLERANCE = 1e-4   # conservation, as ``train`` checks it
 
 
 def make_config(a) -> Dict[str, Any]:
@@ -49,8 +47,9 @@ def make_config(a) -> Dict[str, Any]:
     gcfg, defaults = SIZES[a.size]
     return dict(size=a.size, gpt=gcfg.as_dict(), density=a.density, world_size=a.world_size,
                 steps=a.steps, batch_size=a.batch_size or int(defaults["batch_size"]),
-                lr=a.lr or float(defaults["lr"]), optimizer="adamw", betas=(0.9, 0.95),
-                weight_decay=a.weight_decay, warmup_fraction=0.2, schedule="cosine",
+                lr=a.lr or float(defaults["lr"]), optimizer="adamw",
+                betas=tuple(GPT_DEFAULTS["betas"]), weight_decay=a.weight_decay,
+                warmup_fraction=GPT_DEFAULTS["warmup_fraction"], schedule="cosine",
                 momentum_correction=False, momentum=0.0, reduce="auto",
                 eval_sequences=a.eval_sequences, options=dict(a.option))
 
@@ -125,7 +124,7 @@ def run_one(cfg, algorithm: str, seed: int, corpus, timeout: float) -> Dict[str,
 def _check(rec: Dict[str, Any]) -> str:
     if not rec["replicas_identical"]:
         return "replicas diverged"
-    if not (rec["conservation_checked"] and rec["conservation_relative_error"] <= TOLERANCE):
+    if not (rec["conservation_checked"] and rec["conservation_relative_error"] <= CONSERVATION_TOL):
         return f"conservation broken (relative error {rec['conservation_relative_error']})"
     if not math.isfinite(rec["final_val_loss"]):
         return "non-finite validation loss"
@@ -144,7 +143,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=None, help="default: the --size preset's")
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--eval-sequences", type=int, default=256)
-    p.add_argument("--option", action="append", default=[], type=_option,
+    p.add_argument("--option", action="append", default=[], type=_parse_option,
                    metavar="KEY=VALUE", help="SparseAllreduce option (VALUE as JSON if it parses)")
     p.add_argument("--timeout", type=float, default=600.0, help="per collective, seconds")
     p.add_argument("--json", default=None)
@@ -178,16 +177,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     for e in errors:
         print(f"ERROR: {e}", file=sys.stderr)
     return 1 if errors else 0
-
-
-def _option(s: str):
-    key, sep, value = s.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {s!r}")
-    try:
-        return key, json.loads(value)
-    except json.JSONDecodeError:
-        return key, value
 
 
 if __name__ == "__main__":
