@@ -8,7 +8,7 @@ judged by the share of a copy's bandwidth they reach (2.94 TB/s for 2^28 fp32 on
 """
 from ._dispatch import BACKENDS, INTERPRET, choose, counters
 from .bookkeeping import STATS as BOOKKEEPING_STATS
-from .bookkeeping import step_bookkeeping
+from .bookkeeping import capped_offsets, step_bookkeeping
 from .compaction import (gather_rows, keep_flags, keep_row_error, keep_slot_rounding,
                          owner_magnitudes, owner_slot, row_magnitudes)
 from .elementwise import dense_zeros, fill_if, nonfinite_flag
@@ -32,7 +32,7 @@ __all__ = ["Selection", "fused_select", "empty_selection", "HIST_BINS", "abs_his
            "clear_sent", "BACKENDS", "INTERPRET", "choose", "counters",
            "scatter_rows", "SELECT_HIST_BINS", "SELECT_HIST_SHIFT", "select_hist_edges",
            "magnitude_threshold", "window_pass", "wire_encode", "wire_decode", "slot_chunks",
-           "group_positions", "nonfinite_flag", "dense_zeros", "fill_if",
+           "group_positions", "nonfinite_flag", "dense_zeros", "fill_if", "capped_offsets",
            "step_bookkeeping", "BOOKKEEPING_STATS", "scatter_rows_dense", "owner_magnitudes",
            "row_magnitudes", "keep_flags", "owner_slot", "gather_rows", "keep_slot_rounding",
            "sample_magnitudes", "sample_threshold", "staged_magnitudes", "pack_rows",

@@ -182,30 +182,33 @@ def _bookkeeping_variants():
            "gath_stride": "i32", "icnt_ptr": "*i32", "iidx_ptr": "*i32", "iidx_stride": "i32",
            "offs_ptr": "*i64", "thg_ptr": "*fp32", "gmin_ptr": "*fp32", "nf_ptr": "*i32",
            "stats_ptr": "*i64", "P": "i32", "n": "i64", "cg": "i32", "cap_s": "i32",
-           "fill": "fp32", "mid": "fp32", "BP": "constexpr", "B": "constexpr",
+           "fill": "fp32", "mid": "fp32", "span": "i64", "BP": "constexpr", "B": "constexpr",
            "SHIFT": "constexpr", "REGION": "constexpr", "UPDATE_TH": "constexpr",
-           "HAS_NF": "constexpr", "BALANCE": "constexpr", "ZERO_HIST": "constexpr"}
+           "HAS_NF": "constexpr", "BALANCE": "constexpr", "ZERO_HIST": "constexpr",
+           "CAP_SPAN": "constexpr"}
     div16 = ["hist_ptr", "th_ptr", "cap_ptr", "target_ptr", "stage_ptr", "sent_ptr", "gath_ptr",
              "icnt_ptr", "iidx_ptr", "offs_ptr", "thg_ptr", "gmin_ptr", "nf_ptr", "stats_ptr",
              "n"]
-    # (region, update_th, P, has_nf, zero_hist)
-    for region, upd, P, nf, zero in ((False, False, 4, True, False),
-                                     (False, False, bk.TRITON_MAX_P, False, True),
-                                     (False, False, 1, True, True),
-                                     (True, True, 4, True, True),
-                                     (True, False, bk.TRITON_MAX_P, True, False),
-                                     (True, True, bk.TRITON_MAX_P, False, True),
-                                     (True, True, 1, False, False)):
+    # (region, update_th, P, has_nf, zero_hist, cap_span: the regions bounded, packed wires)
+    for region, upd, P, nf, zero, cap in ((False, False, 4, True, False, False),
+                                          (False, False, bk.TRITON_MAX_P, False, True, False),
+                                          (False, False, 1, True, True, False),
+                                          (True, True, 4, True, True, False),
+                                          (True, False, bk.TRITON_MAX_P, True, False, False),
+                                          (True, True, bk.TRITON_MAX_P, False, True, False),
+                                          (True, True, 1, False, False, False),
+                                          (False, False, 64, True, False, True),
+                                          (False, False, bk.TRITON_MAX_P, True, True, True)):
         vsig = {**sig, "nf_ptr": "*i32" if nf else "*i64"}
         consts = {"BP": max(2, next_pow2(P)), "B": bk.SELECT_HIST_BINS,
                   "SHIFT": bk.SELECT_HIST_SHIFT, "REGION": region, "UPDATE_TH": upd,
-                  "HAS_NF": nf, "BALANCE": P > 1, "ZERO_HIST": zero}
+                  "HAS_NF": nf, "BALANCE": P > 1, "ZERO_HIST": zero, "CAP_SPAN": cap}
         if P == 1:          # the JIT specialises an int argument equal to 1
             vsig.update(P="constexpr", sent_stride="constexpr")
             consts.update(P=1, sent_stride=1)
         yield (f"bookkeeping {'region' if region else 'rank'} update_th={upd} P={P} "
-               f"nonfinite={nf} zero_hist={zero}", bk._bookkeeping_kernel, vsig, consts,
-               div16, bk.num_warps(P))
+               f"nonfinite={nf} zero_hist={zero} cap_span={cap}", bk._bookkeeping_kernel, vsig,
+               consts, div16, bk.num_warps(P))
 
 
 def _wire_variants():

@@ -16,6 +16,8 @@ What it computes (the torch reference, :func:`_bookkeeping_torch`, is the specif
 * ``th_global`` = ``gmin`` (the smallest |value| of the global set), kept when the set is empty;
 * ``region_offsets``: boundaries with about 1/P of the global count per region (each entry of
   region j weighing ``max(gcount[j], v[j]) / v[j]``), unchanged on an empty or non-finite step;
+  with ``span`` > 0 no region is wider than ``span`` elements (:func:`capped_offsets`: the
+  packed wires size a row's chunk words by it, so a static message need not cover all of n);
 * stats (int64 [7]): local_selected, sent, reduce_overflow, global_selected, global_count,
   gather_overflow, overflow.
 
@@ -71,6 +73,10 @@ if HAS_TRITON:
         return tl.maximum(a, b)
 
     @triton.jit
+    def _min_combine(a, b):
+        return tl.minimum(a, b)
+
+    @triton.jit
     def _threshold_rows(h, th, target, rm, B: tl.constexpr, SHIFT: tl.constexpr):
         """Per row of the int32 histogram tile ``h`` [BP, B]: the threshold_at value."""
         cols = tl.arange(0, B)
@@ -107,9 +113,10 @@ if HAS_TRITON:
         nf_ptr,        # *int32 []          non-finite flag (if HAS_NF)
         stats_ptr,     # *int64 [7]         out
         P, n, cg, cap_s, fill, mid,
+        span,          # int64: the widest region allowed (if CAP_SPAN; P·span >= n)
         BP: tl.constexpr, B: tl.constexpr, SHIFT: tl.constexpr, REGION: tl.constexpr,
         UPDATE_TH: tl.constexpr, HAS_NF: tl.constexpr, BALANCE: tl.constexpr,
-        ZERO_HIST: tl.constexpr,
+        ZERO_HIST: tl.constexpr, CAP_SPAN: tl.constexpr,
     ):
         rows = tl.arange(0, BP)
         rm = rows < P
@@ -165,6 +172,10 @@ if HAS_TRITON:
             bnd = tl.load(offs_ptr + j, mask=qm, other=0) + idx
             bnd = tl.minimum(tl.maximum(bnd, 0), n)
             bnd = tl.associative_scan(bnd, 0, _max_combine)      # monotone even if T is tiny
+            if CAP_SPAN:    # capped_offsets: no region wider than span
+                qs = (q + 1).to(tl.int64) * span
+                bnd = tl.associative_scan(bnd - qs, 0, _min_combine) + qs
+                bnd = tl.maximum(tl.minimum(bnd, qs), n - (P - 1 - q).to(tl.int64) * span)
             old = tl.load(offs_ptr + 1 + q, mask=qm, other=0)
         tl.debug_barrier()      # every load above happens before the stores below
         if REGION:
@@ -192,16 +203,16 @@ if HAS_TRITON:
     @_dispatch.serialized_when_interpreted
     def _bookkeeping_triton(hist, th, cap, target, stage, sent, gathered, icnt, iidx, offs, thg,
                             gmin, nf, stats, n, cg, cap_s, fill, mid, region, update_th,
-                            zero_hist):
+                            zero_hist, span):
         P = hist.shape[0]
         _bookkeeping_kernel[(1,)](
             hist, th, cap if cap is not None else th, target if target is not None else th,
             stage, sent, sent.stride(0), gathered, gathered.stride(0), icnt, iidx,
             iidx.stride(0), offs, thg, gmin, nf if nf is not None else stats, stats,
-            P, n, cg, cap_s, float(fill), float(mid),
+            P, n, cg, cap_s, float(fill), float(mid), span if 0 < span < n else n,
             BP=max(2, next_pow2(P)), B=SELECT_HIST_BINS, SHIFT=SELECT_HIST_SHIFT,
             REGION=region, UPDATE_TH=update_th, HAS_NF=nf is not None, BALANCE=P > 1,
-            ZERO_HIST=zero_hist, num_warps=num_warps(P))
+            ZERO_HIST=zero_hist, CAP_SPAN=0 < span < n, num_warps=num_warps(P))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -233,13 +244,13 @@ def threshold_at(hist: Tensor, th: Tensor, target: Tensor) -> Tensor:
 
 
 def balanced_offsets(offs: Tensor, icnt: Tensor, gcnt: Tensor, iidx: Tensor, n: int,
-                     cg: int) -> Tensor:
+                     cg: int, span: int = 0) -> Tensor:
     """Boundaries [P+1] with about 1/P of the global count per region (on the device).
 
     Region j holds ``icnt[j]`` entries of the global set but ``gcnt[j]`` of its sums reached the
     previous global threshold (more when its slot was full: the owner kept the largest). Each
     entry of region j stands for ``gcnt[j] / icnt[j]`` of them, so an overfull region is not
-    mistaken for a balanced one."""
+    mistaken for a balanced one. ``span`` > 0: then :func:`capped_offsets`."""
     P, dev = offs.numel() - 1, offs.device
     v = icnt.to(torch.int64).clamp(0, cg)
     c = torch.maximum(gcnt.to(torch.int64), v)
@@ -256,11 +267,38 @@ def balanced_offsets(offs: Tensor, icnt: Tensor, gcnt: Tensor, iidx: Tensor, n: 
     idx = iidx.to(torch.int64)[j, col].clamp(min=0)
     b = (offs[j] + idx).clamp(0, n)
     b = torch.cummax(b, 0).values                           # monotone even if T is tiny
+    if 0 < span < n:
+        b = _capped(b, n, span)
     return torch.cat([b.new_zeros(1), b, b.new_full((1,), n)])
 
 
+def _capped(b: Tensor, n: int, span: int) -> Tensor:
+    """Inner boundaries ``b`` [P−1] (monotone) moved as little as the cap needs: from the left,
+    each at most ``span`` past the one before (a prefix minimum of ``b[q] − q·span``); then at
+    least ``n − (P−q)·span``, so the regions to its right can still reach n."""
+    P = b.numel() + 1
+    q = torch.arange(1, P, device=b.device, dtype=torch.int64)
+    b = torch.cummin(b - q * span, 0).values + q * span
+    return torch.maximum(torch.minimum(b, q * span), n - (P - q) * span)
+
+
+def capped_offsets(offs: Tensor, span: int) -> Tensor:
+    """Boundaries [P+1] (monotone, 0 to n) with no region wider than ``span`` (``P·span >= n``):
+    regions already within it are unchanged; a wider one gives its excess to its neighbours.
+    Each gap is at most ``span``: a gap of the prefix minimum is at most ``span`` by
+    construction, and the lower bound rises by exactly ``span`` a boundary."""
+    P, n = offs.numel() - 1, int(offs[-1])
+    if P * span < n:
+        raise ValueError(f"capped_offsets: {P} regions of at most {span} cannot cover n = {n}")
+    if P == 1 or span >= n:
+        return offs.clone()
+    inner = _capped(offs[1:-1].to(torch.int64), n, span)
+    return torch.cat([offs[:1], inner.to(offs.dtype), offs[-1:]])
+
+
 def _bookkeeping_torch(hist, th, cap, target, stage, sent, gathered, icnt, iidx, offs, thg,
-                       gmin, nf, stats, n, cg, cap_s, fill, mid, region, update_th, zero_hist):
+                       gmin, nf, stats, n, cg, cap_s, fill, mid, region, update_th, zero_hist,
+                       span):
     P = hist.shape[0]
     bad = (nf > 0) if nf is not None else torch.zeros((), dtype=torch.bool, device=th.device)
     if region:
@@ -276,7 +314,7 @@ def _bookkeeping_torch(hist, th, cap, target, stage, sent, gathered, icnt, iidx,
     empty = (delivered == 0) | bad
     thg.copy_(torch.where(torch.isinf(gmin) | bad, thg, gmin))
     if P > 1:
-        new_offs = balanced_offsets(offs, icnt, gathered[:, 1], iidx, n, cg)
+        new_offs = balanced_offsets(offs, icnt, gathered[:, 1], iidx, n, cg, span)
         offs.copy_(torch.where(empty, offs, new_offs))
     s64 = stage.to(torch.int64)
     local, sent_t = s64.sum(), sent.to(torch.int64).sum()
@@ -293,7 +331,7 @@ def step_bookkeeping(hist: Tensor, th: Tensor, stage_counts: Tensor, sent_counts
                      th_global: Tensor, gmin: Tensor, nonfinite: Optional[Tensor], *, n: int,
                      cap_s: int, cap: Optional[Tensor] = None, fill: float = 0.0,
                      row_target: Optional[Tensor] = None, mid: float = 0.0,
-                     update_th: bool = True, zero_hist: bool = False,
+                     update_th: bool = True, zero_hist: bool = False, span: int = 0,
                      backend: str = "auto") -> Tensor:
     """Ok-Topk's next-step state in one launch; returns the stats (int64 [7], :data:`STATS`).
 
@@ -304,7 +342,8 @@ def step_bookkeeping(hist: Tensor, th: Tensor, stage_counts: Tensor, sent_counts
     becomes ``gmin`` (kept when it is inf or the step is non-finite); ``region_offsets``
     (P > 1) are re-balanced from the global set (``icnt`` entries per region at ``iidx``,
     ascending, and the gathered headers ``gathered[:, :2]`` = (count, count at the last global
-    threshold)), kept on an empty or non-finite step. ``zero_hist``: ``hist`` is zeroed after it
+    threshold)), kept on an empty or non-finite step, none wider than ``span`` when it is
+    positive (``P·span >= n``). ``zero_hist``: ``hist`` is zeroed after it
     is read (the next select pass adds to it). In place, no host read."""
     P = hist.shape[0]
     region = row_target is not None
@@ -315,11 +354,13 @@ def step_bookkeeping(hist: Tensor, th: Tensor, stage_counts: Tensor, sent_counts
         raise ValueError(f"hist must be int32 [P, {SELECT_HIST_BINS}], got {hist.dtype} "
                          f"{tuple(hist.shape)}")
     stats = torch.empty(len(STATS), dtype=torch.int64, device=hist.device)
+    if span and P * int(span) < n:
+        raise ValueError(f"step_bookkeeping: span={span} leaves {P} regions short of n = {n}")
     nf = None if nonfinite is None else nonfinite.reshape(())
     args = (hist, th, cap, row_target, stage_counts, sent_counts, gathered, icnt, iidx,
             region_offsets, th_global.reshape(()), gmin.reshape(()), nf, stats, int(n),
             iidx.shape[1], int(cap_s), float(fill), float(mid), region, bool(update_th),
-            bool(zero_hist))
+            bool(zero_hist), int(span))
     _dispatch.record(launches=1, bytes=4 * hist.numel() + 8 * P * 8)
     _dispatch.run(backend, hist.device, _bookkeeping_triton, _bookkeeping_torch, *args,
                   fits=P <= TRITON_MAX_P)

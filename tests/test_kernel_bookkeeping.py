@@ -5,7 +5,7 @@ import pytest
 import torch
 from kernel_cases import DEV, gen, needs_triton
 from oktopk_triton.kernels import BOOKKEEPING_STATS, SELECT_HIST_BINS, step_bookkeeping
-from oktopk_triton.kernels.bookkeeping import balanced_offsets, threshold_at
+from oktopk_triton.kernels.bookkeeping import balanced_offsets, capped_offsets, threshold_at
 
 
 def _case(P, seed, cg=24, n=5000, nonfinite=None, empty=False):
@@ -51,7 +51,8 @@ def _run(case, backend, region, **kw):
 @needs_triton
 @pytest.mark.parametrize("P", [1, 2, 5, 8])
 @pytest.mark.parametrize("region", [False, True])
-def test_triton_matches_reference(P, region):
+@pytest.mark.parametrize("span", [0, 1100])
+def test_triton_matches_reference(P, region, span):
     # region mode's steered target divides and takes a square root: torch's CPU kernels for
     # those are not IEEE-exact (numpy's and the GPU's are), so there the rows and targets may
     # differ by an ulp; everything else is bit for bit
@@ -120,6 +121,41 @@ def test_balanced_offsets_split_the_weight():
     b = balanced_offsets(offs, torch.tensor([10, 0], dtype=torch.int32),
                          torch.tensor([100, 0], dtype=torch.int32), iidx, 200, 10)
     assert b.tolist() == [0, 50, 200]
+
+
+def test_capped_offsets_bound_every_region():
+    """No region wider than the span, the ends kept, monotone; boundaries already within the
+    cap unchanged; a span too small for n refused."""
+    g = gen(3)
+    for P, n, span in ((2, 100, 60), (5, 5000, 1100), (8, 5000, 625), (16, 10 ** 6, 65536)):
+        for _ in range(20):
+            inner = torch.randint(0, n + 1, (P - 1,), generator=g).sort().values
+            offs = torch.cat([torch.zeros(1, dtype=torch.int64), inner,
+                              torch.full((1,), n, dtype=torch.int64)])
+            got = capped_offsets(offs, span)
+            w = got[1:] - got[:-1]
+            assert int(got[0]) == 0 and int(got[-1]) == n
+            assert bool((w >= 0).all()) and int(w.max()) <= span, (P, n, span, offs, got)
+            if int((offs[1:] - offs[:-1]).max()) <= span:
+                assert torch.equal(got, offs)
+    # the weight in the first 3%: the regions on the right take the span, the one before them
+    # what is left, the first keeps its width
+    offs = torch.tensor([0, 10, 20, 30, 1000], dtype=torch.int64)
+    assert capped_offsets(offs, 400).tolist() == [0, 10, 200, 600, 1000]
+    with pytest.raises(ValueError, match="cannot cover"):
+        capped_offsets(offs, 200)
+
+
+def test_balanced_offsets_with_a_span():
+    # as above, but no region may be wider than 120: the weight says 50, the cap 80 at least
+    offs = torch.tensor([0, 100, 200], dtype=torch.int64)
+    iidx = torch.full((2, 10), -1, dtype=torch.int32)
+    iidx[0] = torch.arange(10, dtype=torch.int32) * 10
+    b = balanced_offsets(offs, torch.tensor([10, 0], dtype=torch.int32),
+                         torch.tensor([100, 0], dtype=torch.int32), iidx, 200, 10, span=120)
+    assert b.tolist() == [0, 80, 200]
+    with pytest.raises(ValueError, match="short of n"):
+        _run(_case(4, 1), "torch", region=False, span=1000)
 
 
 def test_one_launch_recorded():

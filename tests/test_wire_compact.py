@@ -116,17 +116,108 @@ def test_oktopk_compact_nonfinite_step_leaves_residuals():
 
 
 def test_oktopk_compact_schedule_is_the_wire():
-    """Rows of ceil(n/65536) + cap_r words, slots of 1 + ceil(n/65536) + cap_g, with the fp32
-    capacities: what a step counts."""
+    """Rows of chunks(span) + cap_r words, slots of 1 + chunks(span) + cap_g, with the fp32
+    capacities: what a step counts. The span: 4·n/P by default (8 of n's 16 chunks at P = 8),
+    all of n with ``region_span=None``."""
     from oktopk_triton.algorithms.oktopk import OkTopk
     n, k, P = 1 << 20, 10486, 8
     cr, cg = OkTopk.capacities(n, k, P, 4.0, 0.5, True)
-    specs = schedule_of("oktopk", n, k, P, wire_format="compact")
-    assert specs[1].bytes_per_rank == (P - 1) * 4 * (16 + cr)
-    assert specs[2].bytes_per_rank == (P - 1) * 4 * (1 + 16 + cg)
+    for opt, C in (("auto", 8), (None, 16)):
+        specs = schedule_of("oktopk", n, k, P, wire_format="compact", region_span=opt)
+        assert specs[1].bytes_per_rank == (P - 1) * 4 * (C + cr)
+        assert specs[2].bytes_per_rank == (P - 1) * 4 * (1 + C + cg)
     fp32 = schedule_of("oktopk", n, k, P)
     ratio = sum(s.bytes_per_rank for s in specs) / sum(s.bytes_per_rank for s in fp32)
     assert 0.5 < ratio < 0.52
+
+
+def _hot_left(seed: int = 0):
+    """Gradients 3x larger in the first 5% of n: most of the global top-k lies there, so the
+    re-balancing wants narrow regions there and one over most of the rest, which still
+    delivers some."""
+    def fn(rank: int, step: int, n: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed * 10_000 + rank * 100 + step)
+        x = torch.randn(n, generator=g)
+        x[: n // 20] *= 3.0
+        return x
+    return fn
+
+
+@pytest.mark.parametrize("fmt", ["compact", "q2"])
+def test_oktopk_regions_stay_within_the_span(fmt):
+    """P = 8, n = 320,000 (5 chunks), most weight in the first 5%: without a bound a region grows
+    past 4·n/P; with the default (4·n/P, rounded up to 3 chunks) none does, entries beyond a
+    region's first chunk still arrive, the contract holds, and every step sends what the
+    schedule says: rows of 3 chunks' words instead of 5."""
+    P, n, steps = 8, 320_000, 6
+    span = 3 * W.CHUNK
+
+    def widest(res_offsets):
+        return max(max(b - a for a, b in zip(o, o[1:])) for o in res_offsets.values())
+
+    runs = {}
+    for opt in ("auto", None):
+        offsets = {0: [n * j // P for j in range(P + 1)]}
+
+        def on_step(comm, alg, t, out, offsets=offsets):
+            if comm.rank == 0:
+                offsets[t + 1] = alg.region_offsets.tolist()
+        res = run_steps("oktopk", P, n, steps, 0.01, _hot_left(), backend=BE, wire_format=fmt,
+                        check_finite="off", region_span=opt, on_step=on_step)
+        assert_conservation(res)
+        assert_bitwise_agreement(res)
+        runs[opt] = res, offsets
+    (cap, offs_c), (free, offs_f) = runs["auto"], runs[None]
+    assert cap.algs[0].span == span and free.algs[0].span == n
+    assert widest(offs_f) > span                      # the bound matters here
+    assert widest(offs_c) <= span
+    assert _delivered_far(cap, P, offs_c) > 0
+    sent = cap.stat_array("bytes_sent")[1:]
+    want = sum(s.bytes_per_rank for s in schedule_of("oktopk", n, cap.k, P, check_finite="off",
+                                                     wire_format=fmt))
+    assert (sent == want).all(), (sent, want)
+    saved = free.stat_array("bytes_sent")[1:] - sent
+    per_chunk = 4 if fmt == "compact" else 12          # a row's and a slot's words per chunk
+    assert (saved == 2 * (P - 1) * per_chunk * (5 - 3)).all(), saved
+
+
+def test_region_span_values():
+    """auto: 4·ceil(n/P) in whole chunks on a packed wire (at most n), no bound on fp32; a
+    number is that multiple of n/P; None is n; anything else a one-line error."""
+    from oktopk_triton.algorithms.oktopk import OkTopk
+    n = 1_040_000
+    assert OkTopk.region_span(n, 64, "auto", True) == W.CHUNK         # 16 chunks -> 1
+    assert OkTopk.region_span(n, 4, "auto", True) == n
+    assert OkTopk.region_span(n, 64, "auto", False) == n
+    assert OkTopk.region_span(n, 64, 2, False) == 2 * 16_250
+    assert OkTopk.region_span(n, 64, 8, True) == 2 * W.CHUNK
+    assert OkTopk.region_span(n, 64, None, True) == n
+    comm = LocalCluster(1).communicator(0)
+    for bad in (0.5, "wide", True):
+        with pytest.raises(ValueError, match="region_span must be") as e:
+            SparseAllreduce(1000, comm=comm, algorithm="oktopk", region_span=bad)
+        assert "\n" not in str(e.value)
+
+
+def _load_wide_regions(comm, n):
+    from oktopk_triton.algorithms.oktopk import OkTopk
+    sd = OkTopk(n, comm, 0.01, wire_format="q2", region_span=None).state_dict()
+    sd["region_offsets"] = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, n], dtype=torch.int64)
+    b = OkTopk(n, comm, 0.01, wire_format="q2")
+    b.load_state_dict(sd)
+    return b.span, b.region_offsets
+
+
+def test_checkpoint_regions_wider_than_the_span_are_capped():
+    """A state saved without a bound (one region of almost all of n), loaded where there is one:
+    its regions are capped alike on every rank (the rows' chunk words could not carry the
+    wider one)."""
+    n = 320_000
+    got = LocalCluster(8).run(_load_wide_regions, n)
+    span, offs = got[0]
+    w = offs[1:] - offs[:-1]
+    assert span == 3 * W.CHUNK and int(w.max()) <= span and int(offs[-1]) == n
+    assert all(torch.equal(o, offs) for _, o in got)
 
 
 # -- refusals -------------------------------------------------------------------------------------

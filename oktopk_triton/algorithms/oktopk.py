@@ -71,7 +71,7 @@ costs 1.5 words instead of 2, so the rows hold 4/3 as many in the same budget). 
 The gathered slots stay fp32 (they are the output itself).
 
 ``wire_format="compact"`` (:mod:`._wire`, docs/algorithms.md §9) sends both phases at one word
-an entry: a row is ``ceil(n/65536)`` chunk counts (a region may span all of n) and ``cap_r``
+an entry: a row is ``ceil(span/65536)`` chunk counts and ``cap_r``
 words (bf16 value, low 16 bits of the region-relative index), sorted by index on the device; a
 slot is the owner's count at the global threshold, the chunk counts and ``cap_g`` words. The
 capacities are fp32's (``volume_budget`` counts fp32 entries), so a step sends the same entries
@@ -81,6 +81,13 @@ values, and the owner keeps ``P·(sum/P − bf16(sum/P))`` at its delivered entr
 ``"q2"`` / ``"q4"``: the same packing with 2- or 4-bit values and two fp32 scales per chunk
 (2.25 / 2.5 bytes an entry); a sender keeps ``v − q(v)`` of its delivered row entries
 (:meth:`_keep_row_error`), the owner ``P·(sum/P − q(sum/P))`` of its delivered slot entries.
+
+**The span** (``region_span``): a packed row carries a count (q2/q4: three words) for every
+chunk a region may cover, so the re-balancing keeps every region within ``span`` elements,
+by default 4·n/P rounded up to whole chunks (:meth:`region_span`; ``K.capped_offsets``: a
+region that would be wider gives its excess to its neighbours). Unbounded, a region may grow
+to all of n, and at P = 64 on the 1.04M-parameter GPT the 2-bit rows and slots spent 192 of
+their bytes each on 16 chunks' words, 24.2 kB of a 75.4 kB sync at 1.1%: a third.
 
 Conservation holds exactly: fused_select leaves ``residual = acc``; only clear_sent zeroes, and
 only the entries that reached ``out``. Non-finite steps (``nonfinite > 0``) skip fused_select
@@ -123,6 +130,8 @@ class OkTopk(Algorithm):
                                    # (the paper's local threshold); region: each row its own,
                                    # aimed at filling the row's staging
         "wire_dtype": "fp32",      # reduce rows' values on the wire: fp32 | bf16 (rounding kept)
+        "region_span": "auto",     # widest region, as a multiple of n/P (None: up to n); auto:
+                                   # 4 on a packed wire (its rows' chunk words), else None
         "backend": "auto",         # kernels backend: auto | triton | torch
     }
     STATE = ("th_rows", "row_target", "th_global", "region_offsets", "_calibrated")
@@ -163,6 +172,8 @@ class OkTopk(Algorithm):
                                                  "fp32" if self.compact else o["wire_dtype"])
         self.region_offsets = torch.tensor([n * j // P for j in range(P + 1)], dtype=torch.int64,
                                            device=dev)
+        # no region wider than span: a packed row's chunk words cover span, not all of n
+        self.span = self.region_span(n, P, o["region_span"], self.compact)
         # staging rows: the select pass compacts every entry at or above the row threshold (aimed
         # at stage_mid candidates, the geometric middle of [cap_r, cap_s]); the rows sent are the
         # cap_r largest of them
@@ -198,8 +209,8 @@ class OkTopk(Algorithm):
         # n-sized scratch (that was 1.0n of the 2.33n words this reducer kept between steps)
         self._sums = torch.zeros(P * cr, dtype=torch.float32, device=dev)
         if self.compact:   # what goes on the wire (the fp32 layouts above stay the local form)
-            wr = W.row_words(cr, n, fmt=self.wire_format)    # a region may span all of n
-            ws = W.row_words(cg, n, header=1, fmt=self.wire_format)
+            wr = W.row_words(cr, self.span, fmt=self.wire_format)   # no region is wider
+            ws = W.row_words(cg, self.span, header=1, fmt=self.wire_format)
             self._cmsg = torch.zeros(P, wr, dtype=torch.int32, device=dev)
             self._crecv = torch.zeros(max(P - 1, 1), wr, dtype=torch.int32, device=dev)
             self._cslot = torch.zeros(ws, dtype=torch.int32, device=dev)
@@ -208,6 +219,25 @@ class OkTopk(Algorithm):
         self._inv_P = 1.0 / P
 
     # -- capacities -------------------------------------------------------------------------------
+    @staticmethod
+    def region_span(n: int, P: int, value: Any = "auto", packed: bool = False) -> int:
+        """The widest region the re-balancing may make (``region_span`` option): ``value``
+        times ``ceil(n/P)``, on a packed wire rounded up to whole 65,536-element chunks (a row
+        carries one count, or three words on q2/q4, per chunk of it), at most n. ``"auto"``: 4
+        on a packed wire, else no bound (n). At P = 64, n = 1.04M, q2: 1 chunk a row instead
+        of 16, 12 bytes of header instead of 192, 126 times a step."""
+        if value == "auto":
+            value = 4 if packed else None
+        if value is None:
+            return n
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 1:
+            raise ValueError(f"oktopk: region_span must be 'auto', None or a number >= 1 "
+                             f"(the widest region as a multiple of n/P), got {value!r}")
+        span = int(math.ceil(float(value) * -(-n // P)))
+        if packed:
+            span = W.CHUNK * W.chunks(span)
+        return min(n, span)
+
     @staticmethod
     def row_words(cap_r: int, wire_dtype: str = "fp32") -> int:
         """int32 words of one reduce row: header, cap_r indices, cap_r values (fp32: one word
@@ -250,9 +280,9 @@ class OkTopk(Algorithm):
         cr, cg = cls.capacities(n, k, P, o["volume_budget"], o["capacity_split"],
                                 o["check_finite"] != "off", wire)
         if o["compact"]:   # rows: chunk counts + one word an entry; slots: 1 more header word
-            fmt = o["wire_format"]
-            row = 4 * W.row_words(cr, n, fmt=fmt)
-            slot = 4 * W.row_words(cg, n, header=1, fmt=fmt)
+            fmt, span = o["wire_format"], cls.region_span(n, P, o["region_span"], True)
+            row = 4 * W.row_words(cr, span, fmt=fmt)
+            slot = 4 * W.row_words(cg, span, header=1, fmt=fmt)
         else:
             row, slot = 4 * cls.row_words(cr, wire), 4 * (_HEADER + 2 * cg)
         return specs + [S.send_recv([row] * (P - 1), [row] * (P - 1), P - 1),
@@ -355,7 +385,7 @@ class OkTopk(Algorithm):
         vals = K.pack_rows(msg, stg, pos, bf16=self.bf16_wire, backend=be)
         if self.compact:   # sorted by index; clear_sent keeps the rounding in the residual
             # grouped by chunk, not sorted (the owner sorts what it receives anyway)
-            enc = W.encode(msg[:, _HEADER:_HEADER + cr], vals, msg[:, 0], self.numel,
+            enc = W.encode(msg[:, _HEADER:_HEADER + cr], vals, msg[:, 0], self.span,
                            out=self._cmsg, fmt=self.wire_format, order="chunks",
                            return_wire=self._quantized, backend=self.backend)
             self._row_wire = enc[1] if self._quantized else None
@@ -375,7 +405,7 @@ class OkTopk(Algorithm):
                                 [((r - i) % P, recv[i - 1]) for i in range(1, P)])
         if self.compact:   # the own row too: every source adds its bf16 values
             rows = torch.cat([msg[r:r + 1], recv[:P - 1]]) if P > 1 else msg
-            idx, vals, counts = W.decode(rows, cr, self.numel, fmt=self.wire_format, backend=be)
+            idx, vals, counts = W.decode(rows, cr, self.span, fmt=self.wire_format, backend=be)
             head = (idx[:1], counts[:1], vals[:1])
             tail = (idx[1:], counts[1:], vals[1:])
         else:
@@ -411,7 +441,7 @@ class OkTopk(Algorithm):
                       backend=be)
         if self.compact:   # already ascending: the wire keeps the slot's order
             W.encode(slot[_HEADER:_HEADER + cg].view(1, cg),
-                     slot[_HEADER + cg:].view(torch.float32).view(1, cg), slot[:1], self.numel,
+                     slot[_HEADER + cg:].view(torch.float32).view(1, cg), slot[:1], self.span,
                      header=1, out=self._cslot.view(1, -1), fmt=self.wire_format,
                      order="ascending", backend=be)
 
@@ -430,7 +460,7 @@ class OkTopk(Algorithm):
                 self.comm.allgather(cg_wire, self._cslot)
             else:
                 cg_wire[0].copy_(self._cslot)
-            W.decode(cg_wire, cg, self.numel, header=1, fmt=self.wire_format,
+            W.decode(cg_wire, cg, self.span, header=1, fmt=self.wire_format,
                      backend=self.backend, out=(gathered[:, _HEADER:_HEADER + cg],
                                                 gathered[:, _HEADER + cg:].view(torch.float32),
                                                 gathered[:, 0]))
@@ -489,7 +519,8 @@ class OkTopk(Algorithm):
             n=self.numel, cap_s=self.cap_s, cap=self._cap_rows if rank else None,
             fill=self.cap_s * _STAGE_FILL, row_target=None if rank else self.row_target,
             mid=self.stage_mid, update_th=not self.opts["exact_thresholds"],
-            zero_hist=not hist_read_after, backend=self.backend)
+            zero_hist=not hist_read_after, span=self.span if self.span < self.numel else 0,
+            backend=self.backend)
         if hist_read_after:
             # the rank's threshold: where its rows together hold row_target entries of this
             # step's histograms, steered so the rank stages about k (torch ops: not the default)
@@ -552,6 +583,13 @@ class OkTopk(Algorithm):
         bits = (e_lo + (w * (e_hi - e_lo).to(torch.float32)).to(torch.int64)).clamp(1, 0x7F7FFFFF)
         new = bits.to(torch.int32).view(torch.float32).reshape(1)
         return torch.where(h.sum() > 0, new, th.min().reshape(1))
+
+    def load_state_dict(self, sd: dict) -> None:
+        """As the base class; regions saved wider than this reducer's span (a checkpoint of an
+        earlier bound) are capped, the same way on every rank."""
+        super().load_state_dict(sd)
+        if self.span < self.numel:
+            self.region_offsets.copy_(K.capped_offsets(self.region_offsets, self.span))
 
     def dense_step(self, grad: torch.Tensor, out: torch.Tensor,
                    nonfinite: Optional[torch.Tensor]) -> None:
