@@ -291,6 +291,29 @@ def test_local_timeout():
     assert time.monotonic() - t0 < 5
 
 
+def test_local_run_waits_while_ranks_communicate_and_not_for_a_silent_one():
+    """run() gives up on a rank only after 2·timeout + GRACE seconds with no collective done: a
+    run three times that long that keeps communicating finishes (a 320-step training at 64
+    ranks was cut off at a fixed bound); ranks that go silent in their own code are given up
+    on (CommTimeout, "did not finish")."""
+    def busy(comm):
+        for _ in range(12):
+            time.sleep(0.1)
+            comm.barrier()
+        return comm.rank
+
+    def silent(comm):
+        time.sleep(4.0)
+
+    cluster = LocalCluster(2, timeout=0.1)
+    cluster.GRACE = 0.2                         # bound: 0.4 s of silence; busy runs 1.2 s
+    assert cluster.run(busy) == [0, 1]
+    t0 = time.monotonic()
+    with pytest.raises(CommTimeout, match="did not finish"):
+        cluster.run(silent)
+    assert time.monotonic() - t0 < 3.5
+
+
 def test_local_timeout_recv_and_peer_returned():
     def fn(comm):
         if comm.rank == 0:

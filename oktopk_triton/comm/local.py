@@ -10,6 +10,9 @@ ever sees another rank's storage after a call returns). Failure handling:
   re-raises the first failure (the original exception, with the rank noted);
 * a rank waiting on a peer that does not arrive raises :class:`CommTimeout` after ``timeout``
   seconds (at once if every missing peer has already returned from ``fn``).
+* ``run`` gives up on a rank (:class:`CommTimeout`, "did not finish") only when no collective
+  has completed for ``2·timeout + 30`` seconds (``timeout + 30`` after a failure): a long run
+  that keeps communicating is never cut off, a rank stuck in its own code is.
 
 Collectives are rendezvous ("rounds") keyed by a per-rank sequence number, so every rank must call
 the same collectives in the same order (checked: a mismatch raises :class:`CommError`). Point-to-
@@ -58,6 +61,8 @@ class _Round:
 class LocalCluster:
     """``world_size`` ranks as threads of this process (see the module docstring)."""
 
+    GRACE = 30.0     # seconds beyond the timeout before run() gives up on a silent rank
+
     def __init__(self, world_size: int, timeout: float = 60.0,
                  device: Optional[torch.device | str] = None) -> None:
         if world_size < 1:
@@ -75,6 +80,7 @@ class LocalCluster:
         self._abort_rank: Optional[int] = None
         self._finished = [False] * self.world_size
         self._first_failure: Optional[Tuple[int, BaseException]] = None
+        self._progress = time.monotonic()   # when a wait last ended (any rank)
 
     # -- public ------------------------------------------------------------------------------
     def communicator(self, rank: int) -> "LocalCommunicator":
@@ -104,8 +110,14 @@ class LocalCluster:
         stuck = []
         for r, t in enumerate(threads):
             # A rank blocked in the communicator ends at most `timeout` after the abort; a rank
-            # stuck in user code cannot be interrupted: give up on it after a generous bound.
-            t.join(self.timeout * 2 + 30.0 if self._first_failure is None else self.timeout + 30.0)
+            # stuck in user code cannot be interrupted: give up on it once nothing has moved for
+            # a generous bound (a long run that keeps communicating is not cut off).
+            while True:
+                t.join(1.0)
+                quiet = time.monotonic() - self._progress
+                bound = self.timeout * (2 if self._first_failure is None else 1) + self.GRACE
+                if not t.is_alive() or quiet > bound:
+                    break
             if t.is_alive():
                 stuck.append(r)
         if self._first_failure is not None:
@@ -139,6 +151,7 @@ class LocalCluster:
         while True:
             self._check_abort()
             if pred():
+                self._progress = time.monotonic()
                 return
             miss = missing()
             if miss and all(self._finished[m] for m in miss):
