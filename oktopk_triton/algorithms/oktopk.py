@@ -519,7 +519,7 @@ class OkTopk(Algorithm):
             n=self.numel, cap_s=self.cap_s, cap=self._cap_rows if rank else None,
             fill=self.cap_s * _STAGE_FILL, row_target=None if rank else self.row_target,
             mid=self.stage_mid, update_th=not self.opts["exact_thresholds"],
-            zero_hist=not hist_read_after, span=self.span if self.span < self.numel else 0,
+            zero_hist=not hist_read_after, span=self.span,
             backend=self.backend)
         if hist_read_after:
             # the rank's threshold: where its rows together hold row_target entries of this
