@@ -67,6 +67,17 @@ def test_records_bytes_conservation_and_replicas(P):
     assert ta["received_per_sync"] == ta["sent_per_sync"]
     assert ta["received_per_sync"] > (P - 1) * ta["k"] + ring_allreduce_bytes(4, P)
     assert ok["received_per_sync"] < ta["received_per_sync"]
+    # entries a sync: TopkA's output is the union of the ranks' selections, so at least as many
+    # as a rank's own; Ok-Topk's output is at most its k largest sums
+    n = sum(p.numel() for p in gpt.GPT(gpt.GPTConfig(**cfg["gpt"])).parameters())
+    for r in (ta, ok):
+        for key in ("local_selected", "global_selected"):
+            c = r["entries_per_sync"][key]
+            assert 0 < c["mean_fraction"] <= 1 and 0 < c["last_quarter_fraction"] <= 1, (key, c)
+    e = ta["entries_per_sync"]
+    assert e["global_selected"]["mean_fraction"] >= e["local_selected"]["mean_fraction"]
+    assert e["global_selected"]["mean_fraction"] > 1.5 * ta["k"] / n
+    assert ok["entries_per_sync"]["global_selected"]["mean_fraction"] <= ok["k"] / n
 
 
 def test_a_broken_run_fails_the_tool(monkeypatch, tmp_path, capsys):

@@ -66,7 +66,7 @@ def _rank_run(comm, cfg, algorithm: str, seed: int, model0, train) -> Dict[str, 
     L = cfg["gpt"]["context"] + 1
     g = torch.Generator().manual_seed(1_000_003 * seed + 7919 * comm.rank + 17)
     lr_at = _lm_lr(cfg)
-    losses = []
+    losses, counts = [], {key: [] for key in _COUNTS}
     for step in range(cfg["steps"]):
         x = batch_at(train, torch.randint(0, len(train) - L, (cfg["batch_size"],), generator=g), L)
         opt.zero_grad(set_to_none=False)
@@ -80,9 +80,32 @@ def _rank_run(comm, cfg, algorithm: str, seed: int, model0, train) -> Dict[str, 
             sar.reduce_gradients()
             opt.step()
         losses.append(float(loss.detach()))
+        if sar.stats.get("synced", True):
+            for key in _COUNTS:
+                counts[key].append(int(sar.stats[key]))
     return dict(model=model, k=sar.k, sent=comm.bytes_sent, received=comm.bytes_received,
                 conservation=ledger.check(), train_loss=sum(losses[-20:]) / len(losses[-20:]),
-                checksum=params_checksum(params))
+                checksum=params_checksum(params), counts=counts)
+
+
+# entries a sync, from the algorithm's stats: this rank's selected entries, and the entries of
+# the reduced output (nonzero in ``out``, the same on every rank)
+_COUNTS = ("local_selected", "global_selected")
+
+
+def _count_summary(res, syncs: int) -> Dict[str, Any]:
+    """Per-sync entry counts: local (mean over ranks) and output (rank 0), as fractions of n,
+    over the whole run and over its last quarter of syncs (late training)."""
+    n = sum(p.numel() for p in res[0]["model"].parameters() if p.requires_grad)
+    tail = max(1, syncs // 4)
+    out = {}
+    for key in _COUNTS:
+        per_rank = [r["counts"][key] for r in res] if key == "local_selected" else \
+            [res[0]["counts"][key]]
+        mean = sum(sum(c) for c in per_rank) / max(1, sum(len(c) for c in per_rank))
+        late = sum(sum(c[-tail:]) for c in per_rank) / max(1, sum(len(c[-tail:]) for c in per_rank))
+        out[key] = dict(mean_fraction=mean / n, last_quarter_fraction=late / n)
+    return out
 
 
 def evaluate(model, val, cfg, batch: int = 64) -> float:
@@ -118,7 +141,7 @@ def run_one(cfg, algorithm: str, seed: int, corpus, timeout: float) -> Dict[str,
                 received_per_sync=max(r["received"] for r in res) / max(1, syncs),
                 conservation_checked=all(c["checked"] for c in cons),
                 conservation_relative_error=max((c["relative_error"] or 0.0) for c in cons),
-                wall_s=wall)
+                entries_per_sync=_count_summary(res, syncs), wall_s=wall)
 
 
 def _check(rec: Dict[str, Any]) -> str:
