@@ -85,7 +85,7 @@ def _rank_run(comm, cfg, algorithm: str, seed: int, model0, train) -> Dict[str, 
                 counts[key].append(int(sar.stats[key]))
     return dict(model=model, k=sar.k, sent=comm.bytes_sent, received=comm.bytes_received,
                 conservation=ledger.check(), train_loss=sum(losses[-20:]) / len(losses[-20:]),
-                checksum=params_checksum(params), counts=counts)
+                checksum=params_checksum(params), counts=counts, numel=sar.numel)
 
 
 # entries a sync, from the algorithm's stats: this rank's selected entries, and the entries of
@@ -94,17 +94,17 @@ _COUNTS = ("local_selected", "global_selected")
 
 
 def _count_summary(res, syncs: int) -> Dict[str, Any]:
-    """Per-sync entry counts: local (mean over ranks) and output (rank 0), as fractions of n,
-    over the whole run and over its last quarter of syncs (late training)."""
-    n = sum(p.numel() for p in res[0]["model"].parameters() if p.requires_grad)
-    tail = max(1, syncs // 4)
+    """Per-sync entry counts: local (mean over ranks) and output (rank 0), as fractions of the
+    reduced vector's n, over the whole run and over its last quarter of syncs (late training)."""
+    n, tail = res[0]["numel"], max(1, syncs // 4)
+
+    def mean(lists):
+        return sum(map(sum, lists)) / max(1, sum(map(len, lists))) / n
     out = {}
     for key in _COUNTS:
-        per_rank = [r["counts"][key] for r in res] if key == "local_selected" else \
-            [res[0]["counts"][key]]
-        mean = sum(sum(c) for c in per_rank) / max(1, sum(len(c) for c in per_rank))
-        late = sum(sum(c[-tail:]) for c in per_rank) / max(1, sum(len(c[-tail:]) for c in per_rank))
-        out[key] = dict(mean_fraction=mean / n, last_quarter_fraction=late / n)
+        per_rank = [r["counts"][key] for r in (res if key == "local_selected" else res[:1])]
+        out[key] = dict(mean_fraction=mean(per_rank),
+                        last_quarter_fraction=mean([c[-tail:] for c in per_rank]))
     return out
 
 
