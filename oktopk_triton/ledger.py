@@ -17,11 +17,13 @@ one allreduce per run, so a benchmark can afford it on every recorded run.
 
 With momentum correction a call accumulates the velocity ``u = m·u + grad``, not the gradient,
 so ``fed`` adds ``m·u`` (the velocity before the call, masked where the last step delivered)
-plus the gradient: what the call really accumulated. Where the sum above is not the invariant
-the ledger says so instead of checking (``checked: False`` and the reason): a loss scale (the
-residual follows the scaler's backoffs), ``adam="frozen"`` (its warm-up rescales the velocity),
-SparseLoCo's ``residual_decay`` < 1 (what the decay drops is never delivered, on purpose), and a
-call whose output was not finite (its progress was dropped on every rank).
+plus the gradient: what the call really accumulated. With SparseLoCo's ``residual_decay`` < 1
+what the decay drops at a sync is never delivered, on purpose: ``fed`` gives it back
+(:meth:`dropped`, the residual before and after the decay, bit for bit), so the sum above holds
+with it and the decayed run is checked too. Where the sum is not the invariant the ledger says
+so instead of checking (``checked: False`` and the reason): a loss scale (the residual follows
+the scaler's backoffs), ``adam="frozen"`` (its warm-up rescales the velocity), and a call whose
+output was not finite (its progress was dropped on every rank).
 """
 from __future__ import annotations
 
@@ -48,9 +50,6 @@ class ConservationLedger:
             return
         if getattr(self._sar, "_adam", None) is not None:
             self.unchecked = "adam='frozen' rescales the velocity at the end of its warm-up"
-        ls = getattr(self._sar, "local_steps", None)
-        if ls is not None and ls.residual_decay < 1.0:
-            self.unchecked = "residual_decay < 1 drops what is owed on purpose"
 
     def fed_in(self, flat: torch.Tensor, scale: Any) -> None:
         """Before a reduction: its input (``flat``, any dtype)."""
@@ -62,6 +61,13 @@ class ConservationLedger:
             self.fed.add_(alg.velocity, alpha=m)    # u = m·u + grad: the m·u part
         # added in fp64 as it is read (an in-place add promotes): no fp64 copy of n per call
         self.fed.add_(flat.detach().reshape(-1))
+
+    def dropped(self, before: torch.Tensor, after: torch.Tensor) -> None:
+        """At a sync with a residual decay: the residual ``before`` and ``after`` it (fp32, the
+        bits the decay wrote); what it dropped leaves ``fed`` (two in-place fp64 additions, no
+        fp64 temporary)."""
+        self.fed.sub_(before.reshape(-1))
+        self.fed.add_(after.reshape(-1))
 
     def delivered(self, out: torch.Tensor) -> None:
         """After a reduction: its output."""

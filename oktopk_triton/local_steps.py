@@ -180,8 +180,8 @@ class LocalSteps:
         self.position = 0
         alg = sar.algorithm                    # a density schedule may have switched it
         nonfinite = alg.stats.get("nonfinite")
-        if saved is not None and nonfinite is not None:
-            alg.residual.copy_(torch.where(nonfinite > 0, saved, alg.residual))
+        if saved is not None:
+            self._account_decay(sar, saved, nonfinite)
         step = self._outer_step(out, nonfinite)
         fp.move_to(self.anchor, step)          # weights = anchor += step
         if self.realign is not None:           # Adam's first moment along the common step
@@ -205,6 +205,20 @@ class LocalSteps:
         saved = residual.clone()
         residual.mul_(self.residual_decay)
         return saved
+
+    def _account_decay(self, sar: Any, saved: torch.Tensor,
+                       nonfinite: Optional[torch.Tensor]) -> None:
+        """After a decayed sync: a non-finite one gets the undecayed residual back; a running
+        audit (ledger.ConservationLedger) is told what the decay dropped, so it still checks."""
+        alg = sar.algorithm
+        if nonfinite is not None:
+            alg.residual.copy_(torch.where(nonfinite > 0, saved, alg.residual))
+        ledger = getattr(sar, "_ledger", None)
+        if ledger is not None:
+            after = saved * self.residual_decay          # the bits residual.mul_ wrote
+            if nonfinite is not None:                    # restored: nothing dropped
+                after = torch.where(nonfinite > 0, saved, after)
+            ledger.dropped(saved, after)
 
     def _outer_step(self, out: torch.Tensor, nonfinite: Optional[torch.Tensor]) -> torch.Tensor:
         """What the anchor moves by: ``out`` through the outer optimizer; 0 on a sync the
