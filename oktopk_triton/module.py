@@ -170,10 +170,10 @@ class SparseAllreduce(torch.nn.Module):
 
     def audit(self) -> ConservationLedger:
         """Start a run-long conservation audit (:mod:`oktopk_triton.ledger`): from now on every
-        reduction adds its input and output to two fp64 vectors on the device (no host read,
-        nothing sent). ``sar.audit().check()`` at the end, on every rank, allreduces once and
-        returns ``{"checked", "calls", "relative_error", "unchecked"}``. Calling it again
-        starts afresh."""
+        reduction adds its input and output to a balance (fp64) and its input to an fp32 sum on
+        the device, 12 bytes an element (no host read, nothing sent). ``sar.audit().check()``
+        at the end, on every rank, allreduces once and returns ``{"checked", "calls",
+        "relative_error", "unchecked"}``. Calling it again starts afresh."""
         self._ledger = ConservationLedger(self)
         return self._ledger
 

@@ -88,3 +88,16 @@ def _frozen(comm):
 def test_where_the_sum_is_not_the_invariant_it_says_why():
     assert all(not c["checked"] and "frozen" in c["unchecked"] and c["relative_error"] is None
                for c in LocalCluster(3).run(_frozen))
+
+
+def test_the_audit_holds_twelve_bytes_an_element_and_leaves_the_residual_alone():
+    """One fp64 balance and one fp32 input: 12 bytes an element (three fp64 sums took 24); the
+    balance starts as a copy of the residual, and feeding it leaves the residual as it was."""
+    sar = SparseAllreduce(_model().parameters(), comm=LocalCluster(1).communicator(0),
+                          density=0.1, algorithm="oktopk")
+    sar.residual.fill_(0.5)
+    ledger = sar.audit()
+    tensors = [v for v in vars(ledger).values() if isinstance(v, torch.Tensor)]
+    assert sum(t.numel() * t.element_size() for t in tensors) == 12 * sar.numel
+    ledger.fed_in(torch.ones(sar.numel), None)
+    assert torch.all(sar.residual == 0.5)
