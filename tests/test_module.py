@@ -7,6 +7,7 @@ from conservation import (assert_bitwise_agreement, assert_conservation, continu
                           host_syncs_raise, mixed, run_steps, toy_calls, whole_and_resumed)
 from conservation import toy_model as _model
 from oktopk_triton import SparseAllreduce
+from oktopk_triton.algorithms import SPARSE_ALGORITHMS
 from oktopk_triton.comm.local import LocalCluster
 
 BE = {"backend": "torch"}
@@ -424,3 +425,57 @@ def test_param_slices_name_each_parameters_part_of_the_flat_gradient():
     assert sl[-1].offset + sl[-1].numel == sar.numel
     assert SparseAllreduce(8, comm=LocalCluster(1).communicator(0), density=0.5,
                            algorithm="oktopk").param_slices() == []
+
+
+def _held_bytes(obj, skip, seen=None, found=None):
+    """Bytes of the tensor storages reachable from ``obj``'s attributes, each storage once,
+    leaving out the storages in ``skip`` (the parameters' and gradients')."""
+    seen, found = (set(), {}) if seen is None else (seen, found)
+    if id(obj) in seen:
+        return found
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        st = obj.untyped_storage()
+        if st.data_ptr() not in skip:
+            found[st.data_ptr()] = st.nbytes()
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _held_bytes(v, skip, seen, found)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _held_bytes(v, skip, seen, found)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type) \
+            and not type(obj).__module__.startswith("torch."):      # not the user's model
+        for v in vars(obj).values():
+            _held_bytes(v, skip, seen, found)
+    return found
+
+
+def _state_per_element(comm, alg, H):
+    m = torch.nn.Sequential(torch.nn.Linear(256, 128), torch.nn.Linear(128, 256))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    sar = SparseAllreduce(m.parameters(), comm=comm, density=0.01, algorithm=alg,
+                          **({"sync_every": H} if H else {}))
+    for _ in range(4):
+        opt.zero_grad(set_to_none=False)
+        m(torch.randn(8, 256)).pow(2).mean().backward()
+        if H:
+            sar.reduce_updates(opt)
+        else:
+            sar.reduce_gradients()
+            opt.step()
+    skip = {t.untyped_storage().data_ptr() for p in m.parameters() for t in (p, p.grad)}
+    return sum(_held_bytes(sar, skip).values()), sar.numel
+
+
+@pytest.mark.parametrize("H", [None, 2])
+@pytest.mark.parametrize("alg", ("dense",) + tuple(SPARSE_ALGORITHMS))
+def test_state_held_per_element(alg, H):
+    """What usage.md promises a user sizing memory: after steady steps a SparseAllreduce holds
+    its fp32 residual (4 bytes an element), local steps add the anchor (4 more), Ok-Topk adds
+    its threshold sample (65,536 int32 positions at most, fixed) and under a byte an element of
+    staging; nothing else of n."""
+    held, n = LocalCluster(2).run(_state_per_element, alg, H)[0]
+    got = (held - (4 * min(65536, n) if alg == "oktopk" else 0)) / n
+    base = 4.0 + (4.0 if H else 0.0)
+    assert base <= got <= base + (1.0 if alg == "oktopk" else 0.05), got
