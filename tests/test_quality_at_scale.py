@@ -88,8 +88,11 @@ def test_a_broken_run_fails_the_tool(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(qas, "run_one", diverged)
     out = tmp_path / "q.json"
     rc = qas.main(["--world-size", "2", *ARGS, *OPTIONS, "--algorithms", "topka",
-                   "--json", str(out)])
-    assert rc == 1 and "replicas diverged" in capsys.readouterr().err
+                   "--progress", "3", "--json", str(out)])
+    printed = capsys.readouterr()
+    assert rc == 1 and "replicas diverged" in printed.err
+    assert [line.split(":")[0].strip() for line in printed.out.splitlines() if "/6:" in line] \
+        == ["step 3/6", "step 6/6"]
     rec = json.loads(out.read_text())
     assert set(HEADER_KEYS) <= set(rec) and rec["benchmark"] == "quality-at-scale"
     assert [r["algorithm"] for r in rec["runs"]] == ["topka"]

@@ -55,7 +55,8 @@ def make_config(a) -> Dict[str, Any]:
                 eval_sequences=a.eval_sequences, options=dict(a.option))
 
 
-def _rank_run(comm, cfg, algorithm: str, seed: int, model0, train) -> Dict[str, Any]:
+def _rank_run(comm, cfg, algorithm: str, seed: int, model0, train,
+              progress: int = 0) -> Dict[str, Any]:
     """One rank's run; returns its replica, byte counts and conservation check."""
     count_received(comm)
     model = copy.deepcopy(model0)
@@ -81,12 +82,21 @@ def _rank_run(comm, cfg, algorithm: str, seed: int, model0, train) -> Dict[str, 
             sar.reduce_gradients()
             opt.step()
         losses.append(float(loss.detach()))
+        if progress and comm.rank == 0 and (step + 1) % progress == 0:
+            _progress(cfg, step, losses)
         if sar.stats.get("synced", True):
             for key in _COUNTS:
                 counts[key].append(int(sar.stats[key]))
     return dict(model=model, k=sar.k, sent=comm.bytes_sent, received=comm.bytes_received,
                 conservation=ledger.check(), train_loss=sum(losses[-20:]) / len(losses[-20:]),
                 checksum=params_checksum(params), counts=counts, numel=sar.numel)
+
+
+def _progress(cfg, step: int, losses: List[float]) -> None:
+    """Where a run of tens of minutes stands (rank 0, ``--progress N``)."""
+    recent = losses[-20:]
+    print(f"    step {step + 1}/{cfg['steps']}: train loss {sum(recent) / len(recent):.4f} "
+          f"(rank 0, last {len(recent)} steps)", flush=True)
 
 
 # entries a sync, from the algorithm's stats: this rank's selected entries, and the entries of
@@ -123,13 +133,14 @@ def evaluate(model, val, cfg, batch: int = 64) -> float:
     return tot / n
 
 
-def run_one(cfg, algorithm: str, seed: int, corpus, timeout: float) -> Dict[str, Any]:
+def run_one(cfg, algorithm: str, seed: int, corpus, timeout: float,
+            progress: int = 0) -> Dict[str, Any]:
     """Train ``algorithm`` at ``seed`` on ``cfg['world_size']`` thread ranks; the record."""
     torch.manual_seed(seed)                     # the same init for every algorithm at a seed
     model0 = GPT(GPTConfig(**cfg["gpt"]))
     t0 = time.perf_counter()
     res = LocalCluster(cfg["world_size"], timeout=timeout).run(
-        _rank_run, cfg, algorithm, seed, model0, corpus.train)
+        _rank_run, cfg, algorithm, seed, model0, corpus.train, progress)
     wall = time.perf_counter() - t0
     syncs = cfg["steps"] // int(cfg["options"].get("sync_every", 1))
     cons = [r["conservation"] for r in res]
@@ -169,6 +180,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--eval-sequences", type=int, default=256)
     p.add_argument("--option", action="append", default=[], type=_parse_option,
                    metavar="KEY=VALUE", help="SparseAllreduce option (VALUE as JSON if it parses)")
+    p.add_argument("--progress", type=int, default=0, metavar="N",
+                   help="print rank 0's train loss every N steps (0: only the results)")
     p.add_argument("--timeout", type=float, default=600.0, help="per collective, seconds")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
@@ -189,9 +202,10 @@ def lean_malloc() -> bool:
                ((M_ARENA_MAX, 2), (M_TRIM_THRESHOLD, 0), (M_MMAP_THRESHOLD, 64 * 1024)))
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: Optional[List[str]] = None, lean: bool = False) -> int:
+    """The CLI; ``lean``: :func:`lean_malloc` is in effect (the script's own entry sets it, a
+    caller importing the tool keeps its process's allocator as it was)."""
     a = parse_args(argv)
-    lean = lean_malloc()
     torch.set_num_threads(1)
     cfg = make_config(a)
     corpus = load_corpus()
@@ -201,7 +215,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     runs, errors = [], []
     for alg in a.algorithms:
         for seed in a.seeds:
-            rec = run_one(cfg, alg, seed, corpus, a.timeout)
+            rec = run_one(cfg, alg, seed, corpus, a.timeout, a.progress)
             runs.append(rec)
             err = _check(rec)
             errors += [f"{alg} seed {seed}: {err}"] if err else []
@@ -220,4 +234,4 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(lean=lean_malloc()))
