@@ -6,7 +6,10 @@
 
 Why threads: ``oktopk-bench train`` runs one process per rank, and each holds ~140 MB of torch
 before its model (measured on the 2-core, 24 GiB CPU machine: 64 gloo ranks of the 1m GPT
-filled its memory). The ranks here share one torch: the 1m GPT at P = 64 peaked at ~9 GB.
+filled its memory). The ranks here share one torch, and the script has glibc hand freed step
+temporaries back (:func:`lean_malloc`): the 1m GPT at P = 64 holds ~5 GB, the 4m GPT ~10 GB
+(TopkA) to ~14 GB (Ok-Topk, with the audit's earlier 24 bytes an element), where it was killed
+at 24 GiB before.
 
 Each rank runs what ``train --model gpt`` runs (oktopk_triton/bench/lm_loop.py): the same
 model, AdamW, learning-rate schedule, per-rank windows and reduction
