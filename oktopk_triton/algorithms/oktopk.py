@@ -104,7 +104,6 @@ from .. import kernels as K
 from . import _wire as W
 from . import schedule as S
 from .base import Algorithm
-from .sweep import ResidualSweep
 
 __all__ = ["OkTopk", "source_order"]
 
@@ -133,8 +132,6 @@ class OkTopk(Algorithm):
         "wire_dtype": "fp32",      # reduce rows' values on the wire: fp32 | bf16 (rounding kept)
         "region_span": "auto",     # widest region, as a multiple of n/P (None: up to n); auto:
                                    # 4 on a packed wire (its rows' chunk words), else None
-        "sweep": 0.0,              # a fraction of n: each step also reduces that window of
-                                   # the residual densely at 2 bits (.sweep; 0: off)
         "backend": "auto",         # kernels backend: auto | triton | torch
     }
     STATE = ("th_rows", "row_target", "th_global", "region_offsets", "_calibrated")
@@ -220,8 +217,6 @@ class OkTopk(Algorithm):
             self._cgathered = torch.zeros(P, ws, dtype=torch.int32, device=dev)
         self._quantized = self.wire_format in W.QUANTIZED
         self._inv_P = 1.0 / P
-        sweep = ResidualSweep.fraction(o["sweep"])
-        self._sweep = ResidualSweep(n, comm, sweep, dev) if sweep > 0 else None
 
     # -- capacities -------------------------------------------------------------------------------
     @staticmethod
@@ -290,12 +285,8 @@ class OkTopk(Algorithm):
             slot = 4 * W.row_words(cg, span, header=1, fmt=fmt)
         else:
             row, slot = 4 * cls.row_words(cr, wire), 4 * (_HEADER + 2 * cg)
-        specs = specs + [S.send_recv([row] * (P - 1), [row] * (P - 1), P - 1),
-                         S.allgather(slot, P)]
-        if ResidualSweep.fraction(o["sweep"]) > 0:   # one alltoall, one allgather: the window
-            words = ResidualSweep.layout(n, P, o["sweep"])[3]
-            specs += [S.alltoall(4 * P * words, P), S.allgather(4 * words, P)]
-        return specs
+        return specs + [S.send_recv([row] * (P - 1), [row] * (P - 1), P - 1),
+                        S.allgather(slot, P)]
 
     # -- the step --------------------------------------------------------------------------------
     def step(self, grad: torch.Tensor, out: torch.Tensor,
@@ -321,8 +312,6 @@ class OkTopk(Algorithm):
         if self.compact:
             self._keep_slot_rounding(keep, offs, nonfinite)
         self._prepare_next(sel, keep, irow_idx, irow_cnt, nonfinite)
-        if self._sweep is not None:
-            self._sweep.step(self.residual, out, nonfinite)
         self._calibrated = True
         self._sorted = self._gval_keep = None   # nothing O(k) outlives the step
         self._row_wire = None
@@ -595,24 +584,10 @@ class OkTopk(Algorithm):
         new = bits.to(torch.int32).view(torch.float32).reshape(1)
         return torch.where(h.sum() > 0, new, th.min().reshape(1))
 
-    def take_over(self, old: Algorithm) -> None:
-        super().take_over(old)
-        if self._sweep is not None and getattr(old, "_sweep", None) is not None:
-            self._sweep.offset.copy_(old._sweep.offset % self.numel)
-
-    def state_dict(self) -> dict:
-        sd = super().state_dict()
-        if self._sweep is not None:
-            sd["sweep_offset"] = self._sweep.offset.clone()
-        return sd
-
     def load_state_dict(self, sd: dict) -> None:
         """As the base class; regions saved wider than this reducer's span (a checkpoint of an
-        earlier bound) are capped, the same way on every rank. With ``sweep``, the window
-        starts where it was saved (at 0 from a checkpoint without one)."""
+        earlier bound) are capped, the same way on every rank."""
         super().load_state_dict(sd)
-        if self._sweep is not None:
-            self._sweep.offset.copy_(torch.as_tensor(sd.get("sweep_offset", 0)) % self.numel)
         if self.span < self.numel:
             self.region_offsets.copy_(K.capped_offsets(self.region_offsets, self.span))
 
