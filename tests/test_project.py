@@ -151,6 +151,34 @@ def test_project_cli_several_models_and_nets(capsys):
     assert "gpt2-xl (n = 1,500,000,000)" in text
 
 
+def test_project_cli_quantized_wire_prices_its_carriers_only(tmp_path, capsys):
+    out = tmp_path / "q.json"
+    rc = cli.main(["project", "--n", "4194304", "--density", "0.016", "--world-sizes", "4", "64",
+                   "--wire-format", "q2", "--sync-every", "2", "--kernels", "none",
+                   "--json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "(--wire-format q2: gtopk, spardl, topkdsa, gaussiank left out" in text
+    assert "q2 wire, sparse syncing every 2 steps" in text
+    rep = json.loads(out.read_text())
+    assert rep["wire_format"] == "q2"
+    rows = rep["cases"][0]["rows"]
+    assert {r["algorithm"] for r in rows} == {"dense", "oktopk", "topka"}
+    for r in rows:         # what the algorithm's own schedule sends on that wire, per step
+        opts = {} if r["algorithm"] == "dense" else {"wire_format": "q2"}
+        specs = schedule_of(r["algorithm"], r["n"], r["k"], r["P"], check_finite="skip", **opts)
+        H = 1 if r["algorithm"] == "dense" else 2
+        assert r["bytes_per_rank"] == pytest.approx(sum(s.bytes_per_rank for s in specs) / H)
+    compact = pl.project(4194304, 0.016, [64], pl.Network(12.5e9, 5e-6), pl.DEFAULT_KERNELS,
+                         ["oktopk", "topka"], sync_every=2, wire_format="compact")
+    q2 = {r["algorithm"]: r["bytes_per_rank"] for r in rows if r["P"] == 64}
+    for r in compact:                               # 2.25 bytes an entry against 4
+        assert 0.5 < q2[r["algorithm"]] / r["bytes_per_rank"] < 0.65
+    with pytest.raises(SystemExit, match="^oktopk-bench project: gtopk: wire_format='q2' is not"):
+        cli.main(["project", "--wire-format", "q2", "--algorithms", "oktopk", "gtopk",
+                  "--kernels", "none"])
+
+
 def test_topkdsa_bytes_round_trip_through_cap2():
     n, k, P = 1 << 22, 41943, 8
     for st in ({"mode": "sparse", "cap2": 7000}, {"mode": "dense"}):

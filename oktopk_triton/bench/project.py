@@ -14,8 +14,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from ..algorithms._wire import WIRE_FORMATS
 from ..planning import (MODEL_PRESETS, NET_PRESETS, _k, describe_ranges,
                         fastest_ranges, parse_net, project, ratios_from_train, resolve_kernels,
                         step_time, time_to_loss, validate)
@@ -23,8 +24,9 @@ from . import _args as A
 from . import records
 from ._common import resolve_algorithms
 
-__all__ = ["add_arguments", "main", "format_table", "format_validation", "format_time_to_loss",
-           "load_ratios", "plot", "merge_collectives", "run_validation", "baseline_rows"]
+__all__ = ["add_arguments", "main", "wire_carriers", "format_table", "format_validation",
+           "format_time_to_loss", "load_ratios", "plot", "merge_collectives", "run_validation",
+           "baseline_rows"]
 
 
 # -- CLI ------------------------------------------------------------------------------------------
@@ -64,9 +66,11 @@ def add_arguments(p) -> None:
     p.add_argument("--algorithms", nargs="+", default=["all"], help="default: all")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                    help="gradient dtype: what dense allreduces (sparse values are fp32)")
-    p.add_argument("--wire-format", choices=("fp32", "compact"), default="fp32",
-                   help="the sparse messages: fp32 (8 bytes an entry) or compact (16-bit "
-                        "relative index + bf16 value, 4 bytes)")
+    p.add_argument("--wire-format", choices=WIRE_FORMATS, default="fp32",
+                   help="the sparse messages: fp32 (8 bytes an entry), compact (16-bit "
+                        "relative index + bf16 value, 4 bytes), q2 / q4 (the index + a 2- or "
+                        "4-bit value with per-chunk scales, 2.25 / 2.5 bytes; Ok-Topk and TopkA "
+                        "only: with 'all' the others are left out)")
     p.add_argument("--sync-every", type=A.positive_int, default=1, metavar="H",
                    help="local steps: the sparse algorithms sync every H steps at --density "
                         "per sync, so their time and bytes per step divide by H (dense stays "
@@ -152,6 +156,25 @@ def _write_json(path: str, obj: Any) -> None:
     print(f"wrote {path}")
 
 
+def wire_carriers(algs: Sequence[str], wire_format: str,
+                  named: bool) -> Tuple[List[str], List[str]]:
+    """(the algorithms to price on ``wire_format``, those left out). Dense ignores the wire; a
+    sparse algorithm that refuses it (its constructor's check, through its schedule) is left
+    out of ``all``, and when ``named`` on the command line exits with that one line."""
+    from ..algorithms.schedule import schedule_of
+    kept, left_out = [], []
+    for a in algs:
+        try:
+            if a != "dense" and wire_format != "fp32":
+                schedule_of(a, 1 << 16, 64, 4, wire_format=wire_format)
+            kept.append(a)
+        except ValueError as e:
+            if named:
+                raise SystemExit(f"oktopk-bench project: {e}")
+            left_out.append(a)
+    return kept, left_out
+
+
 def baseline_rows(rows: List[Dict[str, Any]], names: Iterable[str], n: int, density: float,
                   net, kernels) -> List[Dict[str, Any]]:
     """Steps for the baselines a train report can carry, so their time to a loss is priced too:
@@ -201,6 +224,8 @@ def main(args) -> int:
         raise SystemExit("--overlap: expected --sync-every H with H >= 2 (only a sync every H "
                          "steps can run behind the next steps' compute)")
     algs, _ = resolve_algorithms(args.algorithms, "project", implemented=False)
+    algs, left_out = wire_carriers(algs, args.wire_format,
+                                   named="all" not in [a.lower() for a in args.algorithms])
     nets = [parse_net(x) for x in args.net]
     if args.n:
         models = [(f"n={n}", n) for n in args.n]
@@ -213,6 +238,9 @@ def main(args) -> int:
     print("PROJECTED (a cost model, not a measurement): one steady step = communication + "
           "selection kernels; dense compute (forward/backward) excluded")
     print(f"kernels: {kernels.source} ({kernels.device})" + (f"  [{note}]" if note else ""))
+    if left_out:
+        print(f"(--wire-format {args.wire_format}: {', '.join(left_out)} left out, they do not "
+              f"implement it)")
     cases = []
     for model, n in models:
         for net in nets:
@@ -224,7 +252,7 @@ def main(args) -> int:
             local = (f", sparse syncing every {args.sync_every} steps"
                      + (" (overlapped)" if args.overlap else "")
                      if args.sync_every > 1 else "")
-            wire = ", compact wire" if args.wire_format == "compact" else ""
+            wire = f", {args.wire_format} wire" if args.wire_format != "fp32" else ""
             title = (f"\n{model} (n = {n:,}), density {args.density:g} "
                      f"(k = {_k(n, args.density):,}){wire}{local}, "
                      f"{net.describe()}; step ms (* = fastest)")
