@@ -127,8 +127,7 @@ class Algorithm(abc.ABC):
         # compact: sparse entries as one word (bf16 value, 16-bit chunk-relative index)
         self.wire_format = wire_format
         # (q2 / q4 too: packed like compact, the values quantized; see _wire)
-        self.compact = check_wire_format(self.name, wire_format, type(self).compact_refusal,
-                                         type(self).quantized_refusal)
+        self.compact = self.check_wire(wire_format)
         self.opts = {**self.OPTIONS, **options}
         self.numel = numel
         self.comm = comm
@@ -396,6 +395,13 @@ class Algorithm(abc.ABC):
             mask = mask[:n]
         self._wire_delivered = mask if self._wire_delivered is None else \
             self._wire_delivered | mask
+
+    @classmethod
+    def check_wire(cls, wire_format: str) -> bool:
+        """:func:`check_wire_format` with this class's refusals: True for a packed format, a
+        one-line ValueError for one it cannot carry (the constructor, the schedule and the cost
+        model's CLI ask here)."""
+        return check_wire_format(cls.name, wire_format, cls.compact_refusal, cls.quantized_refusal)
 
     def kernel_backend(self) -> str:
         """The validated ``backend`` option of an algorithm that takes one (where its kernels

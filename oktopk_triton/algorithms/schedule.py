@@ -48,7 +48,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, List, Optional, Sequence
 
-from ._wire import check_wire_format
 from ..comm.base import ring_allreduce_bytes
 
 __all__ = ["CollectiveSpec", "KINDS", "resolve_options", "allreduce", "allgather", "alltoall",
@@ -136,9 +135,7 @@ def resolve_options(cls, n: int, k: int, P: int, options: Dict[str, Any],
     o["check_finite"] = cf
     o["grad_bytes"] = _dtype_bytes(options.get("dtype"))
     o["wire_format"] = options.get("wire_format", "fp32")
-    o["compact"] = check_wire_format(cls.name, o["wire_format"],
-                                     getattr(cls, "compact_refusal", None),
-                                     getattr(cls, "quantized_refusal", None))
+    o["compact"] = cls.check_wire(o["wire_format"])
     rank = options.get("rank")
     if rank is not None and not (isinstance(rank, int) and 0 <= rank < P):
         raise ValueError(f"{cls.name}.schedule: rank must be None or in [0, {P}), got {rank!r}")

@@ -159,14 +159,14 @@ def _write_json(path: str, obj: Any) -> None:
 def wire_carriers(algs: Sequence[str], wire_format: str,
                   named: bool) -> Tuple[List[str], List[str]]:
     """(the algorithms to price on ``wire_format``, those left out). Dense ignores the wire; a
-    sparse algorithm that refuses it (its constructor's check, through its schedule) is left
-    out of ``all``, and when ``named`` on the command line exits with that one line."""
-    from ..algorithms.schedule import schedule_of
+    sparse algorithm that refuses it (:meth:`Algorithm.check_wire`, its constructor's check) is
+    left out of ``all``, and when ``named`` on the command line exits with that one line."""
+    from ..algorithms import get_algorithm
     kept, left_out = [], []
     for a in algs:
         try:
-            if a != "dense" and wire_format != "fp32":
-                schedule_of(a, 1 << 16, 64, 4, wire_format=wire_format)
+            if a != "dense":
+                get_algorithm(a).check_wire(wire_format)
             kept.append(a)
         except ValueError as e:
             if named:
