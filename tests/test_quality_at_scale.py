@@ -134,3 +134,14 @@ def test_lean_malloc_hands_freed_temporaries_back():
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert float(r.stdout.strip()) < 32.0
+
+
+def test_lean_malloc_only_where_memory_needs_it():
+    """auto: glibc's defaults for the 1m GPT (lean costs time there), lean from the 4m preset up;
+    --malloc forces either way."""
+    assert not qas.wants_lean(qas.parse_args(["--size", "1m"]))
+    assert qas.wants_lean(qas.parse_args(["--size", "4m"]))
+    assert qas.wants_lean(qas.parse_args(["--size", "1m", "--malloc", "lean"]))
+    assert not qas.wants_lean(qas.parse_args(["--size", "4m", "--malloc", "default"]))
+    with pytest.raises(SystemExit):
+        qas.parse_args(["--malloc", "small"])

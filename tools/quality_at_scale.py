@@ -6,10 +6,11 @@
 
 Why threads: ``oktopk-bench train`` runs one process per rank, and each holds ~140 MB of torch
 before its model (measured on the 2-core, 24 GiB CPU machine: 64 gloo ranks of the 1m GPT
-filled its memory). The ranks here share one torch, and the script has glibc hand freed step
-temporaries back (:func:`lean_malloc`): the 1m GPT at P = 64 holds ~5 GB, the 4m GPT ~10 GB
-(TopkA) to ~14 GB (Ok-Topk, with the audit's earlier 24 bytes an element), where it was killed
-at 24 GiB before.
+filled its memory). The ranks here share one torch, and from the 4m preset up the script has
+glibc hand freed step temporaries back (:func:`lean_malloc`, ``--malloc``; it costs time, so the
+1m GPT keeps glibc's defaults): the 1m GPT at P = 64 holds ~5 GB lean (6.6 GB without), the 4m
+GPT ~10 GB (TopkA) to ~14 GB (Ok-Topk, with the audit's earlier 24 bytes an element), where it
+was killed at 24 GiB before.
 
 Each rank runs what ``train --model gpt`` runs (oktopk_triton/bench/lm_loop.py): the same
 model, AdamW, learning-rate schedule, per-rank windows and reduction
@@ -187,7 +188,22 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="print rank 0's train loss every N steps (0: only the results)")
     p.add_argument("--timeout", type=float, default=600.0, help="per collective, seconds")
     p.add_argument("--json", default=None)
+    p.add_argument("--malloc", choices=("auto", "lean", "default"), default="auto",
+                   help="glibc's allocator: lean (lean_malloc), default, or auto: lean from the "
+                        "4m preset up, where memory needs it")
     return p.parse_args(argv)
+
+
+# the presets small enough for glibc's defaults at P = 64 on the 24 GiB machine (1m: 6.6 GB)
+_DEFAULT_MALLOC_SIZES = ("tiny", "1m")
+
+
+def wants_lean(a: argparse.Namespace) -> bool:
+    """Whether the run should call :func:`lean_malloc`. Why not always: it maps and unmaps every
+    temporary of 64 KiB and up afresh, which costs time. The 1m GPT at P = 64, Ok-Topk at 1.6%,
+    12 steps (setup and evaluation included) took 98 s lean and 73 s with glibc's defaults, the
+    same bits (2026-11-29, 00969d2; CPU). 320-step runs went from about 20 to 35-42 minutes."""
+    return a.malloc == "lean" or (a.malloc == "auto" and a.size not in _DEFAULT_MALLOC_SIZES)
 
 
 def lean_malloc() -> bool:
@@ -237,4 +253,4 @@ def main(argv: Optional[List[str]] = None, lean: bool = False) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(lean=lean_malloc()))
+    sys.exit(main(lean=wants_lean(parse_args()) and lean_malloc()))
