@@ -201,8 +201,9 @@ _DEFAULT_MALLOC_SIZES = ("tiny", "1m")
 def wants_lean(a: argparse.Namespace) -> bool:
     """Whether the run should call :func:`lean_malloc`. Why not always: it maps and unmaps every
     temporary of 64 KiB and up afresh, which costs time. The 1m GPT at P = 64, Ok-Topk at 1.6%,
-    12 steps (setup and evaluation included) took 98 s lean and 73 s with glibc's defaults, the
-    same bits (2026-11-29, 00969d2; CPU). 320-step runs went from about 20 to 35-42 minutes."""
+    12 steps (setup and evaluation included) took 98 s lean and 73 s with glibc's defaults, one
+    run each, the same validation loss and conservation error (2026-11-29, 00969d2; CPU). Its
+    320-step runs took 35-42 minutes lean, about 20 before lean existed (not isolated)."""
     return a.malloc == "lean" or (a.malloc == "auto" and a.size not in _DEFAULT_MALLOC_SIZES)
 
 
