@@ -179,8 +179,8 @@ class SparseAllreduce(torch.nn.Module):
 
     def _advance(self) -> None:
         """With a density schedule: at a stage's first step, a reducer at the stage's density
-        takes over the current one's residual, velocity and step count (its thresholds and
-        capacities start afresh: its first step calibrates)."""
+        takes over the current one's residual, velocity and step count (its capacities are the
+        new density's; Ok-Topk keeps its regions, and its first step calibrates on them)."""
         if self._schedule is None:
             return
         d = self._schedule.density_at(self.algorithm.step_count)

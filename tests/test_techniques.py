@@ -182,3 +182,50 @@ def test_density_schedule_resumes_bit_for_bit(cut):
         assert len(resumed[r][0]) == len(tail)
         for a, b in zip(tail, resumed[r][0]):
             assert a[0] == b[0] and torch.equal(a[1], b[1]) and torch.equal(a[5], b[5])
+
+
+def _carry_body(comm, mode, steps_before):
+    """Ok-Topk at 5% for ``steps_before`` steps on moving hot spots (the regions re-balance
+    away from equal), then a reducer at 2% takes over and steps once."""
+    from conservation import moving_hotspots
+    from oktopk_triton.algorithms.oktopk import OkTopk
+    n, fn = 6000, moving_hotspots(3)
+    old = OkTopk(n, comm, 0.05, row_threshold=mode)
+    for t in range(steps_before):
+        old(fn(comm.rank, t, n))
+    new = OkTopk(n, comm, 0.02, row_threshold=mode)
+    new.take_over(old)
+    taken = (new.region_offsets.clone(), new.row_target.clone(), new._carried)
+    g = fn(comm.rank, steps_before, n)
+    before = new.residual.clone()
+    out = new(g)
+    return old, taken, before + g, out, new.residual.clone(), new.region_offsets.clone()
+
+
+@pytest.mark.parametrize("mode", ["rank", "region"])
+def test_oktopk_take_over_carries_the_regions(mode):
+    """A density stage goes on from the regions the last stage balanced (not equal ones), with
+    the rank mode's steered row target rescaled to the new k; the first step calibrates on
+    them, conserves and agrees across ranks (P = 3)."""
+    P = 3
+    res = LocalCluster(P).run(_carry_body, mode, 3)
+    equal = torch.tensor([6000 * j // P for j in range(P + 1)])
+    for old, (offs, target, carried), _, _, _, _ in res:
+        assert carried and torch.equal(offs, old.region_offsets)
+        assert not torch.equal(offs, equal)            # the hot spots moved them
+        if mode == "rank":
+            torch.testing.assert_close(target, old.row_target * 0.4)
+    outs = [r[3] for r in res]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    assert outs[0].count_nonzero() > 0
+    acc = sum(r[2] for r in res)
+    torch.testing.assert_close(acc, P * outs[0] + sum(r[4] for r in res), rtol=1e-5, atol=1e-5)
+
+
+def test_oktopk_take_over_from_a_fresh_reducer_carries_no_regions():
+    """Nothing to carry before the first step: equal regions, the new k's own target."""
+    res = LocalCluster(3).run(_carry_body, "rank", 0)
+    for old, (offs, target, carried), _, _, _, _ in res:
+        assert not carried
+        assert torch.equal(offs, torch.tensor([0, 2000, 4000, 6000]))
+        assert torch.equal(target, torch.full((3,), 120.0))

@@ -197,6 +197,9 @@ class OkTopk(Algorithm):
                                 if m < n else torch.arange(n)).to(device=dev, dtype=torch.int32)
             self._sample_k = max(1, min(m, int(round(self.k * m / n))))
         self._calibrated = False
+        # True after take_over carried a calibrated reducer's regions: the first step calibrates
+        # on them (exact thresholds for this k), not on equal regions
+        self._carried = False
         cr, cg = self.cap_r, self.cap_g
         row = self.row_words(cr, o["wire_dtype"])
         self._msg = torch.zeros(P, row, dtype=torch.int32, device=dev)
@@ -313,6 +316,7 @@ class OkTopk(Algorithm):
             self._keep_slot_rounding(keep, offs, nonfinite)
         self._prepare_next(sel, keep, irow_idx, irow_cnt, nonfinite)
         self._calibrated = True
+        self._carried = False
         self._sorted = self._gval_keep = None   # nothing O(k) outlives the step
         self._row_wire = None
 
@@ -327,21 +331,47 @@ class OkTopk(Algorithm):
             th = K.magnitude_threshold(acc, self.k, backend=be).reshape(1).expand(P)
         elif self.rank_threshold:   # this rank's k-th largest, no row above its staging fill
             x = K.magnitude_threshold(acc, self.k, backend=be).reshape(1)
-            if not self._calibrated:   # the initial equal regions, known to the host
-                fill = max(1, int(self.cap_s * _STAGE_FILL))
-                cap = torch.stack([K.magnitude_threshold(acc, fill, start=n * j // P,
-                                                         end=n * (j + 1) // P, backend=be)
-                                   for j in range(P)])
+            if not self._calibrated:   # the first step: each row's fill threshold, exact
+                cap = self._per_row_threshold(acc, max(1, int(self.cap_s * _STAGE_FILL)))
             else:                      # later ones: the fill thresholds of the last histogram
                 cap = self._cap_rows
             th = torch.maximum(x.expand(P), cap)
-        else:   # the first step: the initial equal regions, known to the host
-            target = max(1, int(round(self.stage_mid)))
-            th = torch.stack([K.magnitude_threshold(acc, target, start=n * j // P,
-                                                    end=n * (j + 1) // P, backend=be)
-                              for j in range(P)])
+        else:   # the first step: each row at its stage_mid-th largest
+            th = self._per_row_threshold(acc, max(1, int(round(self.stage_mid))))
         th = torch.where(th > 0, th, _smallest_positive(acc).expand(P))
         self.th_rows.copy_(self._keep_if_nonfinite(th.contiguous(), self.th_rows, nonfinite))
+
+    def _per_row_threshold(self, acc: torch.Tensor, count: int) -> torch.Tensor:
+        """fp32 [P]: each row's ``count``-th largest |acc| over its region. A fresh reducer's
+        regions are the equal ones, known to the host; regions carried by :meth:`take_over`
+        are read on the device (at most ``span`` long), with no host read."""
+        n, P, be = self.numel, self.P, self.backend
+        if self._carried:
+            offs = self.region_offsets
+            return torch.stack([K.magnitude_threshold(acc, count, start=offs[j], end=offs[j + 1],
+                                                      max_len=self.span, backend=be)
+                                for j in range(P)])
+        return torch.stack([K.magnitude_threshold(acc, count, start=n * j // P,
+                                                  end=n * (j + 1) // P, backend=be)
+                            for j in range(P)])
+
+    def take_over(self, old: Algorithm) -> None:
+        """As the base class (residual, velocity, step count, loss scale); from a calibrated
+        Ok-Topk with the same row-threshold mode also its regions and its steered row target
+        (rescaled to this k), so a density stage goes on from the balance reached instead of
+        equal regions. The first step still calibrates: every row's threshold exact for this
+        density, on the carried regions."""
+        super().take_over(old)
+        if not (isinstance(old, OkTopk) and old._calibrated
+                and old.rank_threshold == self.rank_threshold):
+            return
+        offs = old.region_offsets
+        if old.span > self.span:   # not with one set of options (the span ignores the density)
+            offs = K.capped_offsets(offs, self.span)
+        self.region_offsets.copy_(offs)
+        if self.rank_threshold:    # region mode aims each row at stage_mid: nothing to carry
+            self.row_target.copy_(old.row_target * (self.k / old.k))
+        self._carried = True
 
     def _sample_threshold(self, grad: torch.Tensor, nonfinite: Optional[torch.Tensor]) -> None:
         """Rank mode: the rank threshold from THIS step's acc at ``threshold_sample`` fixed
