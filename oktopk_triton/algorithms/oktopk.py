@@ -326,7 +326,7 @@ class OkTopk(Algorithm):
         acc itself. Rows: the region's ``stage_mid``-th largest |acc| (exact mode: this rank's
         k-th largest, the same for every row). Costs extra passes; a steady step has none."""
         acc = self.residual + self._velocity_preview(grad)
-        P, n, be = self.P, self.numel, self.backend
+        P, be = self.P, self.backend
         if self.opts["exact_thresholds"]:
             th = K.magnitude_threshold(acc, self.k, backend=be).reshape(1).expand(P)
         elif self.rank_threshold:   # this rank's k-th largest, no row above its staging fill
