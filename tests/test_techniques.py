@@ -195,7 +195,8 @@ def _carry_body(comm, mode, steps_before):
         old(fn(comm.rank, t, n))
     new = OkTopk(n, comm, 0.02, row_threshold=mode)
     new.take_over(old)
-    taken = (new.region_offsets.clone(), new.row_target.clone(), new._carried)
+    taken = (new.region_offsets.clone(), new.row_target.clone(), new._carried,
+             new.th_global.clone())
     g = fn(comm.rank, steps_before, n)
     before = new.residual.clone()
     out = new(g)
@@ -210,8 +211,9 @@ def test_oktopk_take_over_carries_the_regions(mode):
     P = 3
     res = LocalCluster(P).run(_carry_body, mode, 3)
     equal = torch.tensor([6000 * j // P for j in range(P + 1)])
-    for old, (offs, target, carried), _, _, _, _ in res:
+    for old, (offs, target, carried, th), _, _, _, _ in res:
         assert carried and torch.equal(offs, old.region_offsets)
+        assert th > 0 and torch.equal(th, old.th_global)
         assert not torch.equal(offs, equal)            # the hot spots moved them
         if mode == "rank":
             torch.testing.assert_close(target, old.row_target * 0.4)
@@ -225,7 +227,7 @@ def test_oktopk_take_over_carries_the_regions(mode):
 def test_oktopk_take_over_from_a_fresh_reducer_carries_no_regions():
     """Nothing to carry before the first step: equal regions, the new k's own target."""
     res = LocalCluster(3).run(_carry_body, "rank", 0)
-    for old, (offs, target, carried), _, _, _, _ in res:
-        assert not carried
+    for old, (offs, target, carried, th), _, _, _, _ in res:
+        assert not carried and th == 0
         assert torch.equal(offs, torch.tensor([0, 2000, 4000, 6000]))
         assert torch.equal(target, torch.full((3,), 120.0))

@@ -357,10 +357,10 @@ class OkTopk(Algorithm):
 
     def take_over(self, old: Algorithm) -> None:
         """As the base class (residual, velocity, step count, loss scale); from a calibrated
-        Ok-Topk with the same row-threshold mode also its regions and its steered row target
-        (rescaled to this k), so a density stage goes on from the balance reached instead of
-        equal regions. The first step still calibrates: every row's threshold exact for this
-        density, on the carried regions."""
+        Ok-Topk with the same row-threshold mode also its regions, its global threshold and its
+        steered row target (rescaled to this k), so a density stage goes on from the balance
+        reached instead of equal regions. The first step still calibrates: every row's threshold
+        exact for this density, on the carried regions."""
         super().take_over(old)
         if not (isinstance(old, OkTopk) and old._calibrated
                 and old.rank_threshold == self.rank_threshold):
@@ -369,6 +369,9 @@ class OkTopk(Algorithm):
         if old.span > self.span:   # not with one set of options (the span ignores the density)
             offs = K.capped_offsets(offs, self.span)
         self.region_offsets.copy_(offs)
+        # the regions are balanced on how many of each owner's sums reach the last global
+        # threshold: the old stage's is nearer this one's than a fresh reducer's 0 (every sum)
+        self.th_global.copy_(old.th_global)
         if self.rank_threshold:    # region mode aims each row at stage_mid: nothing to carry
             self.row_target.copy_(old.row_target * (self.k / old.k))
         self._carried = True
