@@ -231,3 +231,39 @@ def test_oktopk_take_over_from_a_fresh_reducer_carries_no_regions():
         assert not carried and th == 0
         assert torch.equal(offs, torch.tensor([0, 2000, 4000, 6000]))
         assert torch.equal(target, torch.full((3,), 120.0))
+
+
+def _switch_body(comm):
+    """Ok-Topk at 2% for 8 steps on moving hot spots; then the 9th step three ways: continued,
+    by a reducer at a density 0.06% higher that took over, and by the same with the regions and
+    threshold a fresh reducer starts from (equal regions, 0)."""
+    from conservation import moving_hotspots
+    from oktopk_triton.algorithms.oktopk import OkTopk
+    n, P, fn = 30_000, comm.world_size, moving_hotspots(1)
+    base = OkTopk(n, comm, 0.02, wire_format="q2", backend="torch")
+    for t in range(8):
+        base(fn(comm.rank, t, n))
+    sd, g, outs = base.state_dict(), fn(comm.rank, 8, n), {}
+    for way in ("continued", "carried", "fresh"):
+        old = OkTopk(n, comm, 0.02, wire_format="q2", backend="torch")
+        old.load_state_dict(sd)
+        alg = old
+        if way != "continued":
+            alg = OkTopk(n, comm, 0.02 * 1.0006, wire_format="q2", backend="torch")
+            alg.take_over(old)
+        if way == "fresh":
+            alg.region_offsets.copy_(torch.tensor([n * j // P for j in range(P + 1)]))
+            alg.th_global.zero_()
+            alg._carried = False
+        outs[way] = alg(g.clone()).clone()
+    return outs
+
+
+def test_oktopk_density_switch_goes_on_from_the_balance_reached():
+    """The step after a switch to a nearly equal density delivers what the continued reducer
+    does (P = 5); from equal regions it would deliver a different set, and less of it."""
+    outs = LocalCluster(5).run(_switch_body)[0]
+    ref = outs["continued"]
+    dist = {w: float((outs[w] - ref).norm() / ref.norm()) for w in ("carried", "fresh")}
+    assert dist["carried"] < 0.05 and dist["fresh"] > 0.3, dist
+    assert outs["fresh"].count_nonzero() < ref.count_nonzero()
