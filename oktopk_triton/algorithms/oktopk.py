@@ -345,14 +345,11 @@ class OkTopk(Algorithm):
         """fp32 [P]: each row's ``count``-th largest |acc| over its region. A fresh reducer's
         regions are the equal ones, known to the host; regions carried by :meth:`take_over`
         are read on the device (at most ``span`` long), with no host read."""
-        n, P, be = self.numel, self.P, self.backend
-        if self._carried:
-            offs = self.region_offsets
-            return torch.stack([K.magnitude_threshold(acc, count, start=offs[j], end=offs[j + 1],
-                                                      max_len=self.span, backend=be)
-                                for j in range(P)])
-        return torch.stack([K.magnitude_threshold(acc, count, start=n * j // P,
-                                                  end=n * (j + 1) // P, backend=be)
+        n, P = self.numel, self.P
+        offs, max_len = ((self.region_offsets, self.span) if self._carried
+                         else ([n * j // P for j in range(P + 1)], None))
+        return torch.stack([K.magnitude_threshold(acc, count, start=offs[j], end=offs[j + 1],
+                                                  max_len=max_len, backend=self.backend)
                             for j in range(P)])
 
     def take_over(self, old: Algorithm) -> None:
