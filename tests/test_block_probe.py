@@ -1,0 +1,68 @@
+"""tools/block_probe.py: the idealised block exchanges it trains with keep the step contract
+(conservation, identical outputs), deliver whole blocks within the budget, and at one density
+cost the same q2 bits at every block size."""
+import os
+import sys
+
+import pytest
+import torch
+
+from oktopk_triton.comm.local import LocalCluster
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "tools"))
+import block_probe as bp  # noqa: E402
+
+N = 1000
+
+
+def test_blocks_cost_the_budget_in_q2_bits():
+    assert bp.blocks_for(0.016, 100_000, 1) == 1600
+    for B in (4, 8, 16):
+        bits = bp.blocks_for(0.016, 100_000, B) * (16 + 2 * B)
+        assert abs(bits - 1600 * 18) <= 16 + 2 * B
+    assert bp.blocks_for(0.9, 10, 8) == 2          # never more blocks than n holds
+
+
+def _steps(comm, exchange, block):
+    alg = bp.BlockProbe(N, comm, 0.05, block=block, exchange=exchange)
+    g = torch.Generator().manual_seed(comm.rank)
+    rows = []
+    for _ in range(3):
+        grad = torch.randn(N, generator=g) * torch.linspace(0.1, 2, N)
+        acc = alg.residual + grad
+        out = alg(grad).clone()
+        rows.append((acc, out, alg.residual.clone()))
+    return rows
+
+
+@pytest.mark.parametrize("exchange", ["sum", "union"])
+@pytest.mark.parametrize("block", [1, 7])
+def test_probe_keeps_the_contract_and_delivers_whole_blocks(exchange, block):
+    P = 3
+    res = LocalCluster(P, timeout=60).run(_steps, exchange, block)
+    budget = bp.blocks_for(0.05, N, block)
+    for s in range(3):
+        accs = torch.stack([r[s][0] for r in res])
+        out = res[0][s][1]
+        resid = torch.stack([r[s][2] for r in res])
+        assert all(torch.equal(r[s][1], out) for r in res)
+        torch.testing.assert_close(accs.sum(0), P * out + resid.sum(0), rtol=0, atol=1e-5)
+        pad = torch.zeros(-(-N // block) * block)
+        pad[:N] = (out != 0).float()
+        hit = pad.view(-1, block).sum(1)
+        assert int((hit > 0).sum()) <= budget * (P if exchange == "union" else 1)
+        if exchange == "sum":
+            assert int((hit > 0).sum()) == budget
+            if block == 1:      # the exact global top-k of the sum
+                top = accs.sum(0).abs().topk(budget).indices
+                assert torch.equal((out != 0).nonzero().view(-1), top.sort().values)
+        full = hit[:N // block]
+        assert bool(((full == 0) | (full == block)).all())     # whole blocks only
+
+
+def test_probe_refuses_a_bad_option():
+    def build(comm):
+        bp.BlockProbe(N, comm, 0.05, block=0)
+    with pytest.raises(Exception, match="block must be an int >= 1"):
+        LocalCluster(1, timeout=10).run(build)

@@ -1,0 +1,111 @@
+"""Probe: does one index per block of B contiguous entries buy quality at equal bytes?
+
+TopkA's output at 64 ranks covers 11 to 13% of n a sync, Ok-Topk's its k (1.6 to 4.8%), and on
+a q2 wire an index is 16 of an entry's 18 bits. A block of B contiguous entries with one index
+costs ``16 + 2B`` bits, so at the same bytes a sync it covers ``18B / (16 + 2B)`` times as many
+entries (2.4x at B = 4, 3.6x at B = 8, 4.5x at B = 16). Whether coverage bought that way is worth
+its weaker selection is what this probe measures, before any wire is built for it.
+
+    python tools/block_probe.py --world-size 16 --algorithms blockprobe --density 0.016 \\
+        --option block=8 --option exchange=sum --option sync_every=2 --steps 320 --json OUT
+
+It runs :mod:`quality_at_scale` (the same model, ranks, schedule, audit and record) with one
+more algorithm, ``blockprobe``, an *idealised* exchange simulated by a dense allreduce:
+
+* ``exchange="sum"`` (Ok-Topk's ideal, the global top of the sum): every rank gets the sum of
+  all ranks' ``acc``, takes the blocks of largest energy (sum of squares) of it, and delivers
+  them whole; every rank's residual drops them.
+* ``exchange="union"`` (TopkA's): each rank takes the blocks of largest energy of its own
+  ``acc``; ``out`` is the sum of what the ranks took, divided by P.
+
+``density`` is the budget in q2 entries (18 bits each): the probe takes
+``round(density·n·18 / (16 + 2B))`` blocks, so every B at one density costs the same bytes on
+a q2 wire. Values go in fp32 (no quantization), and the bytes the communicator counts are the
+simulation's dense allreduce, not the exchange's: the record's ``sent_per_sync`` is not what
+the exchange would cost. What the probe's rows compare is quality at one budget, B against B,
+and the ideal exchanges against the real ones at B = 1. Conservation holds exactly (what is
+not delivered stays in a residual) and is audited as in every run.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import types
+from typing import Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from oktopk_triton import algorithms  # noqa: E402
+from oktopk_triton.algorithms.base import Algorithm  # noqa: E402
+
+import quality_at_scale  # noqa: E402
+
+INDEX_BITS, VALUE_BITS = 16, 2      # a q2 entry: a chunk-relative index and a 2-bit code
+
+
+def blocks_for(density: float, n: int, block: int) -> int:
+    """Blocks of ``block`` entries that cost what ``density·n`` q2 entries cost."""
+    bits = density * n * (INDEX_BITS + VALUE_BITS)
+    return max(1, min(math.ceil(n / block), round(bits / (INDEX_BITS + VALUE_BITS * block))))
+
+
+class BlockProbe(Algorithm):
+    """The idealised block exchange of the module docstring (a probe, not a wire)."""
+
+    name = "blockprobe"
+    OPTIONS = {"block": 1, "exchange": "sum"}
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.block = int(self.opts["block"])
+        if self.block < 1 or self.opts["exchange"] not in ("sum", "union"):
+            raise ValueError("blockprobe: block must be an int >= 1 and exchange 'sum' or "
+                             f"'union', got {self.opts['block']!r}, {self.opts['exchange']!r}")
+        self.blocks = blocks_for(self.density, self.numel, self.block)
+
+    def _chosen(self, x: torch.Tensor) -> torch.Tensor:
+        """Mask [n] of the ``self.blocks`` blocks of largest energy of ``x``."""
+        n, B = self.numel, self.block
+        nb = math.ceil(n / B)
+        sq = torch.zeros(nb * B, device=x.device)
+        sq[:n] = x.square()
+        top = torch.topk(sq.view(nb, B).sum(1), self.blocks, sorted=False).indices
+        keep = torch.zeros(nb, dtype=torch.bool, device=x.device)
+        keep[top] = True
+        return keep.repeat_interleave(B)[:n]
+
+    def step(self, grad: torch.Tensor, out: torch.Tensor,
+             nonfinite: Optional[torch.Tensor]) -> None:
+        acc = self.accumulate(grad)
+        if self.opts["exchange"] == "sum":
+            total = acc.clone()
+            self.comm.allreduce(total)
+            mask = self._chosen(total)
+            out.copy_(torch.where(mask, total, 0.0).div_(self.P))
+        else:
+            mask = self._chosen(acc)
+            part = torch.where(mask, acc, 0.0)
+            self.comm.allreduce(part)
+            out.copy_(part.div_(self.P))
+        acc.masked_fill_(mask, 0.0)
+        self.commit_residual(acc, nonfinite)
+        self.stats.update(local_selected=mask.sum(), global_selected=(out != 0).sum(),
+                          overflow=0)
+
+
+def register() -> None:
+    """Make ``algorithm="blockprobe"`` resolve to :class:`BlockProbe`."""
+    name = f"{algorithms.__name__}.blockprobe"
+    sys.modules[name] = types.SimpleNamespace(BlockProbe=BlockProbe)
+    algorithms.REGISTRY["blockprobe"] = "blockprobe:BlockProbe"
+
+
+if __name__ == "__main__":
+    register()
+    a = quality_at_scale.parse_args()
+    sys.exit(quality_at_scale.main(lean=quality_at_scale.wants_lean(a)
+                                   and quality_at_scale.lean_malloc()))
