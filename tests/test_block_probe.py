@@ -36,7 +36,7 @@ def _steps(comm, exchange, block):
     return rows
 
 
-@pytest.mark.parametrize("exchange", ["sum", "union"])
+@pytest.mark.parametrize("exchange", ["sum", "union", "partial", "fill"])
 @pytest.mark.parametrize("block", [1, 7])
 def test_probe_keeps_the_contract_and_delivers_whole_blocks(exchange, block):
     P = 3
@@ -52,11 +52,15 @@ def test_probe_keeps_the_contract_and_delivers_whole_blocks(exchange, block):
         pad[:N] = (out != 0).float()
         hit = pad.view(-1, block).sum(1)
         assert int((hit > 0).sum()) <= budget * (P if exchange == "union" else 1)
-        if exchange == "sum":
+        if exchange != "union":
             assert int((hit > 0).sum()) == budget
-            if block == 1:      # the exact global top-k of the sum
+            if block == 1 and exchange == "sum":    # the exact global top-k of the sum
                 top = accs.sum(0).abs().topk(budget).indices
                 assert torch.equal((out != 0).nonzero().view(-1), top.sort().values)
+        if exchange == "fill":      # every rank's part of a delivered entry: none owed
+            assert not bool(((out != 0) & (resid != 0).any(0)).any())
+        if exchange == "partial":   # a delivered entry some rank did not take stays owed
+            assert bool(((out != 0) & (resid != 0).any(0)).any())
         full = hit[:N // block]
         assert bool(((full == 0) | (full == block)).all())     # whole blocks only
 

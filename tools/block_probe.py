@@ -17,6 +17,12 @@ more algorithm, ``blockprobe``, an *idealised* exchange simulated by a dense all
   them whole; every rank's residual drops them.
 * ``exchange="union"`` (TopkA's): each rank takes the blocks of largest energy of its own
   ``acc``; ``out`` is the sum of what the ranks took, divided by P.
+* ``exchange="partial"`` (Ok-Topk's, without its thresholds, capacities and wire): each rank
+  takes its own top blocks as in ``union``; of the sum of what the ranks took (the partial
+  sums), the top blocks are delivered. A rank's residual drops only what it took and was
+  delivered; the other ranks' parts of a delivered entry stay owed.
+* ``exchange="fill"``: the blocks ``partial`` chooses, delivered with every rank's part (the
+  whole sum), as a second, values-only exchange over the chosen indices would complete them.
 
 ``density`` is the budget in q2 entries (18 bits each): the probe takes
 ``round(density·n·18 / (16 + 2B))`` blocks, so every B at one density costs the same bytes on
@@ -45,6 +51,7 @@ from oktopk_triton.algorithms.base import Algorithm  # noqa: E402
 import quality_at_scale  # noqa: E402
 
 INDEX_BITS, VALUE_BITS = 16, 2      # a q2 entry: a chunk-relative index and a 2-bit code
+_EXCHANGES = ("sum", "union", "partial", "fill")
 
 
 def blocks_for(density: float, n: int, block: int) -> int:
@@ -62,9 +69,9 @@ class BlockProbe(Algorithm):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.block = int(self.opts["block"])
-        if self.block < 1 or self.opts["exchange"] not in ("sum", "union"):
-            raise ValueError("blockprobe: block must be an int >= 1 and exchange 'sum' or "
-                             f"'union', got {self.opts['block']!r}, {self.opts['exchange']!r}")
+        if self.block < 1 or self.opts["exchange"] not in _EXCHANGES:
+            raise ValueError(f"blockprobe: block must be an int >= 1 and exchange one of "
+                             f"{_EXCHANGES}, got {self.opts['block']!r}, {self.opts['exchange']!r}")
         self.blocks = blocks_for(self.density, self.numel, self.block)
 
     def _chosen(self, x: torch.Tensor) -> torch.Tensor:
@@ -81,7 +88,19 @@ class BlockProbe(Algorithm):
     def step(self, grad: torch.Tensor, out: torch.Tensor,
              nonfinite: Optional[torch.Tensor]) -> None:
         acc = self.accumulate(grad)
-        if self.opts["exchange"] == "sum":
+        if self.opts["exchange"] in ("partial", "fill"):
+            mine = self._chosen(acc)
+            part = torch.where(mine, acc, 0.0)
+            self.comm.allreduce(part)
+            mask = self._chosen(part)
+            if self.opts["exchange"] == "fill":
+                total = acc.clone()
+                self.comm.allreduce(total)
+                out.copy_(torch.where(mask, total, 0.0).div_(self.P))
+            else:
+                out.copy_(torch.where(mask, part, 0.0).div_(self.P))
+                mask &= mine
+        elif self.opts["exchange"] == "sum":
             total = acc.clone()
             self.comm.allreduce(total)
             mask = self._chosen(total)
