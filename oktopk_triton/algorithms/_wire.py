@@ -206,3 +206,66 @@ def decode(msg: torch.Tensor, cap: int, span: int, header: int = 0,
         return K.wire_decode(msg, cap, span, header, out=out, backend=backend)
     return K.quantized_decode(msg, cap, span, header, bits=QUANTIZED[fmt], out=out,
                               backend=backend)
+
+
+# -- values-only rows ---------------------------------------------------------------------------
+# A row whose positions the receiver already knows (Ok-Topk's ``complete_sums``: the chosen
+# entries' indices went out in the gather) carries values only. fp32: one word a value. On a
+# packed wire: two fp32 scale words (``base``, ``step``: q2's two Lloyd centroids of the row's
+# valid magnitudes) and 2-bit codes (sign, centroid), 16 to a word: 2 bits a value, where a q2
+# entry with its index costs 18. Torch ops over O(rows·cap) elements; no host read.
+_CODES_PER_WORD = 16
+
+
+def value_words(cap: int, fmt: str) -> int:
+    """int32 words of one values-only row of ``cap`` values: ``cap`` (fp32), else
+    ``2 + ceil(cap/16)``."""
+    return cap if fmt in (None, "fp32") else 2 + -(-cap // _CODES_PER_WORD)
+
+
+def encode_values(values: torch.Tensor, valid: torch.Tensor, fmt: str
+                  ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``values`` fp32 [S, cap] (only where ``valid`` bool [S, cap]) -> ``(msg int32
+    [S, value_words(cap, fmt)], wire fp32 [S, cap])``: ``wire`` is what :func:`decode_values`
+    gives every receiver (0 where not valid), so a sender keeps ``values - wire``."""
+    S, cap = values.shape
+    values = torch.where(valid, values.to(torch.float32), torch.zeros_like(values))
+    if fmt in (None, "fp32"):
+        return values.view(torch.int32).clone(), values.clone()
+    a = values.abs()
+    nv = valid.sum(1, keepdim=True).clamp(min=1).to(torch.float32)
+    mean = a.sum(1, keepdim=True) / nv
+    low = valid & (a < mean)
+    high = valid & ~low
+
+    def centroid(m, fallback):
+        c = m.sum(1, keepdim=True)
+        return torch.where(c > 0, (a * m).sum(1, keepdim=True) / c.clamp(min=1), fallback)
+    hi = centroid(high, mean)
+    lo = centroid(low, hi)
+    step = hi - lo
+    j = (valid & (a >= lo + 0.5 * step)).to(torch.int64)
+    code = j | ((values < 0).to(torch.int64) << 1)
+    pad = -(-cap // _CODES_PER_WORD) * _CODES_PER_WORD
+    codes = torch.zeros(S, pad, dtype=torch.int64, device=values.device)
+    codes[:, :cap] = code
+    shift = 2 * torch.arange(_CODES_PER_WORD, device=values.device)
+    words = (codes.view(S, -1, _CODES_PER_WORD) << shift).sum(2)
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+    scales = torch.cat([lo, step], 1).view(torch.int32)
+    msg = torch.cat([scales, words], 1)
+    return msg, decode_values(msg, cap, fmt, valid)
+
+
+def decode_values(msg: torch.Tensor, cap: int, fmt: str, valid: torch.Tensor) -> torch.Tensor:
+    """Values-only rows ``[S, value_words(cap, fmt)]`` -> fp32 [S, cap], 0 where not ``valid``
+    (the receiver's own knowledge of each row's count); the same bits on every rank."""
+    S = msg.shape[0]
+    zero = torch.zeros(S, cap, dtype=torch.float32, device=msg.device)
+    if fmt in (None, "fp32"):
+        return torch.where(valid, msg[:, :cap].view(torch.float32), zero)
+    lo, step = msg[:, :1].view(torch.float32), msg[:, 1:2].view(torch.float32)
+    shift = 2 * torch.arange(_CODES_PER_WORD, device=msg.device)
+    codes = ((msg[:, 2:].to(torch.int64).unsqueeze(2) >> shift) & 3).view(S, -1)[:, :cap]
+    mag = lo + (codes & 1).to(torch.float32) * step
+    return torch.where(valid, torch.where((codes & 2) > 0, -mag, mag), zero)

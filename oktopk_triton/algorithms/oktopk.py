@@ -133,6 +133,8 @@ class OkTopk(Algorithm):
         "region_span": "auto",     # widest region, as a multiple of n/P (None: up to n); auto:
                                    # 4 on a packed wire (its rows' chunk words), else None
         "backend": "auto",         # kernels backend: auto | triton | torch
+        "complete_sums": False,    # a values-only second exchange delivers every rank's part
+                                   # of the chosen entries, not only the parts sent in the rows
     }
     STATE = ("th_rows", "row_target", "th_global", "region_offsets", "_calibrated")
     SCALED = ("th_rows", "th_global", "_cap_rows")   # in the gradient's units
@@ -220,6 +222,14 @@ class OkTopk(Algorithm):
             self._cgathered = torch.zeros(P, ws, dtype=torch.int32, device=dev)
         self._quantized = self.wire_format in W.QUANTIZED
         self._inv_P = 1.0 / P
+        if not isinstance(o["complete_sums"], bool):
+            raise ValueError(f"oktopk: complete_sums must be True or False, got "
+                             f"{o['complete_sums']!r}")
+        self.complete = o["complete_sums"] and P > 1
+        if self.complete:   # values-only rows: one to each owner, then the owners' slots
+            vw = W.value_words(cg, self.wire_format)
+            self._fill_recv = torch.zeros(P, vw, dtype=torch.int32, device=dev)
+            self._fill_gathered = torch.zeros(P, vw, dtype=torch.int32, device=dev)
 
     # -- capacities -------------------------------------------------------------------------------
     @staticmethod
@@ -314,6 +324,8 @@ class OkTopk(Algorithm):
             self._keep_row_error(sel, offs, irow_idx, irow_cnt)
         if self.compact:
             self._keep_slot_rounding(keep, offs, nonfinite)
+        if self.complete:
+            self._complete(out, offs, irow_idx, irow_cnt)
         self._prepare_next(sel, keep, irow_idx, irow_cnt, nonfinite)
         self._calibrated = True
         self._carried = False
@@ -511,6 +523,39 @@ class OkTopk(Algorithm):
         irow_idx, irow_val, irow_cnt, self._gval_keep = K.gather_rows(
             gathered, keep, csum, th_counts=th_counts, backend=be)
         return keep, irow_idx, irow_val, irow_cnt
+
+    def _complete(self, out: torch.Tensor, offs: torch.Tensor, irow_idx: torch.Tensor,
+                  irow_cnt: torch.Tensor) -> None:
+        """``complete_sums``: the chosen entries I (known to every rank after the gather) carry
+        only the parts of the ranks that sent them in their rows; the other ranks' parts are
+        still in their residuals. Each rank sends what it owes at region j's chosen entries,
+        values only, to owner j (one alltoall), the owner adds them (its own and the received
+        rows, in source order), and one allgather of the sums/P completes ``out``. Each sender
+        keeps what the wire dropped of its values, the owner ``P·(f − q(f))`` of its slot:
+        conservation holds. A non-finite step chose nothing (counts 0): nothing moves."""
+        P, cg, r, fmt = self.P, self.cap_g, self.rank, self.wire_format
+        valid = torch.arange(cg, device=out.device) < irow_cnt.to(torch.int64).view(P, 1)
+        pos = offs[:P].view(P, 1) + irow_idx.to(torch.int64).clamp(min=0)
+        pos = torch.where(valid, pos, torch.zeros_like(pos)).view(-1)    # padding: 0, adds 0
+        owed = self.residual[pos].view(P, cg)
+        msg, wire = W.encode_values(owed, valid, fmt)
+        self.residual.index_add_(0, pos, -wire.view(-1))          # keeps owed − q(owed)
+        self.comm.alltoall(self._fill_recv, msg)
+        mine = valid[r:r + 1].expand(P, cg)
+        parts = W.decode_values(self._fill_recv, cg, fmt, mine)
+        total = parts[r].clone()
+        for q in source_order(r, P)[1:]:           # the owner's fixed order (itself first)
+            total.add_(parts[q])
+        f = (total * self._inv_P).view(1, cg)
+        slot, fq = W.encode_values(f, valid[r:r + 1], fmt)
+        self.residual.index_add_(0, pos.view(P, cg)[r], (f - fq).view(-1) * P)
+        self.comm.allgather(self._fill_gathered, slot.view(-1))
+        add = W.decode_values(self._fill_gathered, cg, fmt, valid)
+        out.index_add_(0, pos, add.view(-1))
+        if self.velocity is not None and self.momentum_masking:   # delivered whole: masked
+            keep = torch.ones(self.numel + 1, device=out.device)
+            keep[torch.where(valid.view(-1), pos, torch.full_like(pos, self.numel))] = 0.0
+            self.velocity.mul_(keep[:self.numel])
 
     def _keep_row_error(self, sel: K.Selection, offs: torch.Tensor, irow_idx: torch.Tensor,
                         irow_cnt: torch.Tensor) -> None:
