@@ -410,3 +410,52 @@ def test_triton_kernels_match_torch_path(wire):
     for p in range(3):
         for a, b in zip(tri[p], ref[p]):
             assert torch.equal(a, b)
+
+
+# -- complete_sums: every rank's part of the chosen entries ------------------------------------
+def _owed_at_out(res):
+    """What the ranks still owe, after the last step, at the entries it delivered, against
+    what it delivered there (both summed over the entries)."""
+    at = res.outs[-1][0] != 0
+    owed = sum(r[at].abs().sum() for r in res.residuals)
+    return float(owed / (res.P * res.outs[-1][0][at].abs().sum()))
+
+
+@pytest.mark.parametrize("P", [2, 3, 5])
+@pytest.mark.parametrize("wire", ["fp32", "q2"])
+def test_complete_sums_conservation_agreement_and_nothing_owed(P, wire):
+    args = ("oktopk", P, 4000, 12, 0.02, mixed(P))
+    res = run_steps(*args, backend=BE, wire_format=wire, complete_sums=True)
+    assert_conservation(res)
+    assert_bitwise_agreement(res)
+    plain = run_steps(*args, backend=BE, wire_format=wire)
+    owed, owed_plain = _owed_at_out(res), _owed_at_out(plain)
+    print(f"\nP={P} {wire}: owed at out / delivered {owed:.3f} (without: {owed_plain:.3f})")
+    if wire == "fp32":     # every rank's part arrived whole
+        assert owed == 0.0 < owed_plain
+    else:                  # what is left is the 2-bit rounding of the parts
+        assert owed < 0.6 * owed_plain
+
+
+def test_complete_sums_nonfinite_step_moves_nothing():
+    res = run_steps("oktopk", 3, 3000, 12, 0.02, mixed(4), backend=BE, wire_format="q2",
+                    complete_sums=True, nonfinite={0: 1, 5: 2})
+    assert_conservation(res)   # non-finite steps: out NaN everywhere, residuals bitwise unchanged
+    assert_bitwise_agreement(res)
+    assert res.unchanged[0] and res.unchanged[5]
+
+
+def test_complete_sums_masks_the_velocity_it_delivers():
+    res = run_steps("oktopk", 3, 3000, 6, 0.02, mixed(1), backend=BE, complete_sums=True,
+                    momentum=0.9)
+    assert_conservation(res)
+    at = res.outs[-1][0] != 0
+    for alg in res.algs:
+        assert not bool(alg.velocity[at].any())
+
+
+def test_complete_sums_refuses_a_non_bool():
+    def build(comm):
+        OkTopk(100, comm, 0.1, complete_sums="yes")
+    with pytest.raises(Exception, match="complete_sums must be True or False, got 'yes'"):
+        LocalCluster(1, timeout=10).run(build)

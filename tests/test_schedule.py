@@ -143,6 +143,8 @@ def test_topkdsa_schedule_within_data_dependent_part_and_exact_with_state(P, wir
     ("oktopk", {"volume_budget": 6.0, "capacity_split": 0.3, "backend": "torch"}),
     ("oktopk", {"wire_dtype": "bf16", "backend": "torch"}),
     ("oktopk", {"wire_format": "compact", "backend": "torch"}),
+    ("oktopk", {"complete_sums": True, "backend": "torch"}),
+    ("oktopk", {"complete_sums": True, "wire_format": "q2", "backend": "torch"}),
     ("topka", {"wire_format": "compact"}),
     ("gtopk", {"wire_format": "compact"}),
     ("spardl", {"teams": 2, "wire_format": "compact"}),

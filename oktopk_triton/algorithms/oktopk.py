@@ -285,7 +285,8 @@ class OkTopk(Algorithm):
         send/recv batch of P−1 rows of :meth:`row_words` int32 words (``2 + 2·cap_r``; bf16 wire:
         ``2 + cap_r + ceil(cap_r/2)``), one to and one from every other rank (destination
         rotation), ONE allgather of a ``2 + 2·cap_g``-word slot; capacities from
-        :meth:`capacities`."""
+        :meth:`capacities`. ``complete_sums``: then an alltoall of P values-only rows and an
+        allgather of one (``W.value_words(cap_g)`` words each), on top of the budget."""
         o, specs, whole = S.step_start(cls, n, k, P, options)
         if whole:
             return specs
@@ -298,8 +299,11 @@ class OkTopk(Algorithm):
             slot = 4 * W.row_words(cg, span, header=1, fmt=fmt)
         else:
             row, slot = 4 * cls.row_words(cr, wire), 4 * (_HEADER + 2 * cg)
-        return specs + [S.send_recv([row] * (P - 1), [row] * (P - 1), P - 1),
-                        S.allgather(slot, P)]
+        specs += [S.send_recv([row] * (P - 1), [row] * (P - 1), P - 1), S.allgather(slot, P)]
+        if o["complete_sums"] and P > 1:   # values-only: an alltoall of P rows, their sums
+            vals = 4 * W.value_words(cg, o["wire_format"])
+            specs += [S.alltoall(P * vals, P), S.allgather(vals, P)]
+        return specs
 
     # -- the step --------------------------------------------------------------------------------
     def step(self, grad: torch.Tensor, out: torch.Tensor,
