@@ -375,14 +375,16 @@ def test_bf16_wire_keeps_the_rounding_in_the_residual(P):
 
 # -- CUDA: a steady step never synchronises with the host -------------------------------------
 def _sync_body(comm, n, momentum, wire):
-    fmt = {"wire_format": "compact"} if wire == "compact" else {"wire_dtype": wire}
+    fmt = ({"wire_format": wire[:2], "complete_sums": True} if wire == "q2+complete" else
+           {"wire_format": "compact"} if wire == "compact" else {"wire_dtype": wire})
     alg = OkTopk(n, comm, 0.01, momentum=momentum, device=comm.device, **fmt)
     return steady_steps_never_sync(alg, comm, n)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("P", [1, 2, 4])
-@pytest.mark.parametrize("momentum,wire", [(0.0, "fp32"), (0.9, "bf16"), (0.9, "compact")])
+@pytest.mark.parametrize("momentum,wire", [(0.0, "fp32"), (0.9, "bf16"), (0.9, "compact"),
+                                           (0.9, "q2+complete")])
 def test_cuda_steady_step_never_syncs(P, momentum, wire):
     """Compiled kernels on CUDA tensors, steps 2-4 under
     torch.cuda.set_sync_debug_mode('error') (any synchronising CUDA call raises)."""

@@ -533,8 +533,8 @@ class OkTopk(Algorithm):
         """``complete_sums``: the chosen entries I (known to every rank after the gather) carry
         only the parts of the ranks that sent them in their rows; the other ranks' parts are
         still in their residuals. Each rank sends what it owes at region j's chosen entries,
-        values only, to owner j (one alltoall), the owner adds them (its own and the received
-        rows, in source order), and one allgather of the sums/P completes ``out``. Each sender
+        values only, to owner j (one alltoall), the owner adds them, and one allgather of the
+        sums/P completes ``out``. Each sender
         keeps what the wire dropped of its values, the owner ``P·(f − q(f))`` of its slot:
         conservation holds. A non-finite step chose nothing (counts 0): nothing moves."""
         P, cg, r, fmt = self.P, self.cap_g, self.rank, self.wire_format
@@ -546,11 +546,9 @@ class OkTopk(Algorithm):
         self.residual.index_add_(0, pos, -wire.view(-1))          # keeps owed − q(owed)
         self.comm.alltoall(self._fill_recv, msg)
         mine = valid[r:r + 1].expand(P, cg)
-        parts = W.decode_values(self._fill_recv, cg, fmt, mine)
-        total = parts[r].clone()
-        for q in source_order(r, P)[1:]:           # the owner's fixed order (itself first)
-            total.add_(parts[q])
-        f = (total * self._inv_P).view(1, cg)
+        # only the owner adds its region's parts (everyone gets its quantized sums): one
+        # reduction, deterministic for a fixed shape, not P launches
+        f = (W.decode_values(self._fill_recv, cg, fmt, mine).sum(0) * self._inv_P).view(1, cg)
         slot, fq = W.encode_values(f, valid[r:r + 1], fmt)
         self.residual.index_add_(0, pos.view(P, cg)[r], (f - fq).view(-1) * P)
         self.comm.allgather(self._fill_gathered, slot.view(-1))
