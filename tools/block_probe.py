@@ -3,7 +3,7 @@
 TopkA's output at 64 ranks covers 11 to 13% of n a sync, Ok-Topk's its k (1.6 to 4.8%), and on
 a q2 wire an index is 16 of an entry's 18 bits. A block of B contiguous entries with one index
 costs ``16 + 2B`` bits, so at the same bytes a sync it covers ``18B / (16 + 2B)`` times as many
-entries (2.4x at B = 4, 3.6x at B = 8, 4.5x at B = 16). Whether coverage bought that way is worth
+entries (3x at B = 4, 4.5x at B = 8, 6x at B = 16). Whether coverage bought that way is worth
 its weaker selection is what this probe measures, before any wire is built for it.
 
     python tools/block_probe.py --world-size 16 --algorithms blockprobe --density 0.016 \\
