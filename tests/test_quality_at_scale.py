@@ -15,6 +15,7 @@ import torch
 from distutil import run_gloo
 from oktopk_triton.bench import gpt, lm_loop, train
 from oktopk_triton.bench.records import HEADER_KEYS
+from oktopk_triton.algorithms.schedule import schedule_of, total_bytes
 from oktopk_triton.comm.base import ring_allreduce_bytes
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -78,6 +79,25 @@ def test_records_bytes_conservation_and_replicas(P):
     assert e["global_selected"]["mean_fraction"] >= e["local_selected"]["mean_fraction"]
     assert e["global_selected"]["mean_fraction"] > 1.5 * ta["k"] / n
     assert ok["entries_per_sync"]["global_selected"]["mean_fraction"] <= ok["k"] / n
+
+
+def test_complete_sums_in_local_steps_adds_its_schedule_and_keeps_the_contract():
+    """Ok-Topk's values-only second exchange through the tool's local steps: conservation over
+    the run and identical replicas still hold, and a sync costs what the schedule adds for it
+    (an alltoall and an allgather of values-only rows), no more."""
+    P = 3
+    corpus = gpt.load_corpus()
+    plain = qas.run_one(_tool_config(P), "oktopk", 0, corpus, timeout=60)
+    cfg = qas.make_config(qas.parse_args(["--world-size", str(P), *ARGS, *OPTIONS,
+                                          "--option", "complete_sums=true"]))
+    done = qas.run_one(cfg, "oktopk", 0, corpus, timeout=60)
+    assert qas._check(done) == "" and done["k"] == plain["k"]
+    n = gpt.GPTConfig(**cfg["gpt"]).num_parameters()
+    extra = [total_bytes(schedule_of("oktopk", n, done["k"], P, wire_format="q2", rank=0,
+                                     complete_sums=c)) for c in (False, True)]
+    assert extra[1] > extra[0]
+    assert done["sent_per_sync"] - plain["sent_per_sync"] == pytest.approx(extra[1] - extra[0])
+    assert done["final_val_loss"] != plain["final_val_loss"]
 
 
 def test_a_broken_run_fails_the_tool(monkeypatch, tmp_path, capsys):
