@@ -237,8 +237,8 @@ class OkTopk(Algorithm):
         self.complete = o["complete_sums"] and P > 1
         if self.complete:   # values-only rows: one to each owner, then the owners' slots
             vw = W.value_words(cg, self.wire_format)
-            self._fill_recv = torch.zeros(P, vw, dtype=torch.int32, device=dev)
-            self._fill_gathered = torch.zeros(P, vw, dtype=torch.int32, device=dev)
+            self._complete_recv = torch.zeros(P, vw, dtype=torch.int32, device=dev)
+            self._complete_gathered = torch.zeros(P, vw, dtype=torch.int32, device=dev)
 
     # -- capacities -------------------------------------------------------------------------------
     @staticmethod
@@ -543,9 +543,9 @@ class OkTopk(Algorithm):
         only the parts of the ranks that sent them in their rows; the other ranks' parts are
         still in their residuals. Each rank sends what it owes at region j's chosen entries,
         values only, to owner j (one alltoall), the owner adds them, and one allgather of the
-        sums/P completes ``out``. Each sender
-        keeps what the wire dropped of its values, the owner ``P·(f − q(f))`` of its slot:
-        conservation holds. A non-finite step chose nothing (counts 0): nothing moves."""
+        sums/P completes ``out``. Each sender keeps what the wire dropped of its values, the
+        owner ``P·(f − q(f))`` of its slot: conservation holds. A non-finite
+        step chose nothing (counts 0): nothing moves."""
         P, cg, r, fmt = self.P, self.cap_g, self.rank, self.wire_format
         valid = torch.arange(cg, device=out.device) < irow_cnt.to(torch.int64).view(P, 1)
         pos = offs[:P].view(P, 1) + irow_idx.to(torch.int64).clamp(min=0)
@@ -553,15 +553,15 @@ class OkTopk(Algorithm):
         owed = self.residual[pos].view(P, cg)
         msg, wire = W.encode_values(owed, valid, fmt)
         self.residual.index_add_(0, pos, -wire.view(-1))          # keeps owed − q(owed)
-        self.comm.alltoall(self._fill_recv, msg)
+        self.comm.alltoall(self._complete_recv, msg)
         mine = valid[r:r + 1].expand(P, cg)
         # only the owner adds its region's parts (everyone gets its quantized sums): one
         # reduction, deterministic for a fixed shape, not P launches
-        f = (W.decode_values(self._fill_recv, cg, fmt, mine).sum(0) * self._inv_P).view(1, cg)
+        f = (W.decode_values(self._complete_recv, cg, fmt, mine).sum(0) * self._inv_P).view(1, cg)
         slot, fq = W.encode_values(f, valid[r:r + 1], fmt)
         self.residual.index_add_(0, pos.view(P, cg)[r], (f - fq).view(-1) * P)
-        self.comm.allgather(self._fill_gathered, slot.view(-1))
-        add = W.decode_values(self._fill_gathered, cg, fmt, valid)
+        self.comm.allgather(self._complete_gathered, slot.view(-1))
+        add = W.decode_values(self._complete_gathered, cg, fmt, valid)
         out.index_add_(0, pos, add.view(-1))
         if self.velocity is not None and self.momentum_masking:   # delivered whole: masked
             keep = torch.ones(self.numel + 1, device=out.device)
