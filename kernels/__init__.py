@@ -9,6 +9,7 @@ judged by the share of a copy's bandwidth they reach (2.94 TB/s for 2^28 fp32 on
 from ._dispatch import BACKENDS, INTERPRET, choose, counters
 from .bookkeeping import STATS as BOOKKEEPING_STATS
 from .bookkeeping import capped_offsets, step_bookkeeping
+from .completion import owed_encode, owner_sum, slot_encode, values_add, values_words
 from .compaction import (gather_rows, keep_flags, keep_row_error, keep_slot_rounding,
                          owner_magnitudes, owner_slot, row_magnitudes)
 from .elementwise import dense_zeros, fill_if, nonfinite_flag
@@ -38,4 +39,5 @@ __all__ = ["Selection", "fused_select", "empty_selection", "HIST_BINS", "abs_his
            "sample_magnitudes", "sample_threshold", "staged_magnitudes", "pack_rows",
            "slot_keys", "slot_starts", "slot_sums", "quantized_encode", "quantized_decode",
            "keep_row_error", "gaussian_threshold", "magnitude_keys",
-           "select_above"]
+           "select_above", "owed_encode", "owner_sum", "slot_encode", "values_add",
+           "values_words"]

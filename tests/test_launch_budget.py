@@ -33,6 +33,20 @@ def test_steady_call_within_its_budget(algorithm, wire, mode):
     assert row["host_reads"] == 0          # a steady step never waits for the host
 
 
+@pytest.mark.parametrize("wire,launches", [("q2", 12), ("fp32", 4)])
+def test_complete_sums_adds_its_kernels_and_two_collectives(wire, launches):
+    """Ok-Topk's ``complete_sums`` (kernels/completion.py): q2, two encodes of 5 launches, the
+    owner's sum and the add; fp32, one launch each; no glue op, no host read, no pass over n."""
+    base = L.count_step("oktopk", wire, "gradients", n=_budget_n())
+    full = L.count_step("oktopk", wire, "gradients", n=_budget_n(), complete_sums=True,
+                        momentum=0.9)
+    plain = L.count_step("oktopk", wire, "gradients", n=_budget_n(), momentum=0.9)
+    assert full["launches"] - plain["launches"] == launches, full["glue_ops"]
+    assert full["glue"] == plain["glue"] == base["glue"], full["glue_ops"]
+    assert full["collectives"] - plain["collectives"] == 2
+    assert full["host_reads"] == 0 and full["full_passes"] == plain["full_passes"]
+
+
 def test_the_goals_met_stay_met_in_the_budget():
     """docs/launch-budget.md: a steady Ok-Topk step dispatches at most 150 ops and a non-sync
     local-steps call at most the optimizer's ops + 5, each read from the recorded budget."""

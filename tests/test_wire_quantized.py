@@ -279,33 +279,3 @@ def _sync_body(comm, name, n, fmt):
 @pytest.mark.parametrize("fmt", QFORMATS)
 def test_cuda_quantized_step_never_syncs(name, fmt):
     assert LocalCluster(2, device="cuda").run(_sync_body, name, 1 << 20, fmt) == [True] * 2
-
-
-# -- values-only rows (Ok-Topk's complete_sums) -------------------------------------------------
-@pytest.mark.parametrize("fmt", ["fp32", "q2"])
-def test_values_only_rows_round_trip(fmt):
-    """What a receiver decodes is the ``wire`` the sender kept, bit for bit; 0 past each row's
-    count; fp32 exact; q2 keeps the sign and sends each value to the nearer of its row's two
-    centroids, 2 bits a value behind two scale words."""
-    g = torch.Generator().manual_seed(3)
-    cap = 37
-    vals = torch.randn(4, cap, generator=g) * torch.tensor([[1.0], [1e-3], [50.0], [1.0]])
-    counts = torch.tensor([[37], [5], [1], [0]])
-    valid = torch.arange(cap) < counts
-    msg, wire = W.encode_values(vals, valid, fmt)
-    assert msg.dtype == torch.int32 and msg.shape == (4, W.value_words(cap, fmt))
-    assert W.value_words(cap, fmt) == (cap if fmt == "fp32" else 2 + 3)
-    assert torch.equal(W.decode_values(msg, cap, fmt, valid), wire)
-    assert not bool(wire[~valid].any())
-    if fmt == "fp32":
-        assert torch.equal(wire[valid], vals[valid])
-        return
-    assert bool((torch.sign(wire[valid]) == torch.sign(vals[valid])).all())
-    for r in range(3):
-        a, q = vals[r][valid[r]].abs(), wire[r][valid[r]].abs()
-        levels = q.unique()
-        assert len(levels) <= 2
-        # each magnitude went to the nearer level
-        near = levels[(a.view(-1, 1) - levels.view(1, -1)).abs().argmin(1)]
-        torch.testing.assert_close(q, near, rtol=0, atol=0)
-    assert float(wire[2, 0]) == pytest.approx(float(vals[2, 0]))   # one value: sent as itself

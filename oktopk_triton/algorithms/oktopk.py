@@ -96,7 +96,8 @@ bits a value on a packed wire) and one allgather of the owners' sums/P deliver e
 part. Why (64 ranks, the 1.04M-parameter GPT, local steps every 2 steps, q2, 320 steps; docs/
 volume-at-scale.md): at 1.6% it adds 12.6% to a sync's bytes and lowers the validation loss
 from 2.5883 to 2.5180; at 1.42%, the bytes of 1.6% without it, three seeds end at 2.5307 where
-TopkA at five times the bytes ends at 2.5602. Torch ops (216 launches a q2 step against 43).
+TopkA at five times the bytes ends at 2.5602. ``kernels/completion.py``: 12 launches a q2 step
+(43 without it, 55 with it), 4 on fp32, no glue op and no host read.
 
 Conservation holds exactly: fused_select leaves ``residual = acc``; only clear_sent zeroes, and
 only the entries that reached ``out``. Non-finite steps (``nonfinite > 0``) skip fused_select
@@ -236,8 +237,11 @@ class OkTopk(Algorithm):
                              f"{o['complete_sums']!r}")
         self.complete = o["complete_sums"] and P > 1
         if self.complete:   # values-only rows: one to each owner, then the owners' slots
-            vw = W.value_words(cg, self.wire_format)
+            vw = K.values_words(cg, self.wire_format)
+            self._complete_msg = torch.zeros(P, vw, dtype=torch.int32, device=dev)
             self._complete_recv = torch.zeros(P, vw, dtype=torch.int32, device=dev)
+            self._complete_sum = torch.zeros(1, cg, dtype=torch.float32, device=dev)
+            self._complete_slot = torch.zeros(1, vw, dtype=torch.int32, device=dev)
             self._complete_gathered = torch.zeros(P, vw, dtype=torch.int32, device=dev)
 
     # -- capacities -------------------------------------------------------------------------------
@@ -295,7 +299,7 @@ class OkTopk(Algorithm):
         ``2 + cap_r + ceil(cap_r/2)``), one to and one from every other rank (destination
         rotation), ONE allgather of a ``2 + 2·cap_g``-word slot; capacities from
         :meth:`capacities`. ``complete_sums``: then an alltoall of P values-only rows and an
-        allgather of one (``W.value_words(cap_g)`` words each), on top of the budget."""
+        allgather of one (``K.values_words(cap_g)`` words each), on top of the budget."""
         o, specs, whole = S.step_start(cls, n, k, P, options)
         if whole:
             return specs
@@ -310,7 +314,7 @@ class OkTopk(Algorithm):
             row, slot = 4 * cls.row_words(cr, wire), 4 * (_HEADER + 2 * cg)
         specs += [S.send_recv([row] * (P - 1), [row] * (P - 1), P - 1), S.allgather(slot, P)]
         if o["complete_sums"] and P > 1:   # values-only: an alltoall of P rows, their sums
-            vals = 4 * W.value_words(cg, o["wire_format"])
+            vals = 4 * K.values_words(cg, o["wire_format"])
             specs += [S.alltoall(P * vals, P), S.allgather(vals, P)]
         return specs
 
@@ -546,27 +550,22 @@ class OkTopk(Algorithm):
         sums/P completes ``out``. Each sender keeps what the wire dropped of its values, the
         owner ``P·(f − q(f))`` of its slot: conservation holds. A non-finite
         step chose nothing (counts 0): nothing moves."""
-        P, cg, r, fmt = self.P, self.cap_g, self.rank, self.wire_format
-        valid = torch.arange(cg, device=out.device) < irow_cnt.to(torch.int64).view(P, 1)
-        pos = offs[:P].view(P, 1) + irow_idx.to(torch.int64).clamp(min=0)
-        pos = torch.where(valid, pos, torch.zeros_like(pos)).view(-1)    # padding: 0, adds 0
-        owed = self.residual[pos].view(P, cg)
-        msg, wire = W.encode_values(owed, valid, fmt)
-        self.residual.index_add_(0, pos, -wire.view(-1))          # keeps owed − q(owed)
-        self.comm.alltoall(self._complete_recv, msg)
-        mine = valid[r:r + 1].expand(P, cg)
-        # only the owner adds its region's parts (everyone gets its quantized sums): one
-        # reduction, deterministic for a fixed shape, not P launches
-        f = (W.decode_values(self._complete_recv, cg, fmt, mine).sum(0) * self._inv_P).view(1, cg)
-        slot, fq = W.encode_values(f, valid[r:r + 1], fmt)
-        self.residual.index_add_(0, pos.view(P, cg)[r], (f - fq).view(-1) * P)
-        self.comm.allgather(self._complete_gathered, slot.view(-1))
-        add = W.decode_values(self._complete_gathered, cg, fmt, valid)
-        out.index_add_(0, pos, add.view(-1))
-        if self.velocity is not None and self.momentum_masking:   # delivered whole: masked
-            keep = torch.ones(self.numel + 1, device=out.device)
-            keep[torch.where(valid.view(-1), pos, torch.full_like(pos, self.numel))] = 0.0
-            self.velocity.mul_(keep[:self.numel])
+        P, r, fmt, be = self.P, self.rank, self.wire_format, self.backend
+        offs = offs[:P]
+        K.owed_encode(self.residual, offs, irow_idx, irow_cnt, self._complete_msg, fmt=fmt,
+                      backend=be)                                 # keeps owed − q(owed)
+        self.comm.alltoall(self._complete_recv, self._complete_msg)
+        mine = (offs[r:r + 1], irow_idx[r:r + 1], irow_cnt[r:r + 1])
+        # only the owner adds its region's parts (everyone gets its quantized sums), in rank
+        # order: one launch, the same bits on every backend
+        K.owner_sum(self._complete_recv, mine[2], self._complete_sum.view(-1), self._inv_P,
+                    fmt=fmt, backend=be)
+        K.slot_encode(self._complete_sum, self.residual, *mine, self._complete_slot, float(P),
+                      fmt=fmt, backend=be)                        # keeps P·(f − q(f))
+        self.comm.allgather(self._complete_gathered, self._complete_slot.view(-1))
+        masked = self.velocity is not None and self.momentum_masking   # delivered whole
+        K.values_add(self._complete_gathered, offs, irow_idx, irow_cnt, out,
+                     self.velocity if masked else None, fmt=fmt, backend=be)
 
     def _keep_row_error(self, sel: K.Selection, offs: torch.Tensor, irow_idx: torch.Tensor,
                         irow_cnt: torch.Tensor) -> None:
