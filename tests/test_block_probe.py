@@ -24,8 +24,8 @@ def test_blocks_cost_the_budget_in_q2_bits():
     assert bp.blocks_for(0.9, 10, 8) == 2          # never more blocks than n holds
 
 
-def _steps(comm, exchange, block):
-    alg = bp.BlockProbe(N, comm, 0.05, block=block, exchange=exchange)
+def _steps(comm, exchange, block, **kw):
+    alg = bp.BlockProbe(N, comm, 0.05, block=block, exchange=exchange, **kw)
     g = torch.Generator().manual_seed(comm.rank)
     rows = []
     for _ in range(3):
@@ -36,7 +36,7 @@ def _steps(comm, exchange, block):
     return rows
 
 
-@pytest.mark.parametrize("exchange", ["sum", "union", "partial", "fill"])
+@pytest.mark.parametrize("exchange", ["sum", "union", "partial", "fill", "recheck"])
 @pytest.mark.parametrize("block", [1, 7])
 def test_probe_keeps_the_contract_and_delivers_whole_blocks(exchange, block):
     P = 3
@@ -57,7 +57,7 @@ def test_probe_keeps_the_contract_and_delivers_whole_blocks(exchange, block):
             if block == 1 and exchange == "sum":    # the exact global top-k of the sum
                 top = accs.sum(0).abs().topk(budget).indices
                 assert torch.equal((out != 0).nonzero().view(-1), top.sort().values)
-        if exchange == "fill":      # every rank's part of a delivered entry: none owed
+        if exchange in ("fill", "recheck"):   # every rank's part of a delivered entry: none owed
             assert not bool(((out != 0) & (resid != 0).any(0)).any())
         if exchange == "partial":   # a delivered entry some rank did not take stays owed
             assert bool(((out != 0) & (resid != 0).any(0)).any())
@@ -65,8 +65,30 @@ def test_probe_keeps_the_contract_and_delivers_whole_blocks(exchange, block):
         assert bool(((full == 0) | (full == block)).all())     # whole blocks only
 
 
+@pytest.mark.parametrize("block", [1, 7])
+def test_recheck_spans_fill_to_the_whole_sum(block):
+    """``candidates=1`` delivers what ``fill`` does; candidates covering n, what ``sum`` does;
+    two candidates a block, a choice by the whole sums that ``fill`` does not make."""
+    P = 3
+    outs = {}
+    for name, ex, kw in (("fill", "fill", {}), ("sum", "sum", {}),
+                         ("c1", "recheck", {"candidates": 1}),
+                         ("call", "recheck", {"candidates": 1e9}),
+                         ("c2", "recheck", {"candidates": 2})):
+        res = LocalCluster(P, timeout=60).run(_steps, ex, block, **kw)
+        outs[name] = [res[0][s][1] for s in range(3)]
+    assert all(torch.equal(a, b) for a, b in zip(outs["c1"], outs["fill"]))
+    assert all(torch.equal(a, b) for a, b in zip(outs["call"], outs["sum"]))
+    assert not torch.equal(outs["c2"][0] != 0, outs["fill"][0] != 0)
+
+
 def test_probe_refuses_a_bad_option():
     def build(comm):
         bp.BlockProbe(N, comm, 0.05, block=0)
     with pytest.raises(Exception, match="block must be an int >= 1"):
         LocalCluster(1, timeout=10).run(build)
+
+    def build_c(comm):
+        bp.BlockProbe(N, comm, 0.05, exchange="recheck", candidates=0.5)
+    with pytest.raises(Exception, match="candidates must be a number >= 1, got 0.5"):
+        LocalCluster(1, timeout=10).run(build_c)

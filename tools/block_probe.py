@@ -23,6 +23,13 @@ more algorithm, ``blockprobe``, an *idealised* exchange simulated by a dense all
   delivered; the other ranks' parts of a delivered entry stay owed.
 * ``exchange="fill"``: the blocks ``partial`` chooses, delivered with every rank's part (the
   whole sum), as a second, values-only exchange over the chosen indices would complete them.
+* ``exchange="recheck"`` (choosing from whole sums among candidates): the ``candidates·blocks``
+  top blocks of the partial sums are candidates; every rank's part of them is summed (a
+  values-only exchange over the candidates' indices), and the ``blocks`` of largest energy of
+  those whole sums are delivered whole. ``candidates=1`` is ``fill``; ``candidates`` as large as
+  n's blocks is ``sum``. On a q2 wire the candidates' indices cost 16 bits each and their values
+  2, then a bit each marks the chosen: about ``(18 + 19c + 2)/40`` times ``fill``'s bits a
+  sync at large P (``fill``: 18 bits a row entry, 18 a gathered one, 4 for its completion).
 
 ``density`` is the budget in q2 entries (18 bits each): the probe takes
 ``round(density·n·18 / (16 + 2B))`` blocks, so every B at one density costs the same bytes on
@@ -51,7 +58,7 @@ from oktopk_triton.algorithms.base import Algorithm  # noqa: E402
 import quality_at_scale  # noqa: E402
 
 INDEX_BITS, VALUE_BITS = 16, 2      # a q2 entry: a chunk-relative index and a 2-bit code
-_EXCHANGES = ("sum", "union", "partial", "fill")
+_EXCHANGES = ("sum", "union", "partial", "fill", "recheck")
 
 
 def blocks_for(density: float, n: int, block: int) -> int:
@@ -64,7 +71,7 @@ class BlockProbe(Algorithm):
     """The idealised block exchange of the module docstring (a probe, not a wire)."""
 
     name = "blockprobe"
-    OPTIONS = {"block": 1, "exchange": "sum"}
+    OPTIONS = {"block": 1, "exchange": "sum", "candidates": 2.0}
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -73,14 +80,19 @@ class BlockProbe(Algorithm):
             raise ValueError(f"blockprobe: block must be an int >= 1 and exchange one of "
                              f"{_EXCHANGES}, got {self.opts['block']!r}, {self.opts['exchange']!r}")
         self.blocks = blocks_for(self.density, self.numel, self.block)
+        c = self.opts["candidates"]
+        if not (isinstance(c, (int, float)) and not isinstance(c, bool) and c >= 1):
+            raise ValueError(f"blockprobe: candidates must be a number >= 1, got {c!r}")
+        self.candidates = min(math.ceil(self.numel / self.block), math.ceil(c * self.blocks))
 
-    def _chosen(self, x: torch.Tensor) -> torch.Tensor:
-        """Mask [n] of the ``self.blocks`` blocks of largest energy of ``x``."""
+    def _chosen(self, x: torch.Tensor, count: Optional[int] = None) -> torch.Tensor:
+        """Mask [n] of the ``count`` (default ``self.blocks``) blocks of largest energy of
+        ``x``."""
         n, B = self.numel, self.block
         nb = math.ceil(n / B)
         sq = torch.zeros(nb * B, device=x.device)
         sq[:n] = x.square()
-        top = torch.topk(sq.view(nb, B).sum(1), self.blocks, sorted=False).indices
+        top = torch.topk(sq.view(nb, B).sum(1), count or self.blocks, sorted=False).indices
         keep = torch.zeros(nb, dtype=torch.bool, device=x.device)
         keep[top] = True
         return keep.repeat_interleave(B)[:n]
@@ -88,12 +100,18 @@ class BlockProbe(Algorithm):
     def step(self, grad: torch.Tensor, out: torch.Tensor,
              nonfinite: Optional[torch.Tensor]) -> None:
         acc = self.accumulate(grad)
-        if self.opts["exchange"] in ("partial", "fill"):
+        if self.opts["exchange"] in ("partial", "fill", "recheck"):
             mine = self._chosen(acc)
             part = torch.where(mine, acc, 0.0)
             self.comm.allreduce(part)
-            mask = self._chosen(part)
-            if self.opts["exchange"] == "fill":
+            recheck = self.opts["exchange"] == "recheck"
+            mask = self._chosen(part, self.candidates if recheck else None)
+            if recheck:
+                total = acc.clone()
+                self.comm.allreduce(total)
+                mask = self._chosen(torch.where(mask, total, 0.0))
+                out.copy_(torch.where(mask, total, 0.0).div_(self.P))
+            elif self.opts["exchange"] == "fill":
                 total = acc.clone()
                 self.comm.allreduce(total)
                 out.copy_(torch.where(mask, total, 0.0).div_(self.P))
