@@ -174,6 +174,59 @@ def test_triton_passes_give_the_reference_bits(fmt):
         assert torch.equal(a, b)
 
 
+def _inputs(device="cpu"):
+    return [t.to(device) for t in _rows(counts=(1500, 700, 3, 0))]
+
+
+def _phase(fmt, backend, inputs):
+    """The four calls of one completion, as Ok-Topk makes them (rank 1 of 4 owning row 1):
+    what each wrote."""
+    offs, idx, cnt, res = inputs
+    device = res.device
+    R, cap = idx.shape
+    vw = K.values_words(cap, fmt)
+    msg = torch.zeros(R, vw, dtype=torch.int32, device=device)
+    K.owed_encode(res, offs, idx, cnt, msg, fmt=fmt, backend=backend)
+    recv = torch.cat([msg[1:2], msg[1:2] ^ 0x10, msg[1:2], msg[1:2]])   # four senders' rows
+    if fmt == "fp32":
+        scale = torch.arange(4, dtype=torch.float32, device=device).view(4, 1) - 0.5
+        recv = (msg[1:2].view(torch.float32) * scale).view(torch.int32)
+    f = torch.empty(1, cap, device=device)
+    K.owner_sum(recv, cnt[1:2], f.view(-1), 0.25, fmt=fmt, backend=backend)
+    slot = torch.zeros(1, vw, dtype=torch.int32, device=device)
+    K.slot_encode(f, res, offs[1:2], idx[1:2], cnt[1:2], slot, 4.0, fmt=fmt, backend=backend)
+    gathered = torch.cat([slot, msg[2:3], slot, msg[0:1]])
+    out = torch.zeros_like(res)
+    vel = torch.ones_like(res)
+    K.values_add(gathered, offs, idx, cnt, out, vel, fmt=fmt, backend=backend)
+    return [msg, f, slot, res, out, vel]
+
+
+@needs_interp
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_one_completion_triton_gives_the_reference_bits(fmt):
+    for a, b in zip(_phase(fmt, "torch", _inputs()), _phase(fmt, "triton", _inputs())):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cuda_completion_gives_the_reference_bits_without_a_host_sync(fmt):
+    """Compiled: the integer sums and the owner's fixed order make the atomics' order
+    irrelevant, so the GPU gives the CPU reference's bits; no call waits for the host."""
+    ref = _phase(fmt, "torch", _inputs())
+    _phase(fmt, "triton", _inputs("cuda"))            # compile first
+    inputs = _inputs("cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = _phase(fmt, "triton", inputs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b.cpu())
+
+
 def test_launches_recorded():
     offs, idx, cnt, res = _rows()
     for fmt, want in (("q2", 5), ("fp32", 1)):

@@ -78,7 +78,7 @@ CUDA_TEST_FILES = ("test_kernel_selection.py", "test_kernel_histogram.py",
                    "test_kernel_threshold.py", "test_kernel_scatter.py", "test_kernel_region.py",
                    "test_kernel_elementwise.py", "test_kernel_dispatch.py", "test_comm.py",
                    "test_step_costs.py", "test_oktopk.py", "test_algorithms.py", "test_ddp.py",
-                   "test_module.py", "test_graph.py")
+                   "test_module.py", "test_graph.py", "test_kernel_completion.py")
 
 # collectives runs: (P, n)
 COLLECTIVE_RUNS = ((4, 1 << 26), (8, 1 << 25))
