@@ -353,7 +353,9 @@ def owed_encode(residual: Tensor, offs: Tensor, idx: Tensor, cnt: Tensor, msg: T
     q2 = _q2(fmt, "owed_encode")
     _check_rows("owed_encode", offs, idx, cnt, msg, fmt)
     R, cap = idx.shape
-    _dispatch.record(launches=5 if q2 else 1, bytes=(24 if q2 else 16) * R * cap)
+    # bytes: q2, four passes reading an index and a residual value (8 B a slot), the last one
+    # writing the residual back and the codes (4 + 1/4); fp32, one pass: 8 + 4 + 4
+    _dispatch.record(launches=5 if q2 else 1, bytes=(36 if q2 else 16) * R * cap)
     _dispatch.run(backend, residual.device, _encode_triton if HAS_TRITON else None,
                   _encode_torch, residual, None, offs, idx, cnt, msg, 1.0, q2)
 
@@ -369,7 +371,9 @@ def slot_encode(f: Tensor, residual: Tensor, offs: Tensor, idx: Tensor, cnt: Ten
     if f.shape != (R, cap) or f.dtype != torch.float32 or f.stride(1) != 1:
         raise ValueError(f"slot_encode: f must be fp32 [{R}, {cap}] with inner stride 1, got "
                          f"{f.dtype} {list(f.shape)}")
-    _dispatch.record(launches=5 if q2 else 1, bytes=(28 if q2 else 20) * R * cap)
+    # bytes: q2, four passes reading an index and f (8 B a slot), the last one also reading and
+    # writing the residual and writing the codes (8 + 1/4); fp32, one pass: 8 + 8 + 4
+    _dispatch.record(launches=5 if q2 else 1, bytes=(40 if q2 else 20) * R * cap)
     _dispatch.run(backend, residual.device, _encode_triton if HAS_TRITON else None,
                   _encode_torch, residual, f, offs, idx, cnt, msg, keep, q2)
 
@@ -385,7 +389,9 @@ def owner_sum(recv: Tensor, cnt: Tensor, f: Tensor, inv_p: float, *, fmt: str,
             or recv.stride(1) != 1 or not f.is_contiguous() or f.dtype != torch.float32:
         raise ValueError(f"owner_sum: recv must be int32 [R, {vw}] and f contiguous fp32 "
                          f"[{cap}], got {recv.dtype} {list(recv.shape)} and {f.dtype}")
-    _dispatch.record(launches=1, bytes=(recv.shape[0] * (4 if not q2 else 1) + 4) * cap)
+    # bytes: R rows of 1/4 (q2) or 4 (fp32) B a value read, f written
+    R = recv.shape[0]
+    _dispatch.record(launches=1, bytes=(R * cap // 4 if q2 else 4 * R * cap) + 4 * cap)
     _dispatch.run(backend, f.device, _owner_sum_triton if HAS_TRITON else None,
                   _owner_sum_torch, recv, cnt.reshape(-1)[:1], f, inv_p, q2)
 
@@ -397,7 +403,9 @@ def values_add(msg: Tensor, offs: Tensor, idx: Tensor, cnt: Tensor, out: Tensor,
     q2 = _q2(fmt, "values_add")
     _check_rows("values_add", offs, idx, cnt, msg, fmt)
     R, cap = idx.shape
-    _dispatch.record(launches=1, bytes=(16 if velocity is None else 20) * R * cap)
+    # bytes: an index, the value (1/4 or 4), out read and written, the velocity written
+    _dispatch.record(launches=1, bytes=((12 if q2 else 16) + (0 if velocity is None else 4))
+                     * R * cap)
     _dispatch.run(backend, out.device, _add_triton if HAS_TRITON else None, _add_torch, msg,
                   offs, idx, cnt, out, velocity, q2)
 
