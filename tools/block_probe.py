@@ -27,9 +27,10 @@ more algorithm, ``blockprobe``, an *idealised* exchange simulated by a dense all
   top blocks of the partial sums are candidates; every rank's part of them is summed (a
   values-only exchange over the candidates' indices), and the ``blocks`` of largest energy of
   those whole sums are delivered whole. ``candidates=1`` is ``fill``; ``candidates`` as large as
-  n's blocks is ``sum``. On a q2 wire the candidates' indices cost 16 bits each and their values
-  2, then a bit each marks the chosen: about ``(18 + 19c + 2)/40`` times ``fill``'s bits a
-  sync at large P (``fill``: 18 bits a row entry, 18 a gathered one, 4 for its completion).
+  n's blocks is ``sum``. Built on Ok-Topk at large P, a sync would cost ``18 + 22c`` bits per
+  entry of the budget: the rows' 18, and per candidate 18 in the gather, 2 to its owner and 2
+  for its whole sum gathered back (every rank then takes the same top); ``fill`` is c = 1, 40
+  bits. At ``fill``'s bytes at density d, c = 1.5 takes 0.78d and c = 2 0.65d.
 
 ``density`` is the budget in q2 entries (18 bits each): the probe takes
 ``round(density·n·18 / (16 + 2B))`` blocks, so every B at one density costs the same bytes on
