@@ -100,6 +100,25 @@ def test_cli_writes_the_table(tmp_path, capsys):
     assert rows[1]["collectives"] == 0 and rows[1]["launches"] > 0   # the optimizer alone
 
 
+def test_cli_traces_with_an_option(tmp_path, capsys):
+    """``--option`` reaches the algorithm (complete_sums: two more collectives), is recorded in
+    the JSON, and a refused option or one with --check is a one-line exit 2."""
+    path = tmp_path / "rows.json"
+    assert cli.main(["launches", "--algorithms", "oktopk", "--modes", "gradients",
+                     "--wire-formats", "q2", "--n", "4096", "--option", "complete_sums=true",
+                     "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    assert data["options"] == {"complete_sums": True}
+    assert data["rows"][0]["collectives"] == 5
+    for argv, match in ((["--option", "complete_sums=1"], "complete_sums must be True or False"),
+                        (["--option", "complete_sums=true", "--check"], "budgets are recorded")):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["launches", "--algorithms", "oktopk", "--n", "4096", *argv])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert match in err[-1]
+
+
 def test_interpreted_needs_the_interpreter(monkeypatch, capsys):
     monkeypatch.setattr(L._dispatch, "INTERPRET", False)
     with pytest.raises(SystemExit) as e:

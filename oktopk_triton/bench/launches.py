@@ -323,7 +323,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--record-budget", action="store_true",
                    help="write these rows' counts as their budgets into launch_budget.json "
                         "(other rows' budgets are kept)")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   type=_parse_option,
+                   help="an option for every algorithm traced (repeatable; VALUE as JSON where "
+                        "it parses), e.g. complete_sums=true; not with --check or "
+                        "--record-budget (the budgets are the default options')")
     p.add_argument("--json", type=A.out_path, default=None, help="write the rows here")
+
+
+def _parse_option(s: str):
+    from .train import _parse_option as parse
+    return parse(s)
 
 
 BUDGET_COLUMNS = ("dispatches", "launches", "collectives", "host_reads", "full_passes")
@@ -333,6 +343,18 @@ def check_args(args: argparse.Namespace) -> str:
     """One line when the options cannot run together (the CLI exits 2 with it)."""
     if args.interpreted and not _dispatch.INTERPRET:
         return "--interpreted needs TRITON_INTERPRET=1 in the environment (set before the start)"
+    options = dict(getattr(args, "option", None) or [])
+    if options and (args.check or args.record_budget):
+        return ("--option: the budgets are recorded for the default options; trace with "
+                "--option, or check and record without it")
+    if options:
+        from ..algorithms import get_algorithm
+        from ..comm.local import SingleCommunicator
+        for a in args.algorithms:
+            try:
+                get_algorithm(a)(256, SingleCommunicator(), 0.1, **options)
+            except (TypeError, ValueError) as e:
+                return f"--option: {str(e).splitlines()[0]}"
     return ""
 
 
@@ -377,11 +399,12 @@ def format_table(rows: List[Dict[str, Any]]) -> str:
 
 def main(args: argparse.Namespace) -> int:
     rows = []
+    options = dict(getattr(args, "option", None) or [])
     budget = load_budget() if args.check else {}
     bad = []
     for a, w, m in _combos(args.algorithms, args.wire_formats, args.modes):
         r = count_step(a, w, m, n=args.n, density=args.density, world_size=args.world_size,
-                       warm=args.warm, interpreted=args.interpreted)
+                       warm=args.warm, interpreted=args.interpreted, **options)
         row = {"algorithm": a, "wire": w, "mode": m, **r}
         rows.append(row)
         over = over_budget(row, budget)
@@ -396,7 +419,8 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"benchmark": "launches", "n": args.n, "density": args.density,
-                       "world_size": args.world_size, "rows": rows}, f, indent=1)
+                       "world_size": args.world_size, "options": options, "rows": rows}, f,
+                      indent=1)
     for line in bad:
         print(f"over budget: {line}")
     return 1 if bad else 0
