@@ -35,7 +35,7 @@ from torch import Tensor
 
 from . import _dispatch
 from ._dispatch import HAS_TRITON
-from .wire_quantized import fixed_terms, fixed_value, levels, pack_fields, unpack_fields
+from .wire_quantized import levels, pack_fields, quantized_scales, unpack_fields
 
 if HAS_TRITON:
     import triton
@@ -236,25 +236,12 @@ def _positions(offs: Tensor, idx: Tensor, cnt: Tensor):
 
 
 def _scales_torch(a: Tensor, valid: Tensor):
-    """``(base, step [R, 1], j int64 [R, cap])``: the row's two centroids (one Lloyd step from
-    the split at the mean) and each value's nearer one, as the kernels."""
-    R, cap = a.shape
-    emax = torch.where(valid, (a.view(torch.int32).to(torch.int64) >> 23).clamp(min=1),
-                       torch.ones(R, cap, dtype=torch.int64, device=a.device))
-    emax = emax.amax(1, keepdim=True)
-    units = torch.where(valid, fixed_terms(a, emax), 0)
-    cnt = valid.sum(1, keepdim=True)
-    tot = units.sum(1, keepdim=True)
-    mean = fixed_value(tot, emax) / cnt.clamp(min=1).to(torch.float32)
-    big = valid & (a >= mean)
-    nhi = big.sum(1, keepdim=True)
-    shi = torch.where(big, units, 0).sum(1, keepdim=True)
-    chi = fixed_value(shi, emax) / nhi.clamp(min=1).to(torch.float32)
-    nlo = cnt - nhi
-    clo = fixed_value(tot - shi, emax) / nlo.clamp(min=1).to(torch.float32)
-    clo = torch.where(nlo > 0, clo, chi)
-    step = chi - clo
-    return clo, step, (valid & (a >= clo + 0.5 * step)).to(torch.int64)   # the nearer one
+    """``(base, step [R, 1], j int64 [R, cap])``: the row's two centroids (q2's scales of one
+    chunk, :func:`quantized_scales`) and each value's nearer one, as the kernels."""
+    one_chunk = torch.where(valid, 0, 1)            # chunk 0, or 1 (C) where not valid
+    base, step, _ = quantized_scales(one_chunk, a, valid, 1, 2)
+    base, step = base[:, :1], step[:, :1]
+    return base, step, (valid & (a >= base + 0.5 * step)).to(torch.int64)   # the nearer one
 
 
 def _encode_rows_torch(x: Tensor, valid: Tensor, msg: Tensor, q2: bool) -> Tensor:
