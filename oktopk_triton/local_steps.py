@@ -86,7 +86,8 @@ class LocalSteps:
        (:class:`~oktopk_triton.realign.MomentRealign`). 0.3 with TopkA at 2% of dense's bytes
        took the 4m GPT from 1.24 to 1.16 (three seeds); at 0.2% (0.70% a sync) it did not
        help (1.60 against 1.56, one seed); 1 stalled Ok-Topk (its error-fed steps overstate
-       the direction): keep it near 0.3, at a few percent a sync.
+       the direction), and 0.3 did not help Ok-Topk either, with ``complete_sums`` or without
+       (at 4 and at 64 ranks): use it near 0.3 with TopkA, at a few percent a sync.
 
     Costs: the anchor (one copy of the weights, their dtypes), and with ``outer_momentum`` an
     fp32 velocity of ``numel``. A local call: the optimizer step and a few Python lines, no
