@@ -36,7 +36,7 @@ def _steps(comm, exchange, block, **kw):
     return rows
 
 
-@pytest.mark.parametrize("exchange", ["sum", "union", "partial", "fill", "recheck"])
+@pytest.mark.parametrize("exchange", ["sum", "union", "partial", "fill", "recheck", "watch"])
 @pytest.mark.parametrize("block", [1, 7])
 def test_probe_keeps_the_contract_and_delivers_whole_blocks(exchange, block):
     P = 3
@@ -57,7 +57,7 @@ def test_probe_keeps_the_contract_and_delivers_whole_blocks(exchange, block):
             if block == 1 and exchange == "sum":    # the exact global top-k of the sum
                 top = accs.sum(0).abs().topk(budget).indices
                 assert torch.equal((out != 0).nonzero().view(-1), top.sort().values)
-        if exchange in ("fill", "recheck"):   # every rank's part of a delivered entry: none owed
+        if exchange in ("fill", "recheck", "watch"):   # every part of a delivered entry: none owed
             assert not bool(((out != 0) & (resid != 0).any(0)).any())
         if exchange == "partial":   # a delivered entry some rank did not take stays owed
             assert bool(((out != 0) & (resid != 0).any(0)).any())
@@ -82,6 +82,31 @@ def test_recheck_spans_fill_to_the_whole_sum(block):
     assert not torch.equal(outs["c2"][0] != 0, outs["fill"][0] != 0)
 
 
+def _watch_steps(comm, watch):
+    """Three syncs of ``exchange="watch"``, then what the third one watched and delivered."""
+    alg = bp.BlockProbe(N, comm, 0.05, exchange="watch", watch=watch)
+    g = torch.Generator().manual_seed(comm.rank)
+    outs = []
+    for _ in range(3):
+        outs.append(alg(torch.randn(N, generator=g) * torch.linspace(0.1, 2, N)).clone())
+    return outs, int(alg.stats["watched"]), int(alg.stats["watched_delivered"])
+
+
+def test_watch_starts_as_fill_then_watches_what_it_delivered():
+    """The first sync has nothing to watch, so it delivers what ``fill`` delivers; the third
+    watches the union of the last ``watch`` syncs' deliveries."""
+    P = 3
+    fill = LocalCluster(P, timeout=60).run(_steps, "fill", 1)
+    for watch in (1, 2):
+        res = LocalCluster(P, timeout=60).run(_watch_steps, watch)
+        outs, watched, kept = res[0]
+        assert torch.equal(outs[0], fill[0][0][1])
+        last = [(o != 0) for o in outs[2 - watch:2]]
+        union = last[0] if watch == 1 else last[0] | last[1]
+        assert watched == int(union.sum())
+        assert 0 < kept <= min(watched, int((outs[2] != 0).sum()))
+
+
 def test_probe_refuses_a_bad_option():
     def build(comm):
         bp.BlockProbe(N, comm, 0.05, block=0)
@@ -92,3 +117,8 @@ def test_probe_refuses_a_bad_option():
         bp.BlockProbe(N, comm, 0.05, exchange="recheck", candidates=0.5)
     with pytest.raises(Exception, match="candidates must be a number >= 1, got 0.5"):
         LocalCluster(1, timeout=10).run(build_c)
+
+    def build_w(comm):
+        bp.BlockProbe(N, comm, 0.05, exchange="watch", watch=0)
+    with pytest.raises(Exception, match="watch must be an int >= 1, got 0"):
+        LocalCluster(1, timeout=10).run(build_w)

@@ -31,6 +31,14 @@ more algorithm, ``blockprobe``, an *idealised* exchange simulated by a dense all
   entry of the budget: the rows' 18, and per candidate 18 in the gather, 2 to its owner and 2
   for its whole sum gathered back (every rank then takes the same top); ``fill`` is c = 1, 40
   bits. At ``fill``'s bytes at density d, c = 1.5 takes 0.78d and c = 2 0.65d.
+* ``exchange="watch"`` (candidates from history, not from the rows): the blocks delivered in
+  the last ``watch`` syncs are known to every rank, so their whole sums cost a values-only
+  exchange (2 bits a value to its owner). Each rank takes its own top blocks *outside* that
+  watch list (as ``partial``); the owner scores the watched blocks by their whole sums and the
+  others by their partial sums, and the top ``blocks`` of those scores are delivered whole
+  (as ``fill``). It reaches entries that no rank's own top holds now but that were large in
+  the sum before. Built on Ok-Topk a sync would cost about ``40 + 2w`` bits an entry of the
+  budget (``w`` the watch list's size in budgets: at most ``watch``).
 
 ``density`` is the budget in q2 entries (18 bits each): the probe takes
 ``round(density·n·18 / (16 + 2B))`` blocks, so every B at one density costs the same bytes on
@@ -59,7 +67,7 @@ from oktopk_triton.algorithms.base import Algorithm  # noqa: E402
 import quality_at_scale  # noqa: E402
 
 INDEX_BITS, VALUE_BITS = 16, 2      # a q2 entry: a chunk-relative index and a 2-bit code
-_EXCHANGES = ("sum", "union", "partial", "fill", "recheck")
+_EXCHANGES = ("sum", "union", "partial", "fill", "recheck", "watch")
 
 
 def blocks_for(density: float, n: int, block: int) -> int:
@@ -72,7 +80,7 @@ class BlockProbe(Algorithm):
     """The idealised block exchange of the module docstring (a probe, not a wire)."""
 
     name = "blockprobe"
-    OPTIONS = {"block": 1, "exchange": "sum", "candidates": 2.0}
+    OPTIONS = {"block": 1, "exchange": "sum", "candidates": 2.0, "watch": 1}
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -85,6 +93,10 @@ class BlockProbe(Algorithm):
         if not (isinstance(c, (int, float)) and not isinstance(c, bool) and c >= 1):
             raise ValueError(f"blockprobe: candidates must be a number >= 1, got {c!r}")
         self.candidates = min(math.ceil(self.numel / self.block), math.ceil(c * self.blocks))
+        w = self.opts["watch"]
+        if not (isinstance(w, int) and not isinstance(w, bool) and w >= 1):
+            raise ValueError(f"blockprobe: watch must be an int >= 1, got {w!r}")
+        self._history = []          # the masks delivered in the last ``watch`` syncs
 
     def _chosen(self, x: torch.Tensor, count: Optional[int] = None) -> torch.Tensor:
         """Mask [n] of the ``count`` (default ``self.blocks``) blocks of largest energy of
@@ -101,7 +113,9 @@ class BlockProbe(Algorithm):
     def step(self, grad: torch.Tensor, out: torch.Tensor,
              nonfinite: Optional[torch.Tensor]) -> None:
         acc = self.accumulate(grad)
-        if self.opts["exchange"] in ("partial", "fill", "recheck"):
+        if self.opts["exchange"] == "watch":
+            mask = self._watched_choice(acc, out)
+        elif self.opts["exchange"] in ("partial", "fill", "recheck"):
             mine = self._chosen(acc)
             part = torch.where(mine, acc, 0.0)
             self.comm.allreduce(part)
@@ -133,6 +147,23 @@ class BlockProbe(Algorithm):
         self.commit_residual(acc, nonfinite)
         self.stats.update(local_selected=mask.sum(), global_selected=(out != 0).sum(),
                           overflow=0)
+
+    def _watched_choice(self, acc: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``exchange="watch"``: whole sums on the watch list, partial sums elsewhere, the top
+        delivered whole; returns the delivered mask (also the watch list's newest entry)."""
+        watch = torch.zeros_like(acc, dtype=torch.bool)
+        for m in self._history:
+            watch |= m
+        mine = self._chosen(torch.where(watch, 0.0, acc))
+        part = torch.where(mine, acc, 0.0)
+        self.comm.allreduce(part)
+        total = acc.clone()
+        self.comm.allreduce(total)
+        mask = self._chosen(torch.where(watch, total, part))
+        out.copy_(torch.where(mask, total, 0.0).div_(self.P))
+        self._history = (self._history + [mask])[-int(self.opts["watch"]):]
+        self.stats.update(watched=watch.sum(), watched_delivered=(mask & watch).sum())
+        return mask
 
 
 def register() -> None:
