@@ -2,6 +2,7 @@
 (conservation, identical outputs), deliver whole blocks within the budget, and at one density
 cost the same q2 bits at every block size."""
 import os
+import re
 import sys
 
 import pytest
@@ -122,3 +123,16 @@ def test_probe_refuses_a_bad_option():
         bp.BlockProbe(N, comm, 0.05, exchange="watch", watch=0)
     with pytest.raises(Exception, match="watch must be an int >= 1, got 0"):
         LocalCluster(1, timeout=10).run(build_w)
+
+
+def test_diagnose_reports_without_changing_the_exchange(capsys):
+    """``diagnose`` only reads: ``fill`` delivers the same bits with it, and rank 0 prints the
+    shares, each within [0, 1]."""
+    P = 3
+    plain = LocalCluster(P, timeout=60).run(_steps, "fill", 1)
+    seen = LocalCluster(P, timeout=60).run(_steps, "fill", 1, diagnose=3)
+    assert all(torch.equal(a[s][1], b[s][1]) for a, b in zip(plain, seen) for s in range(3))
+    line = [ln for ln in capsys.readouterr().out.splitlines() if "diagnose sync 3" in ln]
+    assert len(line) == 1
+    shares = [float(x) for x in re.findall(r"\d+\.\d+|nan", line[0].split(":", 1)[1])]
+    assert len(shares) == 6 and all(0 <= x <= 1 for x in shares[:5])

@@ -80,7 +80,7 @@ class BlockProbe(Algorithm):
     """The idealised block exchange of the module docstring (a probe, not a wire)."""
 
     name = "blockprobe"
-    OPTIONS = {"block": 1, "exchange": "sum", "candidates": 2.0, "watch": 1}
+    OPTIONS = {"block": 1, "exchange": "sum", "candidates": 2.0, "watch": 1, "diagnose": 0}
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -130,6 +130,8 @@ class BlockProbe(Algorithm):
                 total = acc.clone()
                 self.comm.allreduce(total)
                 out.copy_(torch.where(mask, total, 0.0).div_(self.P))
+                if self.opts["diagnose"]:
+                    self._diagnose(acc, mine, mask, total)
             else:
                 out.copy_(torch.where(mask, part, 0.0).div_(self.P))
                 mask &= mine
@@ -147,6 +149,37 @@ class BlockProbe(Algorithm):
         self.commit_residual(acc, nonfinite)
         self.stats.update(local_selected=mask.sum(), global_selected=(out != 0).sum(),
                           overflow=0)
+
+    def _diagnose(self, acc, mine, mask, total) -> None:
+        """``diagnose=N`` (with ``fill``): where the whole sum's top lies against the choice,
+        printed by rank 0 every N syncs (means over the last N): the shares of the whole sum's
+        top ``S`` that the choice holds, that some rank's own top holds, that the last sync's
+        ``S`` held, the share of ``S``'s energy the choice misses, and for the entries of ``S``
+        that no rank's own top holds, the share of ranks whose ``acc`` has the sum's sign and
+        their mean ``|acc|`` against their own threshold."""
+        S = self._chosen(total)
+        picked = mine.float()
+        self.comm.allreduce(picked)
+        outside = S & (picked == 0)
+        agree = (torch.sign(acc) == torch.sign(total)).float()
+        self.comm.allreduce(agree)
+        thr = acc.abs()[mine].min() if bool(mine.any()) else acc.new_tensor(1.0)
+        rel = acc.abs() / thr
+        self.comm.allreduce(rel)
+        k, e = S.sum().clamp(min=1), total.square()
+        prev = getattr(self, "_prev_S", torch.zeros_like(S))
+        row = [float((S & mask).sum() / k), float((S & (picked > 0)).sum() / k),
+               float((S & prev).sum() / k), float(e[S & ~mask].sum() / e[S].sum()),
+               float(agree[outside].mean() / self.P), float(rel[outside].mean() / self.P)]
+        self._prev_S = S
+        self._diag = getattr(self, "_diag", []) + [row]
+        N = int(self.opts["diagnose"])
+        if len(self._diag) % N == 0 and self.comm.rank == 0:
+            m = torch.tensor(self._diag[-N:]).mean(0).tolist()
+            print(f"    diagnose sync {len(self._diag)}: S in choice {m[0]:.3f}, in some own top "
+                  f"{m[1]:.3f}, in last S {m[2]:.3f}, energy missed {m[3]:.3f}; outside every "
+                  f"own top: ranks with the sum's sign {m[4]:.3f}, |acc|/threshold {m[5]:.3f}",
+                  flush=True)
 
     def _watched_choice(self, acc: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``exchange="watch"``: whole sums on the watch list, partial sums elsewhere, the top
