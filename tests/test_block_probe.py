@@ -119,10 +119,34 @@ def test_probe_refuses_a_bad_option():
     with pytest.raises(Exception, match="candidates must be a number >= 1, got 0.5"):
         LocalCluster(1, timeout=10).run(build_c)
 
+    def build_b(comm):
+        bp.BlockProbe(N, comm, 0.05, exchange="fill", consistency=1.0)
+    with pytest.raises(Exception, match=r"consistency must be a number in \[0, 1\), got 1.0"):
+        LocalCluster(1, timeout=10).run(build_b)
+
     def build_w(comm):
         bp.BlockProbe(N, comm, 0.05, exchange="watch", watch=0)
     with pytest.raises(Exception, match="watch must be an int >= 1, got 0"):
         LocalCluster(1, timeout=10).run(build_w)
+
+
+def test_consistency_changes_only_what_a_rank_takes():
+    """``consistency=0`` is ``fill``; 0.9 ranks by ``|acc|·|EMA(sign(grad))|`` (the first sync's
+    EMA is the signs themselves, so its choice is ``fill``'s), a different choice later, with
+    conservation and nothing owed at a delivered entry as before."""
+    P = 3
+    fill = LocalCluster(P, timeout=60).run(_steps, "fill", 1)
+    same = LocalCluster(P, timeout=60).run(_steps, "fill", 1, consistency=0.0)
+    cons = LocalCluster(P, timeout=60).run(_steps, "fill", 1, consistency=0.9)
+    assert all(torch.equal(a[s][1], b[s][1]) for a, b in zip(fill, same) for s in range(3))
+    assert torch.equal(cons[0][0][1], fill[0][0][1])
+    assert not torch.equal(cons[0][2][1] != 0, fill[0][2][1] != 0)
+    for s in range(3):
+        accs = torch.stack([r[s][0] for r in cons])
+        resid = torch.stack([r[s][2] for r in cons])
+        out = cons[0][s][1]
+        torch.testing.assert_close(accs.sum(0), P * out + resid.sum(0), rtol=0, atol=1e-5)
+        assert not bool(((out != 0) & (resid != 0).any(0)).any())
 
 
 def test_diagnose_reports_without_changing_the_exchange(capsys):

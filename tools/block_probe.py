@@ -31,6 +31,11 @@ more algorithm, ``blockprobe``, an *idealised* exchange simulated by a dense all
   entry of the budget: the rows' 18, and per candidate 18 in the gather, 2 to its owner and 2
   for its whole sum gathered back (every rank then takes the same top); ``fill`` is c = 1, 40
   bits. At ``fill``'s bytes at density d, c = 1.5 takes 0.78d and c = 2 0.65d.
+* ``consistency=b`` (with ``partial``, ``fill``, ``recheck``): each rank ranks its own entries
+  by ``|acc| · |EMA_b(sign(grad))|`` instead of ``|acc|``, favouring entries whose new part
+  keeps its sign from sync to sync. A choice of what to send, so the bits do not change.
+* ``diagnose=N`` (with ``fill``): rank 0 prints, every N syncs, where the whole sum's top lies
+  against the choice (:meth:`BlockProbe._diagnose`); it reads only, the exchange is unchanged.
 * ``exchange="watch"`` (candidates from history, not from the rows): the blocks delivered in
   the last ``watch`` syncs are known to every rank, so their whole sums cost a values-only
   exchange (2 bits a value to its owner). Each rank takes its own top blocks *outside* that
@@ -80,7 +85,8 @@ class BlockProbe(Algorithm):
     """The idealised block exchange of the module docstring (a probe, not a wire)."""
 
     name = "blockprobe"
-    OPTIONS = {"block": 1, "exchange": "sum", "candidates": 2.0, "watch": 1, "diagnose": 0}
+    OPTIONS = {"block": 1, "exchange": "sum", "candidates": 2.0, "watch": 1, "diagnose": 0,
+               "consistency": 0.0}
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -97,6 +103,10 @@ class BlockProbe(Algorithm):
         if not (isinstance(w, int) and not isinstance(w, bool) and w >= 1):
             raise ValueError(f"blockprobe: watch must be an int >= 1, got {w!r}")
         self._history = []          # the masks delivered in the last ``watch`` syncs
+        b = self.opts["consistency"]
+        if not (isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1):
+            raise ValueError(f"blockprobe: consistency must be a number in [0, 1), got {b!r}")
+        self._signs = None          # this rank's EMA of sign(grad), with ``consistency``
 
     def _chosen(self, x: torch.Tensor, count: Optional[int] = None) -> torch.Tensor:
         """Mask [n] of the ``count`` (default ``self.blocks``) blocks of largest energy of
@@ -113,10 +123,11 @@ class BlockProbe(Algorithm):
     def step(self, grad: torch.Tensor, out: torch.Tensor,
              nonfinite: Optional[torch.Tensor]) -> None:
         acc = self.accumulate(grad)
+        score = self._consistent(acc, grad)
         if self.opts["exchange"] == "watch":
             mask = self._watched_choice(acc, out)
         elif self.opts["exchange"] in ("partial", "fill", "recheck"):
-            mine = self._chosen(acc)
+            mine = self._chosen(score)
             part = torch.where(mine, acc, 0.0)
             self.comm.allreduce(part)
             recheck = self.opts["exchange"] == "recheck"
@@ -131,7 +142,7 @@ class BlockProbe(Algorithm):
                 self.comm.allreduce(total)
                 out.copy_(torch.where(mask, total, 0.0).div_(self.P))
                 if self.opts["diagnose"]:
-                    self._diagnose(acc, mine, mask, total)
+                    self._diagnose(acc, score, mine, mask, total)
             else:
                 out.copy_(torch.where(mask, part, 0.0).div_(self.P))
                 mask &= mine
@@ -150,21 +161,33 @@ class BlockProbe(Algorithm):
         self.stats.update(local_selected=mask.sum(), global_selected=(out != 0).sum(),
                           overflow=0)
 
-    def _diagnose(self, acc, mine, mask, total) -> None:
+    def _consistent(self, acc: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """What a rank's own choice ranks (``partial``, ``fill``, ``recheck``): ``acc``, or with
+        ``consistency=b > 0``, ``acc · |EMA_b(sign(grad))|``: an entry whose new part keeps
+        its sign sync after sync ranks as its size, one whose sign wanders ranks lower. The
+        EMA starts at the first sync's signs."""
+        b = float(self.opts["consistency"])
+        if b == 0:
+            return acc
+        sign = torch.sign(grad.float())
+        self._signs = sign if self._signs is None else self._signs.mul_(b).add_(sign, alpha=1 - b)
+        return acc * self._signs.abs()
+
+    def _diagnose(self, acc, score, mine, mask, total) -> None:
         """``diagnose=N`` (with ``fill``): where the whole sum's top lies against the choice,
         printed by rank 0 every N syncs (means over the last N): the shares of the whole sum's
         top ``S`` that the choice holds, that some rank's own top holds, that the last sync's
         ``S`` held, the share of ``S``'s energy the choice misses, and for the entries of ``S``
         that no rank's own top holds, the share of ranks whose ``acc`` has the sum's sign and
-        their mean ``|acc|`` against their own threshold."""
+        their mean ranking score (``|acc|``) against their own threshold."""
         S = self._chosen(total)
         picked = mine.float()
         self.comm.allreduce(picked)
         outside = S & (picked == 0)
         agree = (torch.sign(acc) == torch.sign(total)).float()
         self.comm.allreduce(agree)
-        thr = acc.abs()[mine].min() if bool(mine.any()) else acc.new_tensor(1.0)
-        rel = acc.abs() / thr
+        thr = score.abs()[mine].min() if bool(mine.any()) else acc.new_tensor(1.0)
+        rel = score.abs() / thr
         self.comm.allreduce(rel)
         k, e = S.sum().clamp(min=1), total.square()
         prev = getattr(self, "_prev_S", torch.zeros_like(S))
