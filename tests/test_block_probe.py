@@ -131,7 +131,7 @@ def test_probe_refuses_a_bad_option():
 
 
 def test_consistency_changes_only_what_a_rank_takes():
-    """``consistency=0`` is ``fill``; 0.9 ranks by ``|acc|·|EMA(sign(grad))|`` (the first sync's
+    """``consistency=0`` is ``fill``; (``union`` takes it too) 0.9 ranks by ``|acc|·|EMA(sign(grad))|`` (the first sync's
     EMA is the signs themselves, so its choice is ``fill``'s), a different choice later, with
     conservation and nothing owed at a delivered entry as before."""
     P = 3
@@ -147,6 +147,9 @@ def test_consistency_changes_only_what_a_rank_takes():
         out = cons[0][s][1]
         torch.testing.assert_close(accs.sum(0), P * out + resid.sum(0), rtol=0, atol=1e-5)
         assert not bool(((out != 0) & (resid != 0).any(0)).any())
+    union = LocalCluster(P, timeout=60).run(_steps, "union", 1)
+    cunion = LocalCluster(P, timeout=60).run(_steps, "union", 1, consistency=0.9)
+    assert not torch.equal(union[0][2][1] != 0, cunion[0][2][1] != 0)
 
 
 def test_diagnose_reports_without_changing_the_exchange(capsys):

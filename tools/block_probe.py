@@ -31,9 +31,9 @@ more algorithm, ``blockprobe``, an *idealised* exchange simulated by a dense all
   entry of the budget: the rows' 18, and per candidate 18 in the gather, 2 to its owner and 2
   for its whole sum gathered back (every rank then takes the same top); ``fill`` is c = 1, 40
   bits. At ``fill``'s bytes at density d, c = 1.5 takes 0.78d and c = 2 0.65d.
-* ``consistency=b`` (with ``partial``, ``fill``, ``recheck``): each rank ranks its own entries
-  by ``|acc| · |EMA_b(sign(grad))|`` instead of ``|acc|``, favouring entries whose new part
-  keeps its sign from sync to sync. A choice of what to send, so the bits do not change.
+* ``consistency=b`` (with ``union``, ``partial``, ``fill``, ``recheck``): each rank ranks its
+  own entries by ``|acc| · |EMA_b(sign(grad))|`` instead of ``|acc|``, favouring entries whose
+  new part keeps its sign from sync to sync. A choice of what to send: the bits do not change.
 * ``diagnose=N`` (with ``fill``): rank 0 prints, every N syncs, where the whole sum's top lies
   against the choice (:meth:`BlockProbe._diagnose`); it reads only, the exchange is unchanged.
 * ``exchange="watch"`` (candidates from history, not from the rows): the blocks delivered in
@@ -152,7 +152,7 @@ class BlockProbe(Algorithm):
             mask = self._chosen(total)
             out.copy_(torch.where(mask, total, 0.0).div_(self.P))
         else:
-            mask = self._chosen(acc)
+            mask = self._chosen(score)
             part = torch.where(mask, acc, 0.0)
             self.comm.allreduce(part)
             out.copy_(part.div_(self.P))
@@ -162,7 +162,7 @@ class BlockProbe(Algorithm):
                           overflow=0)
 
     def _consistent(self, acc: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        """What a rank's own choice ranks (``partial``, ``fill``, ``recheck``): ``acc``, or with
+        """What a rank's own choice ranks (all but ``sum`` and ``watch``): ``acc``, or with
         ``consistency=b > 0``, ``acc · |EMA_b(sign(grad))|``: an entry whose new part keeps
         its sign sync after sync ranks as its size, one whose sign wanders ranks lower. The
         EMA starts at the first sync's signs."""
