@@ -131,9 +131,9 @@ def test_probe_refuses_a_bad_option():
 
 
 def test_consistency_changes_only_what_a_rank_takes():
-    """``consistency=0`` is ``fill``; (``union`` takes it too) 0.9 ranks by ``|acc|·|EMA(sign(grad))|`` (the first sync's
+    """``consistency=0`` is ``fill``; 0.9 ranks by ``|acc|·|EMA(sign(grad))|`` (the first sync's
     EMA is the signs themselves, so its choice is ``fill``'s), a different choice later, with
-    conservation and nothing owed at a delivered entry as before."""
+    conservation and nothing owed at a delivered entry as before. ``union`` takes it too."""
     P = 3
     fill = LocalCluster(P, timeout=60).run(_steps, "fill", 1)
     same = LocalCluster(P, timeout=60).run(_steps, "fill", 1, consistency=0.0)
