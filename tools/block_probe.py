@@ -107,6 +107,7 @@ class BlockProbe(Algorithm):
         if not (isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1):
             raise ValueError(f"blockprobe: consistency must be a number in [0, 1), got {b!r}")
         self._signs = None          # this rank's EMA of sign(grad), with ``consistency``
+        self._diag, self._prev_S = [], None     # ``diagnose``: its rows, the last sync's S
 
     def _chosen(self, x: torch.Tensor, count: Optional[int] = None) -> torch.Tensor:
         """Mask [n] of the ``count`` (default ``self.blocks``) blocks of largest energy of
@@ -179,7 +180,8 @@ class BlockProbe(Algorithm):
         top ``S`` that the choice holds, that some rank's own top holds, that the last sync's
         ``S`` held, the share of ``S``'s energy the choice misses, and for the entries of ``S``
         that no rank's own top holds, the share of ranks whose ``acc`` has the sum's sign and
-        their mean ranking score (``|acc|``) against their own threshold."""
+        their mean ranking score (``|acc|``, or its ``consistency`` score) against their own
+        threshold."""
         S = self._chosen(total)
         picked = mine.float()
         self.comm.allreduce(picked)
@@ -190,12 +192,12 @@ class BlockProbe(Algorithm):
         rel = score.abs() / thr
         self.comm.allreduce(rel)
         k, e = S.sum().clamp(min=1), total.square()
-        prev = getattr(self, "_prev_S", torch.zeros_like(S))
+        prev = torch.zeros_like(S) if self._prev_S is None else self._prev_S
         row = [float((S & mask).sum() / k), float((S & (picked > 0)).sum() / k),
                float((S & prev).sum() / k), float(e[S & ~mask].sum() / e[S].sum()),
                float(agree[outside].mean() / self.P), float(rel[outside].mean() / self.P)]
         self._prev_S = S
-        self._diag = getattr(self, "_diag", []) + [row]
+        self._diag.append(row)
         N = int(self.opts["diagnose"])
         if len(self._diag) % N == 0 and self.comm.rank == 0:
             m = torch.tensor(self._diag[-N:]).mean(0).tolist()
