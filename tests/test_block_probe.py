@@ -124,6 +124,13 @@ def test_probe_refuses_a_bad_option():
     with pytest.raises(Exception, match=r"consistency must be a number in \[0, 1\), got 1.0"):
         LocalCluster(1, timeout=10).run(build_b)
 
+    for ex, kw in (("sum", {"consistency": 0.9}), ("watch", {"consistency": 0.5}),
+                   ("partial", {"diagnose": 5})):
+        def build_x(comm, ex=ex, kw=kw):
+            bp.BlockProbe(N, comm, 0.05, exchange=ex, **kw)
+        with pytest.raises(Exception, match=f"needs fill; got exchange='{ex}'"):
+            LocalCluster(1, timeout=10).run(build_x)
+
     def build_w(comm):
         bp.BlockProbe(N, comm, 0.05, exchange="watch", watch=0)
     with pytest.raises(Exception, match="watch must be an int >= 1, got 0"):

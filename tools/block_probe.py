@@ -108,6 +108,10 @@ class BlockProbe(Algorithm):
             raise ValueError(f"blockprobe: consistency must be a number in [0, 1), got {b!r}")
         self._signs = None          # this rank's EMA of sign(grad), with ``consistency``
         self._diag, self._prev_S = [], None     # ``diagnose``: its rows, the last sync's S
+        ex = self.opts["exchange"]
+        if (b and ex in ("sum", "watch")) or (self.opts["diagnose"] and ex != "fill"):
+            raise ValueError(f"blockprobe: consistency needs exchange union, partial, fill or "
+                             f"recheck, diagnose needs fill; got exchange={ex!r}")
 
     def _chosen(self, x: torch.Tensor, count: Optional[int] = None) -> torch.Tensor:
         """Mask [n] of the ``count`` (default ``self.blocks``) blocks of largest energy of
@@ -134,24 +138,21 @@ class BlockProbe(Algorithm):
             recheck = self.opts["exchange"] == "recheck"
             mask = self._chosen(part, self.candidates if recheck else None)
             if recheck:
-                total = acc.clone()
-                self.comm.allreduce(total)
+                total = self._whole(acc)
                 mask = self._chosen(torch.where(mask, total, 0.0))
-                out.copy_(torch.where(mask, total, 0.0).div_(self.P))
+                self._deliver(out, mask, total)
             elif self.opts["exchange"] == "fill":
-                total = acc.clone()
-                self.comm.allreduce(total)
-                out.copy_(torch.where(mask, total, 0.0).div_(self.P))
+                total = self._whole(acc)
+                self._deliver(out, mask, total)
                 if self.opts["diagnose"]:
                     self._diagnose(acc, score, mine, mask, total)
             else:
                 out.copy_(torch.where(mask, part, 0.0).div_(self.P))
                 mask &= mine
         elif self.opts["exchange"] == "sum":
-            total = acc.clone()
-            self.comm.allreduce(total)
+            total = self._whole(acc)
             mask = self._chosen(total)
-            out.copy_(torch.where(mask, total, 0.0).div_(self.P))
+            self._deliver(out, mask, total)
         else:
             mask = self._chosen(score)
             part = torch.where(mask, acc, 0.0)
@@ -161,6 +162,16 @@ class BlockProbe(Algorithm):
         self.commit_residual(acc, nonfinite)
         self.stats.update(local_selected=mask.sum(), global_selected=(out != 0).sum(),
                           overflow=0)
+
+    def _whole(self, acc: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's ``acc`` (a dense allreduce of a copy)."""
+        total = acc.clone()
+        self.comm.allreduce(total)
+        return total
+
+    def _deliver(self, out: torch.Tensor, mask: torch.Tensor, total: torch.Tensor) -> None:
+        """``out`` = the whole sums at ``mask``, divided by P; 0 elsewhere."""
+        out.copy_(torch.where(mask, total, 0.0).div_(self.P))
 
     def _consistent(self, acc: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """What a rank's own choice ranks (all but ``sum`` and ``watch``): ``acc``, or with
@@ -215,10 +226,9 @@ class BlockProbe(Algorithm):
         mine = self._chosen(torch.where(watch, 0.0, acc))
         part = torch.where(mine, acc, 0.0)
         self.comm.allreduce(part)
-        total = acc.clone()
-        self.comm.allreduce(total)
+        total = self._whole(acc)
         mask = self._chosen(torch.where(watch, total, part))
-        out.copy_(torch.where(mask, total, 0.0).div_(self.P))
+        self._deliver(out, mask, total)
         self._history = (self._history + [mask])[-int(self.opts["watch"]):]
         self.stats.update(watched=watch.sum(), watched_delivered=(mask & watch).sum())
         return mask
