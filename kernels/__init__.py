@@ -10,6 +10,7 @@ from ._dispatch import BACKENDS, INTERPRET, choose, counters
 from .bookkeeping import STATS as BOOKKEEPING_STATS
 from .bookkeeping import capped_offsets, step_bookkeeping
 from .completion import owed_encode, owner_sum, slot_encode, values_add, values_words
+from .consistency import sign_ema
 from .compaction import (gather_rows, keep_flags, keep_row_error, keep_slot_rounding,
                          owner_magnitudes, owner_slot, row_magnitudes)
 from .elementwise import dense_zeros, fill_if, nonfinite_flag
@@ -40,4 +41,4 @@ __all__ = ["Selection", "fused_select", "empty_selection", "HIST_BINS", "abs_his
            "slot_keys", "slot_starts", "slot_sums", "quantized_encode", "quantized_decode",
            "keep_row_error", "gaussian_threshold", "magnitude_keys",
            "select_above", "owed_encode", "owner_sum", "slot_encode", "values_add",
-           "values_words"]
+           "values_words", "sign_ema"]

@@ -19,7 +19,7 @@ the interpreter's own float cast truncates).
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -46,15 +46,24 @@ if HAS_TRITON:
         val_ptr, val_stride,   # *fp32  [P, L] (row stride): staged values
         cnt_ptr,               # *int32 [P]    true staged counts (may exceed L)
         mag_ptr,               # *fp32  [P, L] out (contiguous): |value| below the count, else -1
+        idx_ptr, idx_stride,   # *int32 [P, L] (row stride): staged region-relative indices
+                               #               (if HAS_WEIGHT)
+        off_ptr,               # *int64 [P+1]  the regions' starts (if HAS_WEIGHT)
+        w_ptr,                 # *fp32  [n]    weights: the magnitude is |value|·|w[start + idx]|
+                               #               (if HAS_WEIGHT)
         L,
+        HAS_WEIGHT: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         j = tl.program_id(0).to(tl.int64)
         e = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         inb = e < L
         staged = inb & (e < tl.load(cnt_ptr + j))
-        v = tl.load(val_ptr + j * val_stride + e, mask=staged, other=0.0)
-        tl.store(mag_ptr + j * L + e, tl.where(staged, tl.abs(v), -1.0), mask=inb)
+        a = tl.abs(tl.load(val_ptr + j * val_stride + e, mask=staged, other=0.0))
+        if HAS_WEIGHT:
+            i = tl.load(idx_ptr + j * idx_stride + e, mask=staged, other=0).to(tl.int64)
+            a = a * tl.abs(tl.load(w_ptr + tl.load(off_ptr + j) + i, mask=staged, other=0.0))
+        tl.store(mag_ptr + j * L + e, tl.where(staged, a, -1.0), mask=inb)
 
     @triton.jit
     def _bf16_bits(v):
@@ -119,10 +128,13 @@ if HAS_TRITON:
             tl.store(row + 1, tl.load(nf_ptr + j))
 
     @_dispatch.serialized_when_interpreted
-    def _staged_magnitudes_triton(values, counts, mag):
+    def _staged_magnitudes_triton(values, counts, mag, indices=None, offsets=None, weight=None):
         P, L = values.shape
+        w = weight is not None
         _staged_magnitudes_kernel[(P, triton.cdiv(L, _BLOCK))](
-            values, values.stride(0), counts, mag, L, BLOCK=_BLOCK, num_warps=4)
+            values, values.stride(0), counts, mag, indices if w else counts,
+            indices.stride(0) if w else 0, offsets if w else counts, weight if w else mag, L,
+            HAS_WEIGHT=w, BLOCK=_BLOCK, num_warps=4)
 
     @_dispatch.serialized_when_interpreted
     def _pack_rows_triton(msg, stage, pos, vals, cr, bf16):
@@ -136,10 +148,14 @@ if HAS_TRITON:
 # ----------------------------------------------------------------------------------------------
 # torch references (the specification: the step's ops before the cut)
 # ----------------------------------------------------------------------------------------------
-def _staged_magnitudes_torch(values, counts, mag):
+def _staged_magnitudes_torch(values, counts, mag, indices=None, offsets=None, weight=None):
     P, L = values.shape
     staged = torch.arange(L, dtype=torch.int32, device=values.device) < counts.reshape(P, 1)
-    mag.copy_(torch.where(staged, values.abs(), torch.full_like(values, -1.0)))
+    a = values.abs()
+    if weight is not None:   # unstaged slots may hold anything: their positions are clamped
+        pos = (offsets[:P].reshape(P, 1) + indices.to(torch.int64)).clamp(0, weight.numel() - 1)
+        a = a * weight[pos].abs()
+    mag.copy_(torch.where(staged, a, torch.full_like(values, -1.0)))
 
 
 def _pack_rows_torch(msg, stage, pos, vals, cr, bf16):
@@ -182,15 +198,34 @@ def _check_stage(stage: Selection) -> Tuple[int, int]:
     return P, L
 
 
-def staged_magnitudes(stage: Selection, *, backend: str = "auto") -> Tensor:
+def staged_magnitudes(stage: Selection, *, weight: Optional[Tensor] = None,
+                      offsets: Optional[Tensor] = None, backend: str = "auto") -> Tensor:
     """The staging rows as magnitudes, fp32 [P, cap_s] contiguous: ``|values[j, s]|`` where
     ``s < counts[j]`` (staged), else -1 (what the row's top-k never prefers to a staged one).
-    One launch."""
+    With ``weight`` (fp32 [n], the score :func:`fused_select` staged with) and ``offsets``
+    (int64 [P+1], the regions the staged indices are relative to), ``|values[j, s]| ·
+    |weight[offsets[j] + indices[j, s]]|``. One launch."""
     P, L = _check_stage(stage)
+    if (weight is None) != (offsets is None):
+        raise ValueError("staged_magnitudes: weight and offsets go together (the staged indices "
+                         "are relative to their region's start)")
+    if weight is not None:
+        if not (isinstance(weight, Tensor) and weight.dtype == torch.float32
+                and weight.dim() == 1 and weight.is_contiguous()):
+            raise ValueError(f"weight must be a contiguous 1-dim fp32 tensor, got "
+                             f"{getattr(weight, 'dtype', type(weight).__name__)}")
+        if not (isinstance(offsets, Tensor) and offsets.dtype == torch.int64
+                and offsets.dim() == 1 and offsets.numel() >= P + 1 and offsets.is_contiguous()):
+            got = getattr(offsets, "dtype", type(offsets).__name__)
+            raise ValueError(f"offsets must be a contiguous int64 tensor of at least {P + 1} "
+                             f"region starts, got {got}")
     mag = torch.empty(P, L, dtype=torch.float32, device=stage.values.device)
-    _dispatch.record(launches=1, bytes=8 * P * L + 4 * P)
+    extra = 8 * P * L if weight is not None else 0      # the staged indices and their weights
+    _dispatch.record(launches=1, bytes=8 * P * L + 4 * P + extra)
     if P * L:
         args = (stage.values, stage.counts, mag)
+        if weight is not None:
+            args += (stage.indices, offsets, weight)
         _dispatch.run(backend, mag.device, _staged_magnitudes_triton, _staged_magnitudes_torch,
                       *args)
     return mag
@@ -237,9 +272,13 @@ def pack_rows(msg: Tensor, stage: Selection, pos: Tensor, *, bf16: bool = False,
 def compile_variants():
     """(name, kernel, signature, constexprs, divisible-by-16 args, num_warps, options) per
     variant, as the launchers above launch them."""
-    yield ("message staged_magnitudes", _staged_magnitudes_kernel,
-           {"val_ptr": "*fp32", "val_stride": "i32", "cnt_ptr": "*i32", "mag_ptr": "*fp32",
-            "L": "i32", "BLOCK": "constexpr"}, {"BLOCK": _BLOCK}, [0, 2, 3], 4, {})
+    for w in (False, True):
+        yield (f"message staged_magnitudes weight={w}", _staged_magnitudes_kernel,
+               {"val_ptr": "*fp32", "val_stride": "i32", "cnt_ptr": "*i32", "mag_ptr": "*fp32",
+                "idx_ptr": "*i32" if w else "*i32", "idx_stride": "i32",
+                "off_ptr": "*i64" if w else "*i32", "w_ptr": "*fp32", "L": "i32",
+                "HAS_WEIGHT": "constexpr", "BLOCK": "constexpr"},
+               {"HAS_WEIGHT": w, "BLOCK": _BLOCK}, [0, 2, 3, 4, 6, 7], 4, {})
     for bf16 in (False, True):
         yield (f"message pack_rows bf16={bf16}", _pack_rows_kernel,
                {"sidx_ptr": "*i32", "sidx_stride": "i32", "sval_ptr": "*fp32",

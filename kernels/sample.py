@@ -42,8 +42,10 @@ if HAS_TRITON:
         vel_ptr,       # *fp32  [n]           velocity (if VELOCITY)
         idx_ptr,       # *int32 [m]           the sample's positions
         out_ptr,       # *fp32  [m]           out: |residual + g|, 0 where not finite
+        w_ptr,         # *fp32  [n]           weights: out is |residual + g|·|w| (if WEIGHT)
         m, momentum,
         VELOCITY: tl.constexpr,
+        WEIGHT: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -55,6 +57,8 @@ if HAS_TRITON:
             g = u * momentum + g           # two roundings (no FMA: enable_fp_fusion=False)
         a = tl.abs(tl.load(res_ptr + i, mask=inb, other=0.0) + g)
         a = tl.where((a != a) | (a == float("inf")), 0.0, a)      # nan_to_num(0, 0, 0)
+        if WEIGHT:
+            a = a * tl.abs(tl.load(w_ptr + i, mask=inb, other=0.0))
         tl.store(out_ptr + e, a, mask=inb)
 
     @triton.jit(do_not_specialize=["K", "P"])
@@ -91,11 +95,12 @@ if HAS_TRITON:
             tl.store(th_ptr + j, th, mask=jm)
 
     @_dispatch.serialized_when_interpreted
-    def _sample_magnitudes_triton(grad, res, vel, idx, out, momentum):
+    def _sample_magnitudes_triton(grad, res, vel, idx, out, momentum, weight=None):
         m = idx.numel()
         _sample_magnitudes_kernel[(triton.cdiv(m, _BLOCK),)](
-            grad, res, vel if vel is not None else res, idx, out, m, momentum,
-            VELOCITY=vel is not None, BLOCK=_BLOCK, num_warps=4, enable_fp_fusion=False)
+            grad, res, vel if vel is not None else res, idx, out,
+            weight if weight is not None else res, m, momentum, VELOCITY=vel is not None,
+            WEIGHT=weight is not None, BLOCK=_BLOCK, num_warps=4, enable_fp_fusion=False)
 
     @_dispatch.serialized_when_interpreted
     def _sample_threshold_triton(top, th, cap, nf):
@@ -107,12 +112,13 @@ if HAS_TRITON:
 # ----------------------------------------------------------------------------------------------
 # torch references (the specification: the step's ops before the cut)
 # ----------------------------------------------------------------------------------------------
-def _sample_magnitudes_torch(grad, res, vel, idx, out, momentum):
+def _sample_magnitudes_torch(grad, res, vel, idx, out, momentum, weight=None):
     g = grad.index_select(0, idx).float()
     if vel is not None:
         g = vel.index_select(0, idx) * momentum + g
     acc = (res.index_select(0, idx) + g).abs()
-    out.copy_(acc.nan_to_num(0.0, 0.0, 0.0))       # non-finite entries count as 0
+    acc = acc.nan_to_num(0.0, 0.0, 0.0)            # non-finite entries count as 0
+    out.copy_(acc if weight is None else acc * weight.index_select(0, idx).abs())
 
 
 def _sample_threshold_torch(top, th, cap, nf):
@@ -136,25 +142,29 @@ def _vector(t, name: str, dtypes, numel: Optional[int] = None) -> None:
 
 def sample_magnitudes(grad: Tensor, residual: Tensor, idx: Tensor, *,
                       velocity: Optional[Tensor] = None, momentum: float = 0.0,
-                      backend: str = "auto") -> Tensor:
+                      weight: Optional[Tensor] = None, backend: str = "auto") -> Tensor:
     """The sample's |acc|, fp32 [m]: ``|residual[i] + g[i]|`` at the positions ``idx`` (int32
     [m], each in ``[0, n)``), ``g = grad`` (as fp32) or, with ``velocity``,
     ``velocity·momentum + grad`` (two roundings, what ``fused_select`` will accumulate); NaN
     and ±inf count as 0. ``grad`` fp32/bf16/fp16 [n], ``residual`` and ``velocity`` fp32 [n],
-    all contiguous. One launch, no pass over n."""
+    all contiguous. With ``weight`` (fp32 [n]): ``|acc[i]|·|weight[i]|``, the score
+    :func:`fused_select` takes with the same weight. One launch, no pass over n."""
     _vector(grad, "grad", (torch.float32, torch.bfloat16, torch.float16))
     n = grad.numel()
     _vector(residual, "residual", (torch.float32,), n)
     if velocity is not None:
         _vector(velocity, "velocity", (torch.float32,), n)
+    if weight is not None:
+        _vector(weight, "weight", (torch.float32,), n)
     _vector(idx, "idx", (torch.int32,))
     m = idx.numel()
     out = torch.empty(m, dtype=torch.float32, device=residual.device)
     _dispatch.record(launches=1, bytes=m * (4 + grad.element_size() + 4 + 4
-                                            + (4 if velocity is not None else 0)))
+                                            + (4 if velocity is not None else 0)
+                                            + (4 if weight is not None else 0)))
     if m == 0:
         return out
-    args = (grad, residual, velocity, idx, out, float(momentum))
+    args = (grad, residual, velocity, idx, out, float(momentum), weight)
     _dispatch.run(backend, residual.device, _sample_magnitudes_triton, _sample_magnitudes_torch,
                   *args)
     return out
@@ -196,12 +206,15 @@ def compile_variants():
     """(name, kernel, signature, constexprs, divisible-by-16 args, num_warps, options) per
     variant, as the launchers above launch them (the gather also with bf16 and fp16 gradients,
     without FP fusion: ``velocity·momentum + grad`` rounds twice)."""
-    for grad, vel in (("*fp32", False), ("*fp32", True), ("*bf16", False), ("*fp16", True)):
-        yield (f"sample magnitudes grad={grad[1:]} velocity={vel}", _sample_magnitudes_kernel,
+    for grad, vel, w in (("*fp32", False, False), ("*fp32", True, False), ("*bf16", False, False),
+                         ("*fp16", True, False), ("*fp32", False, True), ("*bf16", True, True)):
+        yield (f"sample magnitudes grad={grad[1:]} velocity={vel} weight={w}",
+               _sample_magnitudes_kernel,
                {"grad_ptr": grad, "res_ptr": "*fp32", "vel_ptr": "*fp32", "idx_ptr": "*i32",
-                "out_ptr": "*fp32", "m": "i32", "momentum": "fp32", "VELOCITY": "constexpr",
-                "BLOCK": "constexpr"},
-               {"VELOCITY": vel, "BLOCK": _BLOCK}, [0, 1, 2, 3, 4], 4, {"enable_fp_fusion": False})
+                "out_ptr": "*fp32", "w_ptr": "*fp32", "m": "i32", "momentum": "fp32",
+                "VELOCITY": "constexpr", "WEIGHT": "constexpr", "BLOCK": "constexpr"},
+               {"VELOCITY": vel, "WEIGHT": w, "BLOCK": _BLOCK}, [0, 1, 2, 3, 4, 5], 4,
+               {"enable_fp_fusion": False})
     for nf in (False, True):
         yield (f"sample threshold nf={nf}", _sample_threshold_kernel,
                {"top_ptr": "*fp32", "th_ptr": "*fp32", "cap_ptr": "*fp32",

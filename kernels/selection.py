@@ -125,6 +125,7 @@ if HAS_TRITON:
         hist_ptr,            # *int32 [P, HIST_BINS] out, ADDED to: |acc| bins relative to the
                              #                      region's threshold (if HAS_HIST)
         skip_ptr,            # *int32 []            when nonzero write nothing (if HAS_SKIP)
+        weight_ptr,          # *fp32 [n]            the score is |acc|·|weight| (if HAS_WEIGHT)
         n,                   # number of elements
         P,                   # number of regions
         capacity,            # slots per region row
@@ -134,6 +135,7 @@ if HAS_TRITON:
         HAS_VELOCITY: tl.constexpr,
         MASK_VELOCITY: tl.constexpr,   # u := 0 where acc == 0 (momentum factor masking)
         HAS_HIST: tl.constexpr,
+        HAS_WEIGHT: tl.constexpr,      # select and count on |acc|·|weight| instead of |acc|
         THR_PER_REGION: tl.constexpr,  # threshold_ptr holds P thresholds (region j: [j])
         HIST_BINS: tl.constexpr,
         HIST_SHIFT: tl.constexpr,
@@ -155,12 +157,16 @@ if HAS_TRITON:
                           velocity_ptr + block_start, lane, in_range, live, momentum,
                           HAS_VELOCITY, MASK_VELOCITY)
 
-        candidate = (acc != 0.0) & live
+        score = tl.abs(acc)
+        if HAS_WEIGHT:
+            score = score * tl.abs(tl.load(weight_ptr + block_start + lane, mask=in_range,
+                                           other=0.0))
+        candidate = (score != 0.0) & live
         if not THR_PER_REGION:
             thr = tl.load(threshold_ptr)
         bad = ((acc != acc) | (tl.abs(acc) == float("inf"))) & live
         if HAS_HIST:
-            bits = acc.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+            bits = score.to(tl.int32, bitcast=True) & 0x7FFFFFFF
             counted = live & (bits != 0) & (bits < 0x7F800000)
 
         region = _region_of(region_offsets_ptr, block_start, P, SEARCH_STEPS)
@@ -175,7 +181,7 @@ if HAS_TRITON:
             in_region = (lane >= first) & (lane < last)
             if THR_PER_REGION:
                 thr = tl.load(threshold_ptr + region)
-            take = candidate & (tl.abs(acc) >= thr) & in_region
+            take = candidate & (score >= thr) & in_region
             take_i = take.to(tl.int32)
             n_take = tl.sum(take_i, axis=0)
             # one scalar atomic per (program, region): the slot base; counts end as true counts
@@ -197,8 +203,8 @@ if HAS_TRITON:
 
     @_dispatch.serialized_when_interpreted
     def _fused_select_triton(grad, residual, threshold, region_offsets, capacity, skip, out,
-                             velocity, momentum, mask_velocity, hist, block: int = 2048,
-                             num_warps: Optional[int] = None):
+                             velocity, momentum, mask_velocity, hist, weight=None,
+                             block: int = 2048, num_warps: Optional[int] = None):
         if _dispatch.INTERPRET:
             block = 4096   # the interpreter pays per program: fewer, bigger programs
         n = residual.numel()
@@ -214,11 +220,13 @@ if HAS_TRITON:
             out.indices, out.values, out.counts, out.nonfinite,
             hist if hist is not None else out.counts,
             skip if skip is not None else out.counts,
+            weight if weight is not None else residual,
             n, P, capacity, float(momentum),
             out.indices.stride(0), out.values.stride(0), out.counts.stride(0),
             out.nonfinite.stride(0),
             HAS_SKIP=skip is not None, HAS_VELOCITY=velocity is not None,
             MASK_VELOCITY=bool(mask_velocity), HAS_HIST=hist is not None,
+            HAS_WEIGHT=weight is not None,
             THR_PER_REGION=threshold.dim() == 1,
             HIST_BINS=SELECT_HIST_BINS, HIST_SHIFT=SELECT_HIST_SHIFT,
             SEARCH_STEPS=ceil_log2(P + 1), BLOCK=block,
@@ -262,7 +270,7 @@ def select_hist_bins(acc: Tensor, thr_bits: Tensor) -> Tensor:
 
 
 def _fused_select_torch(grad, residual, threshold, region_offsets, capacity, skip, out,
-                        velocity, momentum, mask_velocity, hist):
+                        velocity, momentum, mask_velocity, hist, weight=None):
     """No host read (CPU or CUDA tensors alike)."""
     n = residual.numel()
     P = region_offsets.numel() - 1
@@ -273,7 +281,8 @@ def _fused_select_torch(grad, residual, threshold, region_offsets, capacity, ski
     rid = region_ids(region_offsets, n)
     thr = threshold.to(torch.float32)
     thr_e = thr[rid] if thr.dim() == 1 else thr.reshape(())
-    sel = (acc.abs() >= thr_e) & (acc != 0) & active
+    score = acc.abs() if weight is None else acc.abs() * weight.abs()
+    sel = (score >= thr_e) & (score != 0) & active
     bad = (~torch.isfinite(acc)) & active
     counts = torch.zeros(P, dtype=torch.int64, device=dev).scatter_add_(0, rid, sel.to(torch.int64))
     nonfinite = torch.zeros(P, dtype=torch.int64, device=dev).scatter_reduce_(
@@ -294,11 +303,11 @@ def _fused_select_torch(grad, residual, threshold, region_offsets, capacity, ski
     out.counts.copy_(counts)
     out.nonfinite.copy_(nonfinite)
     if hist is not None:
-        bits = acc.view(torch.int32) & _ABS_MASK
+        bits = score.view(torch.int32) & _ABS_MASK
         counted = (bits != 0) & (bits < _INF_BITS) & active
         thr_bits = (thr.view(torch.int32) & _ABS_MASK)
         thr_bits = thr_bits[rid] if thr.dim() == 1 else thr_bits.reshape(())
-        flat = rid * SELECT_HIST_BINS + select_hist_bins(acc, thr_bits)
+        flat = rid * SELECT_HIST_BINS + select_hist_bins(score, thr_bits)
         nbins = P * SELECT_HIST_BINS
         add = torch.bincount(torch.where(counted, flat, torch.full_like(flat, nbins)),
                              minlength=nbins + 1)[:nbins] \
@@ -325,7 +334,7 @@ CPU_HIST_PASSES = 5              # extra n-sized passes with hist
 
 
 def _fused_select_cpu(grad, residual, threshold, region_offsets, capacity, skip, out,
-                      velocity, momentum, mask_velocity, hist):
+                      velocity, momentum, mask_velocity, hist, weight=None):
     P = region_offsets.numel() - 1
     if skip is not None and int(skip) != 0:       # nothing written, nothing counted
         out.counts.zero_()
@@ -342,7 +351,7 @@ def _fused_select_cpu(grad, residual, threshold, region_offsets, capacity, skip,
             u.masked_fill_(residual == 0, 0.0)
         velocity.copy_(u)
     acc = residual
-    a = acc.abs()
+    a = acc.abs() if weight is None else torch.mul(acc, weight).abs_()   # |acc|·|w|, exactly
     finite = bool(torch.isfinite(a.max())) if a.numel() else True
     offs = region_offsets.tolist()
     th = threshold.reshape(-1).tolist()
@@ -436,7 +445,7 @@ def fused_select(grad: Tensor, residual: Tensor, threshold: Tensor, region_offse
                  capacity: int, *, skip: Optional[Tensor] = None, out: Optional[Selection] = None,
                  velocity: Optional[Tensor] = None, momentum: float = 0.0,
                  mask_velocity: bool = False, hist: Optional[Tensor] = None,
-                 backend: str = "auto") -> Selection:
+                 weight: Optional[Tensor] = None, backend: str = "auto") -> Selection:
     """Form ``acc = residual + grad`` (written back to ``residual``) and compact the entries with
     ``|acc| >= threshold and acc != 0`` into the fixed-capacity slot of their region.
 
@@ -454,8 +463,18 @@ def fused_select(grad: Tensor, residual: Tensor, threshold: Tensor, region_offse
     |acc| in bins relative to the region's threshold t: bin b >= 1 (b <= 62) holds the bit
     patterns in ``[bits(t) + (b - 32)·2^20, bits(t) + (b - 31)·2^20)``; bin 0 everything below,
     bin 63 everything above (see :func:`select_hist_edges`).
+
+    ``weight`` (fp32 [n], e.g. :func:`sign_ema`'s EMA): the selection and the histogram use the
+    score ``|acc|·|weight|`` instead of ``|acc|`` (an entry is taken when its score is nonzero
+    and at or above the threshold); the staged values are still ``acc``. 4n more bytes.
     """
     n = _check_vectors(grad, residual, velocity)
+    if weight is not None and (not isinstance(weight, Tensor) or weight.dtype != torch.float32
+                               or weight.numel() != n or not weight.is_contiguous()
+                               or weight.device != residual.device):
+        raise ValueError(f"weight must be a contiguous fp32 tensor of {n} elements on "
+                         f"{residual.device}, got {getattr(weight, 'dtype', type(weight).__name__)}"
+                         f" {tuple(getattr(weight, 'shape', ()))}")
     capacity = int(capacity)
     if capacity < 0:
         raise ValueError("capacity must be >= 0")
@@ -472,7 +491,7 @@ def fused_select(grad: Tensor, residual: Tensor, threshold: Tensor, region_offse
             raise ValueError(f"hist must be a contiguous int32 [{P}, {SELECT_HIST_BINS}] tensor")
     threshold = _check_threshold(threshold, P, residual.device)
     gbytes = grad.element_size() * n
-    vbytes = 8 * n if velocity is not None else 0
+    vbytes = (8 * n if velocity is not None else 0) + (4 * n if weight is not None else 0)
     # the torch side: the CPU fast path, or the reference counted as the one pass it stands for
     fast = (_dispatch.choose(backend, residual.device) == "torch"
             and residual.device.type == "cpu" and not REFERENCE)
@@ -483,7 +502,7 @@ def fused_select(grad: Tensor, residual: Tensor, threshold: Tensor, region_offse
     return _dispatch.run(backend, residual.device, _fused_select_triton,
                          _fused_select_cpu if fast else _fused_select_torch, grad, residual,
                          threshold, region_offsets, capacity, skip, out, velocity, momentum,
-                         mask_velocity, hist)
+                         mask_velocity, hist, weight)
 
 
 def _check_vectors(grad: Tensor, residual: Tensor, velocity: Optional[Tensor]) -> int:

@@ -145,6 +145,8 @@ class OkTopk(Algorithm):
         "backend": "auto",         # kernels backend: auto | triton | torch
         "complete_sums": False,    # a values-only second exchange delivers every rank's part
                                    # of the chosen entries, not only the parts sent in the rows
+        "consistency": 0.0,        # b in [0, 1): a rank ranks its own entries by
+                                   # |acc|·|EMA_b(sign(grad))| (0: by |acc|)
     }
     STATE = ("th_rows", "row_target", "th_global", "region_offsets", "_calibrated")
     SCALED = ("th_rows", "th_global", "_cap_rows")   # in the gradient's units
@@ -243,6 +245,14 @@ class OkTopk(Algorithm):
             self._complete_sum = torch.zeros(1, cg, dtype=torch.float32, device=dev)
             self._complete_slot = torch.zeros(1, vw, dtype=torch.int32, device=dev)
             self._complete_gathered = torch.zeros(P, vw, dtype=torch.int32, device=dev)
+        b = o["consistency"]
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 <= b < 1:
+            raise ValueError(f"oktopk: consistency must be a number in [0, 1) (the sign EMA's "
+                             f"decay; 0: rank by |acc|), got {b!r}")
+        self.consistency = float(b)
+        # the EMA of sign(grad) (n words), and whether it has seen a step (the first sets it)
+        self._signs = torch.zeros(n, dtype=torch.float32, device=dev) if b > 0 else None
+        self._signs_started = False
 
     # -- capacities -------------------------------------------------------------------------------
     @staticmethod
@@ -321,6 +331,11 @@ class OkTopk(Algorithm):
     # -- the step --------------------------------------------------------------------------------
     def step(self, grad: torch.Tensor, out: torch.Tensor,
              nonfinite: Optional[torch.Tensor]) -> None:
+        if self._signs is not None:   # consistency: this step's signs, before any ranking
+            K.sign_ema(grad.reshape(-1), self._signs,
+                       self.consistency if self._signs_started else 0.0, skip=nonfinite,
+                       backend=self.backend)
+            self._signs_started = True
         if (not self._calibrated or self.opts["exact_thresholds"]
                 or self.step_count < self.opts["calibrate_steps"]):
             self._calibrate(grad, nonfinite)
@@ -355,6 +370,8 @@ class OkTopk(Algorithm):
         acc itself. Rows: the region's ``stage_mid``-th largest |acc| (exact mode: this rank's
         k-th largest, the same for every row). Costs extra passes; a steady step has none."""
         acc = self.residual + self._velocity_preview(grad)
+        if self._signs is not None:   # consistency: the thresholds are on the score
+            acc = acc.abs() * self._signs.abs()
         P, be = self.P, self.backend
         if self.opts["exact_thresholds"]:
             th = K.magnitude_threshold(acc, self.k, backend=be).reshape(1).expand(P)
@@ -386,8 +403,12 @@ class OkTopk(Algorithm):
         Ok-Topk with the same row-threshold mode also its regions, its global threshold and its
         steered row target (rescaled to this k), so a density stage goes on from the balance
         reached instead of equal regions. The first step still calibrates: every row's threshold
-        exact for this density, on the carried regions."""
+        exact for this density, on the carried regions. With ``consistency`` on both, the
+        sign EMA goes on too."""
         super().take_over(old)
+        if self._signs is not None and getattr(old, "_signs", None) is not None:
+            self._signs.copy_(old._signs)
+            self._signs_started = old._signs_started
         if not (isinstance(old, OkTopk) and old._calibrated
                 and old.rank_threshold == self.rank_threshold):
             return
@@ -412,7 +433,8 @@ class OkTopk(Algorithm):
         thresholds (one program; kept on a non-finite step); no pass over n, no host read."""
         be = self.backend
         acc = K.sample_magnitudes(grad.reshape(-1), self.residual, self._sample_idx,
-                                   velocity=self.velocity, momentum=self.momentum, backend=be)
+                                   velocity=self.velocity, momentum=self.momentum,
+                                   weight=self._signs, backend=be)
         top = torch.topk(acc, self._sample_k, sorted=False).values
         K.sample_threshold(top, self.th_rows, self._cap_rows, nonfinite, backend=be)
 
@@ -434,12 +456,15 @@ class OkTopk(Algorithm):
         K.fused_select(grad, self.residual, self.th_rows, self.region_offsets, self.cap_s,
                        skip=nonfinite, out=stg, velocity=self.velocity, momentum=self.momentum,
                        mask_velocity=self.momentum_masking and self.velocity is not None,
-                       hist=self._hist, backend=be)
+                       hist=self._hist, weight=self._signs, backend=be)
         msg = self._msg
         # a row with more than cap_r candidates sends its cap_r largest (all valid, in any
         # order); one with fewer sends them as staged (valid ones first). Unsorted: the sorted
         # top-k cost 1.3 ms of a 33 ms CPU step (n = 2^20, P = 4), the unsorted 0.57
-        pos = torch.topk(K.staged_magnitudes(stg, backend=be), cr, dim=1, sorted=False).indices
+        mags = K.staged_magnitudes(stg, weight=self._signs,
+                                   offsets=None if self._signs is None else self.region_offsets,
+                                   backend=be)
+        pos = torch.topk(mags, cr, dim=1, sorted=False).indices
         # bf16 wire: rounded on the wire; clear_sent keeps the rounding in the residual
         vals = K.pack_rows(msg, stg, pos, bf16=self.bf16_wire, backend=be)
         if self.compact:   # sorted by index; clear_sent keeps the rounding in the residual
@@ -669,10 +694,31 @@ class OkTopk(Algorithm):
         new = bits.to(torch.int32).view(torch.float32).reshape(1)
         return torch.where(h.sum() > 0, new, th.min().reshape(1))
 
+    def state_dict(self) -> dict:
+        """As the base class; with ``consistency``, also the sign EMA and whether it started."""
+        sd = super().state_dict()
+        if self._signs is not None:
+            sd["consistency_signs"] = self._signs.clone()
+            sd["consistency_started"] = self._signs_started
+        return sd
+
     def load_state_dict(self, sd: dict) -> None:
         """As the base class; regions saved wider than this reducer's span (a checkpoint of an
-        earlier bound) are capped, the same way on every rank."""
+        earlier bound) are capped, the same way on every rank. With ``consistency``, the sign
+        EMA is restored; a checkpoint without one (saved without ``consistency``) starts it
+        afresh at the next step's signs."""
         super().load_state_dict(sd)
+        if self._signs is not None:
+            saved = sd.get("consistency_signs")
+            if saved is None:
+                self._signs.zero_()
+                self._signs_started = False
+            else:
+                if saved.numel() != self.numel:
+                    raise ValueError(f"oktopk: state_dict's consistency_signs has "
+                                     f"{saved.numel()} elements, this reducer {self.numel}")
+                self._signs.copy_(saved.reshape(-1).to(self.device))
+                self._signs_started = bool(sd.get("consistency_started", True))
         if self.span < self.numel:
             self.region_offsets.copy_(K.capped_offsets(self.region_offsets, self.span))
 
