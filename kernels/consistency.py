@@ -48,8 +48,7 @@ if HAS_TRITON:
         if HAS_SKIP:
             live = live & (tl.zeros((BLOCK,), dtype=tl.int32) + tl.load(skip_ptr) == 0)
         g = tl.load(grad_ptr + e, mask=live, other=0.0).to(tl.float32)
-        s = tl.where(g > 0, 1.0, tl.where(g < 0, -1.0, 0.0))
-        s = tl.where(g != g, g, s)                    # sign(NaN) = NaN, as torch.sign
+        s = tl.where(g > 0, 1.0, tl.where(g < 0, -1.0, 0.0))   # NaN: 0, as torch.sign on CPU
         old = tl.load(ema_ptr + e, mask=live, other=0.0)
         tl.store(ema_ptr + e, old * rate + s * keep, mask=live)
 

@@ -241,8 +241,8 @@ def test_gloo_matches_local_cluster():
 
 
 # -- state_dict continuation --------------------------------------------------------------------
-def _state_body(comm, n, steps, cut):
-    opts = dict(backend=BE, momentum=0.9)
+def _state_body(comm, n, steps, cut, **extra):
+    opts = dict(backend=BE, momentum=0.9, **extra)
     fn = mixed(33)
     a, outs, b, outs2 = continued_from_save(lambda: OkTopk(n, comm, 0.01, **opts),
                                             lambda alg, t: alg(fn(comm.rank, t, n)).clone(),
@@ -392,8 +392,8 @@ def test_cuda_steady_step_never_syncs(P, momentum, wire):
 
 
 # -- the interpreted Triton kernels give the torch path's step bit for bit --------------------
-def _backend_body(comm, n, backend, wire="fp32"):
-    alg = OkTopk(n, comm, 0.02, backend=backend, momentum=0.9, wire_format=wire)
+def _backend_body(comm, n, backend, wire="fp32", **extra):
+    alg = OkTopk(n, comm, 0.02, backend=backend, momentum=0.9, wire_format=wire, **extra)
     fn = mixed(12)
     outs = [alg(fn(comm.rank, t, n)).clone() for t in range(5)]
     return torch.stack(outs), alg.residual.clone(), alg.velocity.clone()
@@ -461,3 +461,98 @@ def test_complete_sums_refuses_a_non_bool():
         OkTopk(100, comm, 0.1, complete_sums="yes")
     with pytest.raises(Exception, match="complete_sums must be True or False, got 'yes'"):
         LocalCluster(1, timeout=10).run(build)
+
+
+# -- consistency: a rank ranks its own entries by |acc|·|EMA_b(sign(grad))| ---------------------
+@pytest.mark.parametrize("P", [2, 3, 5])
+@pytest.mark.parametrize("wire,complete", [("fp32", False), ("q2", True), ("compact", False)])
+def test_consistency_conservation_and_agreement(P, wire, complete):
+    res = run_steps("oktopk", P, 4000, 14, 0.02, mixed(P), backend=BE, wire_format=wire,
+                    complete_sums=complete, consistency=0.9, momentum=0.9)
+    assert_conservation(res)
+    assert_bitwise_agreement(res)
+
+
+def _flipping_and_steady(rank, t, n):
+    """Entries 0-199 of size 3 with a random sign every step (on every rank its own), 200-399
+    of size 0.5 with a steady sign, the rest small noise."""
+    gen = torch.Generator().manual_seed(100 * rank + t)
+    g = torch.randn(n, generator=gen) * 0.01
+    g[:200] += 3.0 * (torch.randint(0, 2, (200,), generator=gen) * 2 - 1)
+    g[200:400] += 0.5
+    return g
+
+
+@pytest.mark.parametrize("b", [0.0, 0.9])
+def test_consistency_prefers_steady_signs(b):
+    """By |acc| the noisy entries take most of the budget (k = 80) every step; ranked by
+    |acc|·|EMA(sign)| the steady ones do once their EMA has seen a few steps."""
+    res = run_steps("oktopk", 2, 4000, 12, 0.02, _flipping_and_steady, backend=BE,
+                    consistency=b)
+    assert_conservation(res)
+    sent = torch.stack([(o[0] != 0) for o in res.outs[6:]]).float()
+    flipping, steady = float(sent[:, :200].sum()), float(sent[:, 200:400].sum())
+    print(f"\nb={b}: noisy {flipping:.0f}, steady {steady:.0f} of 6 steps' out")
+    if b == 0:
+        assert flipping > 4 * steady
+    else:
+        assert steady > 1.5 * flipping
+
+
+def test_consistency_state_dict_round_trip_continues_bitwise():
+    for r in LocalCluster(3).run(_state_body, 3000, 24, 9, consistency=0.9):
+        o1, o2, r1, r2, c1, c2 = r
+        assert all(torch.equal(x, y) for x, y in zip(o1, o2))
+        assert torch.equal(r1, r2)
+
+
+def _signs_body(comm, n):
+    fn = mixed(5)
+    a = OkTopk(n, comm, 0.02, backend=BE, consistency=0.8)
+    for t in range(3):
+        a(fn(comm.rank, t, n))
+    plain = OkTopk(n, comm, 0.02, backend=BE)
+    plain(fn(comm.rank, 0, n))
+    fresh = OkTopk(n, comm, 0.02, backend=BE, consistency=0.8)
+    fresh.load_state_dict(plain.state_dict())          # no EMA saved: it starts afresh
+    taken = OkTopk(n, comm, 0.05, backend=BE, consistency=0.8)
+    taken.take_over(a)                                 # a density stage goes on with the EMA
+    nf = OkTopk(n, comm, 0.02, backend=BE, consistency=0.8)
+    nf(fn(comm.rank, 0, n))
+    before = nf._signs.clone()
+    bad = fn(comm.rank, 1, n)
+    bad[3] = float("inf")
+    nf(bad)                                            # a non-finite step leaves the EMA
+    return (a._signs.clone(), a._signs_started, fresh._signs.clone(), fresh._signs_started,
+            taken._signs.clone(), taken._signs_started, "consistency_signs" in plain.state_dict(),
+            torch.equal(nf._signs, before))
+
+
+def test_consistency_state_take_over_and_nonfinite():
+    for signs, started, fresh, fresh_started, taken, taken_started, in_plain, kept in \
+            LocalCluster(2).run(_signs_body, 2000):
+        assert started and bool((signs.abs() > 0).any()) and float(signs.abs().max()) <= 1
+        assert not fresh_started and not bool(fresh.any()) and not in_plain
+        assert taken_started and torch.equal(taken, signs)
+        assert kept
+
+
+def test_consistency_refuses_bad_values():
+    for b in (1.0, -0.5, True, "0.9"):
+        def build(comm, b=b):
+            OkTopk(100, comm, 0.1, consistency=b)
+        with pytest.raises(Exception, match="consistency must be a number in \\[0, 1\\)"):
+            LocalCluster(1, timeout=10).run(build)
+
+
+@pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs TRITON_INTERPRET=1 (the interpreter runs Triton on CPU tensors)")
+def test_consistency_triton_kernels_match_torch_path():
+    n = 3000
+    tri = LocalCluster(3).run(_backend_body, n, "triton", "q2", consistency=0.9,
+                              complete_sums=True)
+    ref = LocalCluster(3).run(_backend_body, n, "torch", "q2", consistency=0.9,
+                              complete_sums=True)
+    for p in range(3):
+        for a, b in zip(tri[p], ref[p]):
+            assert torch.equal(a, b)
