@@ -108,7 +108,8 @@ values sent stay ``acc``: conservation and the rest of the step are unchanged. W
 last 100 syncs of a 16-rank probe (1m GPT, 1.6%) only 10-13% of the whole sum's top k was
 chosen, and the part no rank offered had the sum's sign on 96-99% of the ranks; ranked so, the
 completed exchange's ideal ended 0.011 lower on three seeds, 0.028 on the 4m GPT
-(docs/volume-at-scale.md).
+(docs/volume-at-scale.md). An entry whose gradient stays 0 scores ever lower as its EMA
+decays (b^t): what it owes stays in the residual (nothing is lost) until its gradient moves.
 
 Conservation holds exactly: fused_select leaves ``residual = acc``; only clear_sent zeroes, and
 only the entries that reached ``out``. Non-finite steps (``nonfinite > 0``) skip fused_select
