@@ -61,11 +61,13 @@ def _selection_variants():
                "threshold_ptr": "*fp32", "region_offsets_ptr": "*i64", "indices_ptr": "*i32",
                "values_ptr": "*fp32", "counts_ptr": "*i32", "nonfinite_ptr": "*i32",
                "hist_ptr": "*i32", "skip_ptr": "*i32", "weight_ptr": "*fp32",
-               "n": "i64", "P": "i32", "capacity": "i32", "momentum": "fp32",
+               "n": "i64", "P": "i32", "capacity": "i32", "momentum": "fp32", "rate": "fp32",
+               "keep": "fp32",
                "idx_row_stride": "i32", "val_row_stride": "i32", "counts_stride": "i32",
                "nonfinite_stride": "i32",
                "HAS_SKIP": "constexpr", "HAS_VELOCITY": "constexpr", "MASK_VELOCITY": "constexpr",
-               "HAS_HIST": "constexpr", "HAS_WEIGHT": "constexpr", "THR_PER_REGION": "constexpr",
+               "HAS_HIST": "constexpr", "HAS_WEIGHT": "constexpr", "UPDATE_WEIGHT": "constexpr",
+               "THR_PER_REGION": "constexpr",
                "HIST_BINS": "constexpr",
                "HIST_SHIFT": "constexpr", "SEARCH_STEPS": "constexpr", "BLOCK": "constexpr"}
     sel_const = {"HIST_BINS": selection.SELECT_HIST_BINS, "HIST_SHIFT": selection.SELECT_HIST_SHIFT,
@@ -84,21 +86,24 @@ def _selection_variants():
                    f"hist={hist} thr_per_region={per_region}", selection._fused_select_kernel,
                    {**sel_sig, "grad_ptr": gd},
                    {**sel_const, "HAS_SKIP": skip, "HAS_VELOCITY": vel, "MASK_VELOCITY": mask,
-                    "HAS_HIST": hist, "HAS_WEIGHT": False, "THR_PER_REGION": per_region},
+                    "HAS_HIST": hist, "HAS_WEIGHT": False, "UPDATE_WEIGHT": False,
+                    "THR_PER_REGION": per_region},
                    ptr16, 4, no_fma)
-    # Ok-Topk's select with ``consistency`` (the score |acc|·|weight|)
-    for gd in ("*fp32", "*bf16"):
+    # Ok-Topk's select with ``consistency`` (the score |acc|·|weight|, the weight's EMA updated
+    # in the pass), and a weight alone
+    for gd, upd in (("*fp32", True), ("*bf16", True), ("*fp32", False)):
         for vel in (False, True):
             yield (f"fused_select grad={gd[1:]} skip=True velocity={vel} mask={vel} hist=True "
-                   f"thr_per_region=True weight=True", selection._fused_select_kernel,
+                   f"thr_per_region=True weight=True update={upd}", selection._fused_select_kernel,
                    {**sel_sig, "grad_ptr": gd},
                    {**sel_const, "HAS_SKIP": True, "HAS_VELOCITY": vel, "MASK_VELOCITY": vel,
-                    "HAS_HIST": True, "HAS_WEIGHT": True, "THR_PER_REGION": True}, ptr16, 4,
-                   no_fma)
+                    "HAS_HIST": True, "HAS_WEIGHT": True, "UPDATE_WEIGHT": upd,
+                    "THR_PER_REGION": True}, ptr16, 4, no_fma)
     # n == 1 specialised to a constexpr
     yield ("fused_select n=1", selection._fused_select_kernel, {**sel_sig, "n": "constexpr"},
            {**sel_const, "n": 1, "HAS_SKIP": False, "HAS_VELOCITY": False, "MASK_VELOCITY": False,
-            "HAS_HIST": False, "HAS_WEIGHT": False, "THR_PER_REGION": False, "SEARCH_STEPS": 1},
+            "HAS_HIST": False, "HAS_WEIGHT": False, "UPDATE_WEIGHT": False, "THR_PER_REGION": False,
+            "SEARCH_STEPS": 1},
            list(range(12)), 4, no_fma)
 
 

@@ -6,10 +6,13 @@ the last 100 syncs of a 16-rank probe (the 1.04M-parameter GPT, local steps ever
 entries of that top that no rank offered had the sum's sign on 96-99% of the ranks. Ranking by
 ``|acc| · |EMA_b(sign(grad))|`` instead of ``|acc|`` (an entry whose new part keeps its sign sync
 after sync ranks as its size, one whose sign wanders ranks lower) lowered the completed ideal's
-validation loss by 0.011 on three seeds, and by 0.028 on the 4m GPT. This kernel keeps that EMA:
-one launch, ``ema = rate·ema + (1 − rate)·sign(grad)`` (two roundings and an add, no FMA), not
-on a non-finite step; 12n bytes (a grad of 4 bytes) on top of the select pass. The selection
-kernels take ``|ema|`` as their ``weight``.
+validation loss by 0.011 on three seeds, and by 0.028 on the 4m GPT. The EMA is
+``ema = rate·ema + (1 − rate)·sign(grad)`` (two roundings and an add, no FMA), not on a
+non-finite step. This kernel computes it on its own: one launch, 12n bytes (a grad of 4 bytes).
+Ok-Topk's steady step does not launch it: ``fused_select`` updates the EMA in its pass
+(``weight_rate``, 8n bytes more and no launch, where this kernel was one launch and 12n bytes)
+and ``sample_magnitudes`` previews the update at its sample; the calibration steps use this one
+on a copy. The selection kernels take ``|ema|`` as their ``weight``.
 
 The torch reference (``_sign_ema_torch``) is the specification; the kernel gives the same bits.
 """

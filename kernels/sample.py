@@ -35,30 +35,37 @@ _BLOCK = 1024
 # ----------------------------------------------------------------------------------------------
 if HAS_TRITON:
 
-    @triton.jit(do_not_specialize=["m", "momentum"])
+    @triton.jit(do_not_specialize=["m", "momentum", "rate", "keep"])
     def _sample_magnitudes_kernel(
         grad_ptr,      # *fp32|bf16|fp16 [n]  this step's gradient
         res_ptr,       # *fp32  [n]           residual (not yet accumulated)
         vel_ptr,       # *fp32  [n]           velocity (if VELOCITY)
         idx_ptr,       # *int32 [m]           the sample's positions
         out_ptr,       # *fp32  [m]           out: |residual + g|, 0 where not finite
-        w_ptr,         # *fp32  [n]           weights: out is |residual + g|·|w| (if WEIGHT)
+        w_ptr,         # *fp32  [n]           weights: out is |residual + g|·|w| (if WEIGHT), w
+                       #                      as rate·w + keep·sign(grad) (if PREVIEW; not stored)
         m, momentum,
+        rate, keep,    # fp32 the weight's EMA (if PREVIEW): the old weight's share, 1 - rate
         VELOCITY: tl.constexpr,
         WEIGHT: tl.constexpr,
+        PREVIEW: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         inb = e < m
         i = tl.load(idx_ptr + e, mask=inb, other=0).to(tl.int64)
         g = tl.load(grad_ptr + i, mask=inb, other=0.0).to(tl.float32)
+        if WEIGHT:
+            w = tl.load(w_ptr + i, mask=inb, other=0.0)
+            if PREVIEW:         # what fused_select will store (two roundings and an add)
+                w = w * rate + tl.where(g > 0, 1.0, tl.where(g < 0, -1.0, 0.0)) * keep
         if VELOCITY:
             u = tl.load(vel_ptr + i, mask=inb, other=0.0)
             g = u * momentum + g           # two roundings (no FMA: enable_fp_fusion=False)
         a = tl.abs(tl.load(res_ptr + i, mask=inb, other=0.0) + g)
         a = tl.where((a != a) | (a == float("inf")), 0.0, a)      # nan_to_num(0, 0, 0)
         if WEIGHT:
-            a = a * tl.abs(tl.load(w_ptr + i, mask=inb, other=0.0))
+            a = a * tl.abs(w)
         tl.store(out_ptr + e, a, mask=inb)
 
     @triton.jit(do_not_specialize=["K", "P"])
@@ -95,12 +102,13 @@ if HAS_TRITON:
             tl.store(th_ptr + j, th, mask=jm)
 
     @_dispatch.serialized_when_interpreted
-    def _sample_magnitudes_triton(grad, res, vel, idx, out, momentum, weight=None):
+    def _sample_magnitudes_triton(grad, res, vel, idx, out, momentum, weight=None, rate=None):
         m = idx.numel()
         _sample_magnitudes_kernel[(triton.cdiv(m, _BLOCK),)](
             grad, res, vel if vel is not None else res, idx, out,
-            weight if weight is not None else res, m, momentum, VELOCITY=vel is not None,
-            WEIGHT=weight is not None, BLOCK=_BLOCK, num_warps=4, enable_fp_fusion=False)
+            weight if weight is not None else res, m, momentum, float(rate or 0.0),
+            float(1.0 - (rate or 0.0)), VELOCITY=vel is not None, WEIGHT=weight is not None,
+            PREVIEW=rate is not None, BLOCK=_BLOCK, num_warps=4, enable_fp_fusion=False)
 
     @_dispatch.serialized_when_interpreted
     def _sample_threshold_triton(top, th, cap, nf):
@@ -112,13 +120,17 @@ if HAS_TRITON:
 # ----------------------------------------------------------------------------------------------
 # torch references (the specification: the step's ops before the cut)
 # ----------------------------------------------------------------------------------------------
-def _sample_magnitudes_torch(grad, res, vel, idx, out, momentum, weight=None):
+def _sample_magnitudes_torch(grad, res, vel, idx, out, momentum, weight=None, rate=None):
     g = grad.index_select(0, idx).float()
+    if weight is not None:
+        w = weight.index_select(0, idx)
+        if rate is not None:   # what fused_select will store
+            w = w * rate + torch.sign(g) * float(1.0 - rate)
     if vel is not None:
         g = vel.index_select(0, idx) * momentum + g
     acc = (res.index_select(0, idx) + g).abs()
     acc = acc.nan_to_num(0.0, 0.0, 0.0)            # non-finite entries count as 0
-    out.copy_(acc if weight is None else acc * weight.index_select(0, idx).abs())
+    out.copy_(acc if weight is None else acc * w.abs())
 
 
 def _sample_threshold_torch(top, th, cap, nf):
@@ -142,13 +154,16 @@ def _vector(t, name: str, dtypes, numel: Optional[int] = None) -> None:
 
 def sample_magnitudes(grad: Tensor, residual: Tensor, idx: Tensor, *,
                       velocity: Optional[Tensor] = None, momentum: float = 0.0,
-                      weight: Optional[Tensor] = None, backend: str = "auto") -> Tensor:
+                      weight: Optional[Tensor] = None, weight_rate: Optional[float] = None,
+                      backend: str = "auto") -> Tensor:
     """The sample's |acc|, fp32 [m]: ``|residual[i] + g[i]|`` at the positions ``idx`` (int32
     [m], each in ``[0, n)``), ``g = grad`` (as fp32) or, with ``velocity``,
     ``velocity·momentum + grad`` (two roundings, what ``fused_select`` will accumulate); NaN
     and ±inf count as 0. ``grad`` fp32/bf16/fp16 [n], ``residual`` and ``velocity`` fp32 [n],
     all contiguous. With ``weight`` (fp32 [n]): ``|acc[i]|·|weight[i]|``, the score
-    :func:`fused_select` takes with the same weight. One launch, no pass over n."""
+    :func:`fused_select` takes with the same weight; with ``weight_rate`` too, the weight as
+    ``fused_select`` will update it first (``weight_rate·w + (1 − weight_rate)·sign(grad)``, not
+    stored). One launch, no pass over n."""
     _vector(grad, "grad", (torch.float32, torch.bfloat16, torch.float16))
     n = grad.numel()
     _vector(residual, "residual", (torch.float32,), n)
@@ -156,6 +171,11 @@ def sample_magnitudes(grad: Tensor, residual: Tensor, idx: Tensor, *,
         _vector(velocity, "velocity", (torch.float32,), n)
     if weight is not None:
         _vector(weight, "weight", (torch.float32,), n)
+    if weight_rate is not None and (weight is None or isinstance(weight_rate, bool)
+                                    or not isinstance(weight_rate, (int, float))
+                                    or not 0 <= weight_rate < 1):
+        raise ValueError(f"weight_rate must be a number in [0, 1) with a weight, got "
+                         f"{weight_rate!r}")
     _vector(idx, "idx", (torch.int32,))
     m = idx.numel()
     out = torch.empty(m, dtype=torch.float32, device=residual.device)
@@ -164,7 +184,8 @@ def sample_magnitudes(grad: Tensor, residual: Tensor, idx: Tensor, *,
                                             + (4 if weight is not None else 0)))
     if m == 0:
         return out
-    args = (grad, residual, velocity, idx, out, float(momentum), weight)
+    args = (grad, residual, velocity, idx, out, float(momentum), weight,
+            None if weight_rate is None else float(weight_rate))
     _dispatch.run(backend, residual.device, _sample_magnitudes_triton, _sample_magnitudes_torch,
                   *args)
     return out
@@ -206,15 +227,18 @@ def compile_variants():
     """(name, kernel, signature, constexprs, divisible-by-16 args, num_warps, options) per
     variant, as the launchers above launch them (the gather also with bf16 and fp16 gradients,
     without FP fusion: ``velocity·momentum + grad`` rounds twice)."""
-    for grad, vel, w in (("*fp32", False, False), ("*fp32", True, False), ("*bf16", False, False),
-                         ("*fp16", True, False), ("*fp32", False, True), ("*bf16", True, True)):
-        yield (f"sample magnitudes grad={grad[1:]} velocity={vel} weight={w}",
+    for grad, vel, w, pre in (("*fp32", False, False, False), ("*fp32", True, False, False),
+                              ("*bf16", False, False, False), ("*fp16", True, False, False),
+                              ("*fp32", False, True, True), ("*bf16", True, True, True),
+                              ("*fp32", True, True, False)):
+        yield (f"sample magnitudes grad={grad[1:]} velocity={vel} weight={w} preview={pre}",
                _sample_magnitudes_kernel,
                {"grad_ptr": grad, "res_ptr": "*fp32", "vel_ptr": "*fp32", "idx_ptr": "*i32",
                 "out_ptr": "*fp32", "w_ptr": "*fp32", "m": "i32", "momentum": "fp32",
-                "VELOCITY": "constexpr", "WEIGHT": "constexpr", "BLOCK": "constexpr"},
-               {"VELOCITY": vel, "WEIGHT": w, "BLOCK": _BLOCK}, [0, 1, 2, 3, 4, 5], 4,
-               {"enable_fp_fusion": False})
+                "rate": "fp32", "keep": "fp32", "VELOCITY": "constexpr", "WEIGHT": "constexpr",
+                "PREVIEW": "constexpr", "BLOCK": "constexpr"},
+               {"VELOCITY": vel, "WEIGHT": w, "PREVIEW": pre, "BLOCK": _BLOCK},
+               [0, 1, 2, 3, 4, 5], 4, {"enable_fp_fusion": False})
     for nf in (False, True):
         yield (f"sample threshold nf={nf}", _sample_threshold_kernel,
                {"top_ptr": "*fp32", "th_ptr": "*fp32", "cap_ptr": "*fp32",

@@ -95,7 +95,7 @@ if HAS_TRITON:
                     HAS_VELOCITY: tl.constexpr, MASK_VELOCITY: tl.constexpr):
         """Error feedback for one block (pointers at the block's start): acc = residual + grad,
         or residual + (u := momentum*u + grad) with momentum correction; acc is written over the
-        residual and returned."""
+        residual and returned, with the block's grad as fp32."""
         g = tl.load(grad_ptr + lane, mask=in_range, other=0.0).to(tl.float32)
         r = tl.load(residual_ptr + lane, mask=in_range, other=0.0)
         if HAS_VELOCITY:
@@ -108,9 +108,10 @@ if HAS_TRITON:
         else:
             acc = r + g
         tl.store(residual_ptr + lane, acc, mask=live)
-        return acc
+        return acc, g
 
-    @triton.jit(do_not_specialize=["P", "capacity", "momentum"])   # n stays specialised (n % 16)
+    # n stays specialised (n % 16)
+    @triton.jit(do_not_specialize=["P", "capacity", "momentum", "rate", "keep"])
     def _fused_select_kernel(
         grad_ptr,            # *fp32|bf16|fp16 [n]  gradient of this step
         residual_ptr,        # *fp32 [n]            residual, overwritten with acc
@@ -125,17 +126,22 @@ if HAS_TRITON:
         hist_ptr,            # *int32 [P, HIST_BINS] out, ADDED to: |acc| bins relative to the
                              #                      region's threshold (if HAS_HIST)
         skip_ptr,            # *int32 []            when nonzero write nothing (if HAS_SKIP)
-        weight_ptr,          # *fp32 [n]            the score is |acc|·|weight| (if HAS_WEIGHT)
+        weight_ptr,          # *fp32 [n]            the score is |acc|·|weight| (if HAS_WEIGHT);
+                             #                      first updated to rate·weight + keep·sign(grad)
+                             #                      where live (if UPDATE_WEIGHT)
         n,                   # number of elements
         P,                   # number of regions
         capacity,            # slots per region row
         momentum,            # fp32 momentum factor (if HAS_VELOCITY)
+        rate, keep,          # fp32 the weight's EMA: the old weight's share and 1 - rate
+                             #      (if UPDATE_WEIGHT)
         idx_row_stride, val_row_stride, counts_stride, nonfinite_stride,
         HAS_SKIP: tl.constexpr,
         HAS_VELOCITY: tl.constexpr,
         MASK_VELOCITY: tl.constexpr,   # u := 0 where acc == 0 (momentum factor masking)
         HAS_HIST: tl.constexpr,
         HAS_WEIGHT: tl.constexpr,      # select and count on |acc|·|weight| instead of |acc|
+        UPDATE_WEIGHT: tl.constexpr,   # weight := rate·weight + keep·sign(grad) first (an EMA)
         THR_PER_REGION: tl.constexpr,  # threshold_ptr holds P thresholds (region j: [j])
         HIST_BINS: tl.constexpr,
         HIST_SHIFT: tl.constexpr,
@@ -153,14 +159,17 @@ if HAS_TRITON:
             skip_vec = tl.zeros((BLOCK,), dtype=tl.int32) + tl.load(skip_ptr)
             live = in_range & (skip_vec == 0)
 
-        acc = _accumulate(grad_ptr + block_start, residual_ptr + block_start,
-                          velocity_ptr + block_start, lane, in_range, live, momentum,
-                          HAS_VELOCITY, MASK_VELOCITY)
+        acc, g = _accumulate(grad_ptr + block_start, residual_ptr + block_start,
+                             velocity_ptr + block_start, lane, in_range, live, momentum,
+                             HAS_VELOCITY, MASK_VELOCITY)
 
         score = tl.abs(acc)
         if HAS_WEIGHT:
-            score = score * tl.abs(tl.load(weight_ptr + block_start + lane, mask=in_range,
-                                           other=0.0))
+            w = tl.load(weight_ptr + block_start + lane, mask=in_range, other=0.0)
+            if UPDATE_WEIGHT:   # two roundings and an add (no FMA), as sign_ema
+                w = w * rate + tl.where(g > 0, 1.0, tl.where(g < 0, -1.0, 0.0)) * keep
+                tl.store(weight_ptr + block_start + lane, w, mask=live)
+            score = score * tl.abs(w)
         candidate = (score != 0.0) & live
         if not THR_PER_REGION:
             thr = tl.load(threshold_ptr)
@@ -204,7 +213,8 @@ if HAS_TRITON:
     @_dispatch.serialized_when_interpreted
     def _fused_select_triton(grad, residual, threshold, region_offsets, capacity, skip, out,
                              velocity, momentum, mask_velocity, hist, weight=None,
-                             block: int = 2048, num_warps: Optional[int] = None):
+                             weight_rate=None, block: int = 2048,
+                             num_warps: Optional[int] = None):
         if _dispatch.INTERPRET:
             block = 4096   # the interpreter pays per program: fewer, bigger programs
         n = residual.numel()
@@ -222,11 +232,12 @@ if HAS_TRITON:
             skip if skip is not None else out.counts,
             weight if weight is not None else residual,
             n, P, capacity, float(momentum),
+            float(weight_rate or 0.0), float(1.0 - (weight_rate or 0.0)),
             out.indices.stride(0), out.values.stride(0), out.counts.stride(0),
             out.nonfinite.stride(0),
             HAS_SKIP=skip is not None, HAS_VELOCITY=velocity is not None,
             MASK_VELOCITY=bool(mask_velocity), HAS_HIST=hist is not None,
-            HAS_WEIGHT=weight is not None,
+            HAS_WEIGHT=weight is not None, UPDATE_WEIGHT=weight_rate is not None,
             THR_PER_REGION=threshold.dim() == 1,
             HIST_BINS=SELECT_HIST_BINS, HIST_SHIFT=SELECT_HIST_SHIFT,
             SEARCH_STEPS=ceil_log2(P + 1), BLOCK=block,
@@ -261,6 +272,12 @@ def _accumulate_torch(grad, residual, velocity, momentum, mask_velocity):
     return acc, u
 
 
+def _weight_ema(weight: Tensor, grad: Tensor, rate: float) -> Tensor:
+    """``rate·weight + (1 − rate)·sign(grad)``: two roundings and an add, as the kernels (and
+    :func:`~.consistency.sign_ema`) compute it."""
+    return weight * rate + torch.sign(grad.float()) * float(1.0 - rate)
+
+
 def select_hist_bins(acc: Tensor, thr_bits: Tensor) -> Tensor:
     """int64: the fused_select histogram bin of every |acc| relative to ``thr_bits``
     (int32 bit pattern of the threshold, broadcastable)."""
@@ -270,7 +287,7 @@ def select_hist_bins(acc: Tensor, thr_bits: Tensor) -> Tensor:
 
 
 def _fused_select_torch(grad, residual, threshold, region_offsets, capacity, skip, out,
-                        velocity, momentum, mask_velocity, hist, weight=None):
+                        velocity, momentum, mask_velocity, hist, weight=None, weight_rate=None):
     """No host read (CPU or CUDA tensors alike)."""
     n = residual.numel()
     P = region_offsets.numel() - 1
@@ -281,6 +298,9 @@ def _fused_select_torch(grad, residual, threshold, region_offsets, capacity, ski
     rid = region_ids(region_offsets, n)
     thr = threshold.to(torch.float32)
     thr_e = thr[rid] if thr.dim() == 1 else thr.reshape(())
+    if weight is not None and weight_rate is not None:
+        new_w = _weight_ema(weight, grad, weight_rate)
+        weight.copy_(torch.where(active, new_w, weight))
     score = acc.abs() if weight is None else acc.abs() * weight.abs()
     sel = (score >= thr_e) & (score != 0) & active
     bad = (~torch.isfinite(acc)) & active
@@ -334,7 +354,7 @@ CPU_HIST_PASSES = 5              # extra n-sized passes with hist
 
 
 def _fused_select_cpu(grad, residual, threshold, region_offsets, capacity, skip, out,
-                      velocity, momentum, mask_velocity, hist, weight=None):
+                      velocity, momentum, mask_velocity, hist, weight=None, weight_rate=None):
     P = region_offsets.numel() - 1
     if skip is not None and int(skip) != 0:       # nothing written, nothing counted
         out.counts.zero_()
@@ -351,6 +371,8 @@ def _fused_select_cpu(grad, residual, threshold, region_offsets, capacity, skip,
             u.masked_fill_(residual == 0, 0.0)
         velocity.copy_(u)
     acc = residual
+    if weight is not None and weight_rate is not None:
+        weight.copy_(_weight_ema(weight, g, weight_rate))
     a = acc.abs() if weight is None else torch.mul(acc, weight).abs_()   # |acc|·|w|, exactly
     finite = bool(torch.isfinite(a.max())) if a.numel() else True
     offs = region_offsets.tolist()
@@ -445,7 +467,8 @@ def fused_select(grad: Tensor, residual: Tensor, threshold: Tensor, region_offse
                  capacity: int, *, skip: Optional[Tensor] = None, out: Optional[Selection] = None,
                  velocity: Optional[Tensor] = None, momentum: float = 0.0,
                  mask_velocity: bool = False, hist: Optional[Tensor] = None,
-                 weight: Optional[Tensor] = None, backend: str = "auto") -> Selection:
+                 weight: Optional[Tensor] = None, weight_rate: Optional[float] = None,
+                 backend: str = "auto") -> Selection:
     """Form ``acc = residual + grad`` (written back to ``residual``) and compact the entries with
     ``|acc| >= threshold and acc != 0`` into the fixed-capacity slot of their region.
 
@@ -467,6 +490,9 @@ def fused_select(grad: Tensor, residual: Tensor, threshold: Tensor, region_offse
     ``weight`` (fp32 [n], e.g. :func:`sign_ema`'s EMA): the selection and the histogram use the
     score ``|acc|·|weight|`` instead of ``|acc|`` (an entry is taken when its score is nonzero
     and at or above the threshold); the staged values are still ``acc``. 4n more bytes.
+    ``weight_rate`` (a number in [0, 1), with ``weight``): the weight is first updated in place
+    to the EMA ``weight_rate·weight + (1 − weight_rate)·sign(grad)`` (not on a skipped step),
+    and the score uses the new weight: :func:`sign_ema` fused into the pass, 4n more bytes.
     """
     n = _check_vectors(grad, residual, velocity)
     if weight is not None and (not isinstance(weight, Tensor) or weight.dtype != torch.float32
@@ -475,6 +501,11 @@ def fused_select(grad: Tensor, residual: Tensor, threshold: Tensor, region_offse
         raise ValueError(f"weight must be a contiguous fp32 tensor of {n} elements on "
                          f"{residual.device}, got {getattr(weight, 'dtype', type(weight).__name__)}"
                          f" {tuple(getattr(weight, 'shape', ()))}")
+    if weight_rate is not None and (weight is None or isinstance(weight_rate, bool)
+                                    or not isinstance(weight_rate, (int, float))
+                                    or not 0 <= weight_rate < 1):
+        raise ValueError(f"weight_rate must be a number in [0, 1) with a weight, got "
+                         f"{weight_rate!r}{'' if weight is not None else ' without one'}")
     capacity = int(capacity)
     if capacity < 0:
         raise ValueError("capacity must be >= 0")
@@ -491,7 +522,8 @@ def fused_select(grad: Tensor, residual: Tensor, threshold: Tensor, region_offse
             raise ValueError(f"hist must be a contiguous int32 [{P}, {SELECT_HIST_BINS}] tensor")
     threshold = _check_threshold(threshold, P, residual.device)
     gbytes = grad.element_size() * n
-    vbytes = (8 * n if velocity is not None else 0) + (4 * n if weight is not None else 0)
+    vbytes = ((8 * n if velocity is not None else 0) + (4 * n if weight is not None else 0)
+              + (4 * n if weight_rate is not None else 0))
     # the torch side: the CPU fast path, or the reference counted as the one pass it stands for
     fast = (_dispatch.choose(backend, residual.device) == "torch"
             and residual.device.type == "cpu" and not REFERENCE)
@@ -502,7 +534,7 @@ def fused_select(grad: Tensor, residual: Tensor, threshold: Tensor, region_offse
     return _dispatch.run(backend, residual.device, _fused_select_triton,
                          _fused_select_cpu if fast else _fused_select_torch, grad, residual,
                          threshold, region_offsets, capacity, skip, out, velocity, momentum,
-                         mask_velocity, hist, weight)
+                         mask_velocity, hist, weight, weight_rate)
 
 
 def _check_vectors(grad: Tensor, residual: Tensor, velocity: Optional[Tensor]) -> int:

@@ -1,6 +1,7 @@
 """kernels/consistency.py (the sign EMA) and the ``weight`` of the kernels that rank Ok-Topk's
 own entries (fused_select, staged_magnitudes, sample_magnitudes): the score ``|acc|·|w|``
-against a plain recount, the CPU fast path against the reference, and the Triton path
+against a plain recount, the EMA fused into the select pass (``weight_rate``) and previewed by
+the sample against ``sign_ema``, the CPU fast path against the reference, and the Triton path
 (interpreter on CPU) against the torch reference, bit for bit."""
 
 import pytest
@@ -73,7 +74,8 @@ def test_sign_ema_refuses_bad_input():
 
 
 # -- fused_select with a weight ----------------------------------------------------------------
-def _select(backend, n, P, weight, hist=True, reference=False, monkeypatch=None):
+def _select(backend, n, P, weight, hist=True, reference=False, monkeypatch=None, rate=None,
+            skip=None):
     grad = _grad(n, 20)
     res = (torch.randn(n, generator=gen(21)) * 0.5).to(DEV)
     offs = region_layout(n, P, seed=3)
@@ -81,7 +83,8 @@ def _select(backend, n, P, weight, hist=True, reference=False, monkeypatch=None)
     h = torch.zeros(P, K.SELECT_HIST_BINS, dtype=torch.int32, device=DEV) if hist else None
     if monkeypatch is not None:
         monkeypatch.setattr(SEL, "REFERENCE", reference)
-    out = K.fused_select(grad, res, th, offs, n, hist=h, weight=weight, backend=backend)
+    out = K.fused_select(grad, res, th, offs, n, hist=h, weight=weight, weight_rate=rate,
+                         skip=skip, backend=backend)
     return out, res, h, offs, th
 
 
@@ -170,3 +173,55 @@ def test_sample_magnitudes_weight(backend):
     assert torch.equal(got, plain * w[idx.long()].abs())
     with pytest.raises(ValueError, match="weight must be a contiguous 1-dim float32 tensor of"):
         K.sample_magnitudes(grad, res, idx, weight=w[:10], backend=backend)
+
+
+# -- the EMA fused into the select pass, and previewed by the sample ----------------------------
+@pytest.mark.parametrize("reference", [False, True])
+@pytest.mark.parametrize("rate", [0.0, 0.9])
+def test_fused_select_updates_the_weight_as_sign_ema(reference, rate, monkeypatch):
+    """With ``weight_rate`` the select pass leaves the weight as :func:`sign_ema` would and
+    selects on the new one; a skipped step leaves it."""
+    n, P = 4000, 3
+    w0 = (torch.rand(n, generator=gen(8)) * 2 - 1).to(DEV)
+    want = K.sign_ema(_grad(n, 20), w0.clone(), rate, backend="torch")
+    w = w0.clone()
+    fused = _select("torch", n, P, w, reference=reference, monkeypatch=monkeypatch, rate=rate)
+    assert torch.equal(w, want)
+    split = _select("torch", n, P, want.clone(), reference=reference, monkeypatch=monkeypatch)
+    assert torch.equal(fused[0].counts, split[0].counts)
+    assert torch.equal(fused[0].indices, split[0].indices) and torch.equal(fused[2], split[2])
+    w = w0.clone()
+    _select("torch", n, P, w, reference=reference, monkeypatch=monkeypatch, rate=rate,
+            skip=torch.ones((), dtype=torch.int32, device=DEV))
+    assert torch.equal(w, w0)
+
+
+@needs_triton
+@pytest.mark.parametrize("P", [1, 4])
+def test_fused_select_weight_update_triton_matches_torch(P, monkeypatch):
+    n = 6000
+    w0 = (torch.rand(n, generator=gen(9)) * 2 - 1).to(DEV)
+    wt, wr = w0.clone(), w0.clone()
+    tri = _select("triton", n, P, wt, rate=0.9)
+    ref = _select("torch", n, P, wr, reference=True, monkeypatch=monkeypatch, rate=0.9)
+    assert torch.equal(wt, wr)
+    for j in range(P):
+        c = int(ref[0].counts[j])
+        assert int(tri[0].counts[j]) == c
+        assert torch.equal(tri[0].indices[j, :c], ref[0].indices[j, :c])
+    assert torch.equal(tri[2], ref[2])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sample_magnitudes_preview_the_update(backend):
+    n = 5000
+    grad, res = _grad(n, 40, torch.bfloat16), torch.randn(n, generator=gen(41)).to(DEV)
+    w = (torch.rand(n, generator=gen(42)) * 2 - 1).to(DEV)
+    idx = torch.randperm(n, generator=gen(43))[:900].sort().values.to(torch.int32).to(DEV)
+    got = K.sample_magnitudes(grad, res, idx, weight=w, weight_rate=0.9, backend=backend)
+    updated = K.sign_ema(grad, w.clone(), 0.9, backend="torch")
+    assert torch.equal(got, K.sample_magnitudes(grad, res, idx, weight=updated, backend=backend))
+    with pytest.raises(ValueError, match="weight_rate must be a number in \\[0, 1\\) with a"):
+        K.sample_magnitudes(grad, res, idx, weight_rate=0.9, backend=backend)
+    with pytest.raises(ValueError, match="weight_rate must be a number in \\[0, 1\\) with a"):
+        _select(backend, 100, 2, torch.ones(100, device=DEV), rate=1.0)

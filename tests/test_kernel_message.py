@@ -257,7 +257,7 @@ def test_compile_variants_name_every_kernel_argument():
     """The compile check's signatures list the kernels' arguments in order (a missing or
     misspelled one would only fail in a process without the interpreter)."""
     variants = list(S.compile_variants()) + list(M.compile_variants())
-    assert len({v[0] for v in variants}) == len(variants) == 12
+    assert len({v[0] for v in variants}) == len(variants) == 13
     seen = set()
     for name, fn, sig, consts, div16, warps, options in variants:
         assert list(sig) == list(fn.arg_names), name

@@ -100,8 +100,9 @@ TopkA at five times the bytes ends at 2.5602. ``kernels/completion.py``: 12 laun
 (43 without it, 55 with it), 4 on fp32, no glue op and no host read.
 
 **Sign-steady ranking** (``consistency=b`` in [0, 1), 0 off): each rank keeps an EMA of
-``sign(grad)`` (``kernels/consistency.py``, one launch and one pass over n, before the thresholds;
-n words of state, in the state_dict and carried by :meth:`take_over`) and selects, stages and
+``sign(grad)`` (n words of state, in the state_dict and carried by :meth:`take_over`), updated
+in the select pass (``fused_select``'s ``weight_rate``: 8n bytes more, no launch and no pass
+more; the sampled threshold and the calibration preview the update), and selects, stages and
 samples its own entries by ``|acc|·|ema|`` (the ``weight`` of ``fused_select``,
 ``staged_magnitudes`` and ``sample_magnitudes``; the calibration's exact thresholds too). The
 values sent stay ``acc``: conservation and the rest of the step are unchanged. Why: over the
@@ -343,11 +344,6 @@ class OkTopk(Algorithm):
     # -- the step --------------------------------------------------------------------------------
     def step(self, grad: torch.Tensor, out: torch.Tensor,
              nonfinite: Optional[torch.Tensor]) -> None:
-        if self._signs is not None:   # consistency: this step's signs, before any ranking
-            K.sign_ema(grad.reshape(-1), self._signs,
-                       self.consistency if self._signs_started else 0.0, skip=nonfinite,
-                       backend=self.backend)
-            self._signs_started = True
         if (not self._calibrated or self.opts["exact_thresholds"]
                 or self.step_count < self.opts["calibrate_steps"]):
             self._calibrate(grad, nonfinite)
@@ -373,6 +369,7 @@ class OkTopk(Algorithm):
         self._prepare_next(sel, keep, irow_idx, irow_cnt, nonfinite)
         self._calibrated = True
         self._carried = False
+        self._signs_started = self._signs is not None   # fused_select updated the sign EMA
         self._sorted = self._gval_keep = None   # nothing O(k) outlives the step
         self._row_wire = None
 
@@ -382,8 +379,11 @@ class OkTopk(Algorithm):
         acc itself. Rows: the region's ``stage_mid``-th largest |acc| (exact mode: this rank's
         k-th largest, the same for every row). Costs extra passes; a steady step has none."""
         acc = self.residual + self._velocity_preview(grad)
-        if self._signs is not None:   # consistency: the thresholds are on the score
-            acc = acc.abs() * self._signs.abs()
+        if self._signs is not None:   # consistency: the thresholds are on the score, with the
+            # sign EMA as fused_select will update it
+            w = K.sign_ema(grad.reshape(-1), self._signs.clone(), self._sign_rate(),
+                           backend=self.backend)
+            acc = acc.abs() * w.abs()
         P, be = self.P, self.backend
         if self.opts["exact_thresholds"]:
             th = K.magnitude_threshold(acc, self.k, backend=be).reshape(1).expand(P)
@@ -446,9 +446,17 @@ class OkTopk(Algorithm):
         be = self.backend
         acc = K.sample_magnitudes(grad.reshape(-1), self.residual, self._sample_idx,
                                    velocity=self.velocity, momentum=self.momentum,
-                                   weight=self._signs, backend=be)
+                                   weight=self._signs, weight_rate=self._sign_rate(),
+                                   backend=be)
         top = torch.topk(acc, self._sample_k, sorted=False).values
         K.sample_threshold(top, self.th_rows, self._cap_rows, nonfinite, backend=be)
+
+    def _sign_rate(self) -> Optional[float]:
+        """``consistency``: the old sign EMA's share in this step's update (0 on the first step,
+        which sets it to the signs); None without it."""
+        if self._signs is None:
+            return None
+        return self.consistency if self._signs_started else 0.0
 
     def _velocity_preview(self, grad: torch.Tensor) -> torch.Tensor:
         """What fused_select will accumulate: grad, or (u·m) + grad with momentum correction."""
@@ -468,7 +476,8 @@ class OkTopk(Algorithm):
         K.fused_select(grad, self.residual, self.th_rows, self.region_offsets, self.cap_s,
                        skip=nonfinite, out=stg, velocity=self.velocity, momentum=self.momentum,
                        mask_velocity=self.momentum_masking and self.velocity is not None,
-                       hist=self._hist, weight=self._signs, backend=be)
+                       hist=self._hist, weight=self._signs, weight_rate=self._sign_rate(),
+                       backend=be)
         msg = self._msg
         # a row with more than cap_r candidates sends its cap_r largest (all valid, in any
         # order); one with fewer sends them as staged (valid ones first). Unsorted: the sorted
