@@ -63,8 +63,14 @@ if HAS_TRITON:
             HAS_SKIP=skip is not None, BLOCK=_BLOCK, num_warps=4, enable_fp_fusion=False)
 
 
+def ema_update(ema: Tensor, grad: Tensor, rate: float) -> Tensor:
+    """``rate·ema + (1 − rate)·sign(grad)``, a new tensor: two roundings and an add, as every
+    kernel that updates or previews the EMA computes it (the torch side's one home)."""
+    return ema * rate + torch.sign(grad.float()) * float(1.0 - rate)
+
+
 def _sign_ema_torch(grad, ema, rate, skip):
-    new = ema * rate + torch.sign(grad.float()) * float(1.0 - rate)
+    new = ema_update(ema, grad, rate)
     if skip is None:
         ema.copy_(new)
     else:

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from . import _dispatch
 from ._dispatch import HAS_TRITON
+from .consistency import ema_update
 
 if HAS_TRITON:
     import triton
@@ -125,7 +126,7 @@ def _sample_magnitudes_torch(grad, res, vel, idx, out, momentum, weight=None, ra
     if weight is not None:
         w = weight.index_select(0, idx)
         if rate is not None:   # what fused_select will store
-            w = w * rate + torch.sign(g) * float(1.0 - rate)
+            w = ema_update(w, g, rate)
     if vel is not None:
         g = vel.index_select(0, idx) * momentum + g
     acc = (res.index_select(0, idx) + g).abs()

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from . import _dispatch
 from ._dispatch import HAS_TRITON, ceil_log2
+from .consistency import ema_update
 
 if HAS_TRITON:
     import triton
@@ -272,12 +273,6 @@ def _accumulate_torch(grad, residual, velocity, momentum, mask_velocity):
     return acc, u
 
 
-def _weight_ema(weight: Tensor, grad: Tensor, rate: float) -> Tensor:
-    """``rate·weight + (1 − rate)·sign(grad)``: two roundings and an add, as the kernels (and
-    :func:`~.consistency.sign_ema`) compute it."""
-    return weight * rate + torch.sign(grad.float()) * float(1.0 - rate)
-
-
 def select_hist_bins(acc: Tensor, thr_bits: Tensor) -> Tensor:
     """int64: the fused_select histogram bin of every |acc| relative to ``thr_bits``
     (int32 bit pattern of the threshold, broadcastable)."""
@@ -299,7 +294,7 @@ def _fused_select_torch(grad, residual, threshold, region_offsets, capacity, ski
     thr = threshold.to(torch.float32)
     thr_e = thr[rid] if thr.dim() == 1 else thr.reshape(())
     if weight is not None and weight_rate is not None:
-        new_w = _weight_ema(weight, grad, weight_rate)
+        new_w = ema_update(weight, grad, weight_rate)
         weight.copy_(torch.where(active, new_w, weight))
     score = acc.abs() if weight is None else acc.abs() * weight.abs()
     sel = (score >= thr_e) & (score != 0) & active
@@ -372,7 +367,7 @@ def _fused_select_cpu(grad, residual, threshold, region_offsets, capacity, skip,
         velocity.copy_(u)
     acc = residual
     if weight is not None and weight_rate is not None:
-        weight.copy_(_weight_ema(weight, g, weight_rate))
+        weight.copy_(ema_update(weight, g, weight_rate))
     a = acc.abs() if weight is None else torch.mul(acc, weight).abs_()   # |acc|·|w|, exactly
     finite = bool(torch.isfinite(a.max())) if a.numel() else True
     offs = region_offsets.tolist()
