@@ -28,6 +28,11 @@ with it and the decayed run is checked too. Where the sum is not the invariant t
 so instead of checking (``checked: False`` and the reason): a loss scale (the residual follows
 the scaler's backoffs), ``adam="frozen"`` (its warm-up rescales the velocity), and a call whose
 output was not finite (its progress was dropped on every rank).
+
+A change of membership (:meth:`SparseAllreduce.reconfigure`) closes an epoch: the sum above runs
+over one group, so the ledger is rebased (:meth:`ConservationLedger.rebase`: the balance becomes
+the current residual, ``fed`` restarts) and :meth:`~ConservationLedger.check` covers the calls
+since, while ``calls`` keeps counting those of the closed epochs too.
 """
 from __future__ import annotations
 
@@ -77,6 +82,12 @@ class ConservationLedger:
         additions, no fp64 temporary)."""
         self._feed(before, -1.0)
         self._feed(after)
+
+    def rebase(self) -> None:
+        """Start a new epoch at the reducer's current residual (after a change of membership:
+        ``SparseAllreduce.reconfigure`` calls it); ``calls`` keeps its count."""
+        self.balance.copy_(self._sar.residual.detach().reshape(-1))
+        self.fed.zero_()
 
     def delivered(self, out: torch.Tensor) -> None:
         """After a reduction: its output."""

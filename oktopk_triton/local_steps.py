@@ -237,6 +237,13 @@ class LocalSteps:
         torch.where(skip, self.velocity, self.velocity * m + d, out=self.velocity)
         return zero_if_flagged_((d + self.velocity * m) * self.outer_lr, nonfinite)
 
+    def regroup(self) -> None:
+        """After a change of membership (``SparseAllreduce.reconfigure``): the anchor, outer
+        velocity and position go on (the same on every rank); what a moment averaging sends
+        is counted again at the new world size."""
+        if self.moments is not None:
+            self.moments.sent_bytes = 0
+
     # -- state ------------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         return {**self.describe(), "position": self.position,

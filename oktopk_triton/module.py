@@ -192,6 +192,36 @@ class SparseAllreduce(torch.nn.Module):
         new.take_over(self.algorithm)
         self.algorithm = new
 
+    def reconfigure(self, comm: Communicator, *, joined: bool = False) -> None:
+        """Switch to ``comm`` between steps: a change of membership inside a run (ranks left or
+        joined; a torchft quorum). Every member of the new group calls it together (building
+        the new reducer checks numel with one small collective; another numel raises a
+        one-line ``ValueError`` on every member and leaves this reducer as it was). ``comm``
+        may have another world size and another rank for this process, or be the same object
+        whose ``rank`` / ``world_size`` changed.
+
+        A survivor keeps its residual, velocity, Ok-Topk's sign EMA, step count, loss scale and
+        the local steps' state (anchor, outer velocity, position in the interval); with
+        ``joined=True`` this rank owes nothing (residual, velocity, sign EMA zero) and keeps the
+        rest as it is (e.g. as a heal loaded it). What depends on the world size is a fresh
+        reducer's at the new size (regions, capacities, thresholds: Ok-Topk calibrates afresh),
+        a captured CUDA graph is dropped (captured again after its eager steps) and a running
+        :meth:`audit` starts a new epoch (:meth:`ConservationLedger.rebase`). Conservation then
+        holds over the new group; what a rank that left still owed is not delivered."""
+        if joined not in (True, False):
+            raise TypeError(f"SparseAllreduce.reconfigure: joined must be True or False, "
+                            f"got {joined!r}")
+        old = self.algorithm
+        new = self._cls(self.numel, comm, old.density, **self._build)
+        new.take_owed(old, owed=not joined)
+        graphed = (None if self._graphed is None
+                   else GraphedStep(new, eager_steps=self._graphed.eager_steps))
+        self.comm, self.algorithm, self._graphed = comm, new, graphed
+        if self.local_steps is not None:
+            self.local_steps.regroup()
+        if self._ledger is not None:
+            self._ledger.rebase()
+
     @torch.no_grad()
     def reduce_gradients(self, scale: LossScale = None) -> torch.Tensor:
         """Flatten the parameters' ``.grad`` (``None`` → zeros), reduce, and write the result back

@@ -429,13 +429,25 @@ class Algorithm(abc.ABC):
     def take_over(self, old: "Algorithm") -> None:
         """Continue where ``old`` (same numel, ranks and momentum; another density) stopped:
         its residual, velocity, step count and loss scale. Nothing owed is lost."""
-        if (old.numel, old.P) != (self.numel, self.P) or \
-                (old.velocity is None) != (self.velocity is None):
+        if old.P != self.P:
             raise ValueError(f"{self.name}: cannot take over from a reducer with numel "
                              f"{old.numel}, P {old.P}, momentum {old.momentum}")
-        self.residual.copy_(old.residual)
-        if self.velocity is not None:
-            self.velocity.copy_(old.velocity)
+        self.take_owed(old)
+
+    def take_owed(self, old: "Algorithm", owed: bool = True) -> None:
+        """Continue ``old``'s run (same numel and momentum, any world size) in this reducer:
+        its step count and loss scale, and with ``owed`` what this rank owes (residual and
+        velocity; Ok-Topk's sign EMA too), as they are. ``owed=False``: this rank owes nothing
+        (a rank that joined a group). What depends on the world size (regions, capacities,
+        thresholds) stays this reducer's own, a fresh reducer's. ``SparseAllreduce.reconfigure``
+        and :meth:`take_over` use it."""
+        if old.numel != self.numel or (old.velocity is None) != (self.velocity is None):
+            raise ValueError(f"{self.name}: cannot take over from a reducer with numel "
+                             f"{old.numel}, P {old.P}, momentum {old.momentum}")
+        if owed:
+            self.residual.copy_(old.residual)
+            if self.velocity is not None:
+                self.velocity.copy_(old.velocity)
         self.step_count = old.step_count
         self.loss_scale = None if old.loss_scale is None else old.loss_scale.clone()
         self._scale_host = old._scale_host

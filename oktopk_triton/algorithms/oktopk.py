@@ -418,9 +418,6 @@ class OkTopk(Algorithm):
         exact for this density, on the carried regions. With ``consistency`` on both, the
         sign EMA goes on too."""
         super().take_over(old)
-        if self._signs is not None and getattr(old, "_signs", None) is not None:
-            self._signs.copy_(old._signs)
-            self._signs_started = old._signs_started
         if not (isinstance(old, OkTopk) and old._calibrated
                 and old.rank_threshold == self.rank_threshold):
             return
@@ -434,6 +431,19 @@ class OkTopk(Algorithm):
         if self.rank_threshold:    # region mode aims each row at stage_mid: nothing to carry
             self.row_target.copy_(old.row_target * (self.k / old.k))
         self._carried = True
+
+    def take_owed(self, old: Algorithm, owed: bool = True) -> None:
+        """As the base class; with ``consistency`` on both, the sign EMA goes on with what is
+        owed (``owed=False``: it starts afresh at the next step's signs, as a fresh reducer's)."""
+        super().take_owed(old, owed)
+        if self._signs is None:
+            return
+        if owed and getattr(old, "_signs", None) is not None:
+            self._signs.copy_(old._signs)
+            self._signs_started = old._signs_started
+        else:
+            self._signs.zero_()
+            self._signs_started = False
 
     def _sample_threshold(self, grad: torch.Tensor, nonfinite: Optional[torch.Tensor]) -> None:
         """Rank mode: the rank threshold from THIS step's acc at ``threshold_sample`` fixed
