@@ -26,7 +26,7 @@ $(PY):
 
 install: $(PY)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test,integrations]"
+	$(PY) -m pip install -q -e ".[test,integrations,torchft]"
 	@$(PY) -c "import torch, triton, oktopk_triton; print('oktopk-triton', oktopk_triton.__version__, '| torch', torch.__version__, '| triton', triton.__version__, '| cuda', torch.cuda.is_available())"
 
 test: install lint

@@ -9,7 +9,7 @@ from .base import (CommAborted, CommError, CommTimeout, Communicator, ring_allre
 __all__ = ["Communicator", "CommError", "CommAborted", "CommTimeout", "tensor_bytes",
            "ring_allreduce_bytes",
            "LocalCluster", "LocalCommunicator", "SingleCommunicator", "TorchCommunicator",
-           "NcclCommunicator",
+           "NcclCommunicator", "ManagerCommunicator",
            "default_communicator"]
 
 
@@ -23,6 +23,9 @@ def __getattr__(name):  # lazy, so a missing optional backend never breaks the p
     if name == "NcclCommunicator":
         from .nccl import NcclCommunicator
         return NcclCommunicator
+    if name == "ManagerCommunicator":
+        from .torchft import ManagerCommunicator
+        return ManagerCommunicator
     if name == "default_communicator":
         from .select import default_communicator
         return default_communicator
