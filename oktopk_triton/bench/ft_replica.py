@@ -1,0 +1,229 @@
+"""One torchft replica group (one process) for the fault tests and ``oktopk-bench faults``.
+
+    python -m oktopk_triton.bench.ft_replica '{"replica": 0, "lighthouse": "http://...", ...}'
+
+Config keys (defaults in :data:`DEFAULTS`): ``replica`` (its index: the data shard and the
+replica id), ``lighthouse``, ``mode`` (``sparse``: :class:`SparseDiLoCo`; ``dense``: torchft's
+``DiLoCo``; ``reference``: the same local steps on plain torch.distributed, ``world`` ranks at
+``master_port``, no torchft), ``model`` (``mlp``: a small MLP on a synthetic task; ``digits``:
+the digits CNN), ``syncs`` (the run ends when the Manager has committed that many), ``sync_every``,
+``density``, ``algorithm``, ``options``, ``seed``, ``lr``, ``outer_lr``, ``outer_momentum``,
+``audit``, ``width`` (another width is another model: a heal from it is refused), and faults:
+``die`` (``{"sync": k, "collective": i}``: SIGKILL itself at the i-th collective of its k-th
+sync attempt), ``fail`` (``{"sync": k, "collective": i}``: that collective raises, as a failed
+one would), ``retry`` (sync again at once after a sync that did not commit). It writes
+``result`` (JSON: history, losses, the Manager's step, the final weights' file) and, after every
+committed sync, ``result.progress``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+DEFAULTS: Dict[str, Any] = dict(
+    mode="sparse", model="mlp", syncs=6, sync_every=2, density=0.1, algorithm="oktopk",
+    options={}, seed=0, lr=0.05, outer_lr=1.0, outer_momentum=0.0, audit=True, width=32,
+    batch=16, min_replicas=1, timeout=5.0, quorum_timeout=60.0, die=None, fail=None,
+    retry=False, world=0, master_port=0, eval_every=1, inner="sgd")
+
+
+# -- the task ------------------------------------------------------------------------------------
+def make_task(cfg: Dict[str, Any]) -> Tuple[torch.nn.Module, Any, Any]:
+    """(model, batch(step) -> (x, y), eval() -> test loss), identical weights on every replica."""
+    torch.manual_seed(cfg["seed"])
+    if cfg["model"] == "digits":
+        from .digits import load_data, make_model
+        model = make_model("cnn", width=cfg["width"] // 4 or 8)
+        Xtr, ytr, Xte, yte = load_data()
+        shard = torch.arange(cfg["replica"] % 4, len(ytr), 4)
+        Xs, ys = Xtr[shard], ytr[shard]
+    else:
+        w = cfg["width"]
+        model = torch.nn.Sequential(torch.nn.Linear(16, w), torch.nn.Tanh(),
+                                    torch.nn.Linear(w, 4))
+        g = torch.Generator().manual_seed(1234)
+        teacher = torch.randn(16, 4, generator=g)
+        gd = torch.Generator().manual_seed(100 + cfg["replica"])
+        Xs = torch.randn(512, 16, generator=gd)
+        ys = (Xs @ teacher).argmax(1)
+        Xte = torch.randn(256, 16, generator=g)
+        yte = (Xte @ teacher).argmax(1)
+    loss_fn = torch.nn.functional.cross_entropy
+    b = cfg["batch"]
+
+    def batch(step: int):
+        i = (step * b) % (len(ys) - b + 1)
+        return Xs[i:i + b], ys[i:i + b]
+
+    def evaluate() -> float:
+        with torch.no_grad():
+            return float(loss_fn(model(Xte), yte))
+    return model, batch, evaluate
+
+
+def inner_optimizer(cfg: Dict[str, Any], model: torch.nn.Module) -> torch.optim.Optimizer:
+    if cfg["inner"] == "adam":
+        return torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0)
+    return torch.optim.SGD(model.parameters(), lr=cfg["lr"])
+
+
+# -- faults --------------------------------------------------------------------------------------
+def inject(cfg: Dict[str, Any], replica: Any) -> None:
+    """Wrap the communicator's primitives: die or fail at the configured collective."""
+    comm, orig = replica.comm, replica.comm._run
+    count = {"n": 0, "attempt": 0}
+    n_hist = {"len": 0}
+
+    def run(what: str, issue):
+        if len(replica.history) != n_hist["len"]:          # a new sync attempt
+            n_hist["len"] = len(replica.history)
+            count["n"] = 0
+        k, i = len(replica.history), count["n"]
+        count["n"] += 1
+        if cfg["die"] and (k, i) == (cfg["die"]["sync"], cfg["die"]["collective"]):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if cfg["fail"] and (k, i) == (cfg["fail"]["sync"], cfg["fail"]["collective"]):
+            def issue():
+                raise RuntimeError("injected: this collective failed")
+        return orig(what, issue)
+    comm._run = run
+
+
+# -- the modes -----------------------------------------------------------------------------------
+def make_manager(cfg: Dict[str, Any], state: Dict[str, Any]):
+    from torch.distributed import TCPStore
+    from torchft import Manager, ProcessGroupGloo
+    from .ranks import free_port
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    t = timedelta(seconds=cfg["timeout"])
+    m = Manager(pg=ProcessGroupGloo(timeout=t),
+                load_state_dict=lambda sd: _load_user(state, sd),
+                state_dict=lambda: {"model": state["model"].state_dict(),
+                                    "optim": state["optim"].state_dict()},
+                min_replica_size=cfg["min_replicas"], use_async_quorum=False, rank=0,
+                world_size=1, store_addr="127.0.0.1", store_port=port,
+                lighthouse_addr=cfg["lighthouse"], replica_id=f"replica_{cfg['replica']}",
+                hostname="127.0.0.1", timeout=t,
+                quorum_timeout=timedelta(seconds=cfg["quorum_timeout"]),
+                connect_timeout=timedelta(seconds=10), init_sync=False)
+    return m, store
+
+
+def _load_user(state: Dict[str, Any], sd: Dict[str, Any]) -> None:
+    state["model"].load_state_dict(sd["model"])
+    state["optim"].load_state_dict(sd["optim"])
+
+
+def run_torchft(cfg: Dict[str, Any], out: Dict[str, Any]) -> None:
+    model, batch, evaluate = make_task(cfg)
+    opt = inner_optimizer(cfg, model)
+    outer = torch.optim.SGD(model.parameters(), lr=cfg["outer_lr"],
+                            momentum=cfg["outer_momentum"], nesterov=cfg["outer_momentum"] > 0)
+    state = {"model": model, "optim": opt}
+    manager, _store = make_manager(cfg, state)
+    if cfg["mode"] == "sparse":
+        from ..integrations.torchft import SparseDiLoCo
+        diloco = SparseDiLoCo(manager, [model], opt, outer, sync_every=cfg["sync_every"],
+                              density=cfg["density"], algorithm=cfg["algorithm"],
+                              audit=cfg["audit"], **cfg["options"])
+        inject(cfg, diloco.replica)
+        history = diloco.history
+    else:
+        from torchft.local_sgd import DiLoCo
+        diloco = DiLoCo(manager, [model], opt, outer, sync_every=cfg["sync_every"])
+        history = []
+    losses: List[float] = []
+    evals: List[Tuple[int, float]] = []
+    step, last = 0, -1
+    try:
+        with diloco:
+            while manager.current_step() < cfg["syncs"]:
+                x, y = batch(step)
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                step += 1
+                losses.append(float(loss.detach()))
+                if cfg["retry"] and history and not history[-1]["committed"] \
+                        and history[-1]["error"] is not None and diloco.local_step == 0:
+                    diloco.sync()
+                done = manager.current_step()
+                if done != last:
+                    last = done
+                    if done % cfg["eval_every"] == 0:
+                        evals.append((done, evaluate()))
+                    _write(cfg["result"] + ".progress", str(done))
+    finally:
+        out.update(history=history, losses=losses, evals=evals, step=manager.current_step(),
+                   local_steps=step, rank=None)
+        if cfg["mode"] == "sparse":
+            out["bytes"] = diloco.reducer.comm.bytes_sent
+            out["residual_sum"] = float(diloco.reducer.residual.double().sum())
+        manager.shutdown(wait=False)
+    out["weights"] = _save_weights(cfg, model)
+
+
+def run_reference(cfg: Dict[str, Any], out: Dict[str, Any]) -> None:
+    """The same local steps on plain torch.distributed (gloo, ``world`` ranks), no torchft."""
+    import torch.distributed as dist
+    from ..comm import TorchCommunicator
+    from ..module import SparseAllreduce
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg['master_port']}",
+                            rank=cfg["replica"], world_size=cfg["world"])
+    model, batch, _ = make_task(cfg)
+    opt = inner_optimizer(cfg, model)
+    sar = SparseAllreduce(model, comm=TorchCommunicator(), density=cfg["density"],
+                          algorithm=cfg["algorithm"], sync_every=cfg["sync_every"],
+                          **cfg["options"])
+    for step in range(cfg["syncs"] * cfg["sync_every"]):
+        x, y = batch(step)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        sar.reduce_updates(opt)
+        opt.zero_grad()
+    out["weights"] = _save_weights(cfg, model)
+    dist.destroy_process_group()
+
+
+def _save_weights(cfg: Dict[str, Any], model: torch.nn.Module) -> str:
+    path = cfg["result"] + ".weights.pt"
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, path)
+    return path
+
+
+def _write(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def main(argv: List[str]) -> int:
+    cfg = {**DEFAULTS, **json.loads(argv[0])}
+    torch.set_num_threads(1)
+    out: Dict[str, Any] = {"config": cfg, "error": None, "started": time.time()}
+    code = 0
+    try:
+        (run_reference if cfg["mode"] == "reference" else run_torchft)(cfg, out)
+    except Exception as exc:  # noqa: BLE001 - reported in one line, as a user sees it
+        out["error"] = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+        print(f"replica {cfg['replica']}: error: {out['error']}", file=sys.stderr, flush=True)
+        code = 1
+    out["finished"] = time.time()
+    _write(cfg["result"], json.dumps(out, default=str))
+    return code
+
+
+if __name__ == "__main__":
+    rc = main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)     # the result is written: skip the Manager's threads' slow teardown

@@ -1,0 +1,355 @@
+"""Sparse training that survives churn, on torchft: replicas die, rejoin and change P.
+
+torchft (``pip install "oktopk-triton[torchft]"``) runs a lighthouse that forms a quorum of
+replica groups at every sync and reconfigures one process group over them. Here the sparse
+allreduce runs on that group (:class:`~oktopk_triton.comm.torchft.ManagerCommunicator`), in two
+shapes:
+
+* :class:`SparseDiLoCo`: torchft's ``DiLoCo`` with the pseudo-gradient reduced sparsely, error
+  feedback included. A DiLoCo user changes one line::
+
+      with DiLoCo(manager, [model], inner_opt, outer_opt, sync_every=H) as diloco:
+      with SparseDiLoCo(manager, [model], inner_opt, outer_opt, sync_every=H, density=0.05):
+
+* :class:`SparseGradients`: every step's gradient reduced sparsely (``reduce()`` between
+  ``backward()`` and ``optimizer.step()``).
+
+Every sync: a quorum (a replica that joins or rejoins is healed from a peer: weights, optimizer
+and this library's state; it owes nothing), the reducer reconfigured when the membership changed
+(survivors keep what they owe), the sparse reduce, and ``manager.should_commit()``. A sync that
+does not commit (a peer died inside it, a collective failed, too few replicas) **rolls back**:
+what each replica owes, the reducer's state, the weights and the audit return to their state
+before it, so the retry owes exactly what was owed and nothing is sent twice. See
+``docs/fault-tolerance.md``.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from ..checkpoint import CheckpointError, param_fingerprint
+from ..comm.base import CommError
+from ..comm.torchft import ManagerCommunicator
+from ..module import SparseAllreduce
+
+__all__ = ["SparseDiLoCo", "SparseGradients", "ReplicaSync", "STATE_KEY"]
+
+log = logging.getLogger(__name__)
+
+# the key of this library's state among the Manager's state-dict functions (healing)
+STATE_KEY = "oktopk"
+
+
+def _capture(obj: Any) -> Dict[str, Any]:
+    """A copy of ``obj``'s attributes: tensors cloned, plain containers deep-copied, other
+    objects (a communicator, a module) kept by reference."""
+    snap = {}
+    for k, v in vars(obj).items():
+        if isinstance(v, torch.Tensor):
+            snap[k] = v.detach().clone()
+        elif isinstance(v, (int, float, bool, str, type(None), list, tuple, dict)):
+            snap[k] = copy.deepcopy(v)
+        else:
+            snap[k] = v
+    return snap
+
+
+def _restore(obj: Any, snap: Dict[str, Any]) -> None:
+    """Put back what :func:`_capture` took (tensors in place where the shape allows, so that
+    their addresses stay)."""
+    for k in [k for k in vars(obj) if k not in snap]:
+        delattr(obj, k)
+    for k, v in snap.items():
+        cur = getattr(obj, k, None)
+        if isinstance(v, torch.Tensor) and isinstance(cur, torch.Tensor) and \
+                cur.shape == v.shape and cur.dtype == v.dtype:
+            cur.copy_(v)
+        else:
+            setattr(obj, k, v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+                    if isinstance(v, (list, tuple, dict)) else v)
+
+
+class ReplicaSync:
+    """One replica's sparse reduce over a torchft Manager: quorum, reconfiguration, healing,
+    commit or rollback. :class:`SparseDiLoCo` and :class:`SparseGradients` are built on it.
+
+    Args:
+        manager: a ``torchft.Manager`` with ``use_async_quorum=False``.
+        params: the parameters whose ``.grad`` :meth:`reduce` reduces (a module or tensors).
+        density, algorithm, options: the :class:`~oktopk_triton.SparseAllreduce` to run.
+        audit: check conservation on every sync before it commits (an extra allreduce of
+            ``2 numel`` fp64, not counted in the bytes; for tests and benchmarks).
+        extra_state: called to save (``extra_state()``) this mode's replicated state for a
+            healing peer; ``load_extra(sd)`` loads it.
+
+    ``history``: one dict per sync (``step``, ``P``, ``rank``, ``committed``, ``healed``,
+    ``reconfigured``, ``bytes``, ``relative_error`` with ``audit``, ``error``).
+    """
+
+    def __init__(self, manager: Any, params: Any, density: float, algorithm: str,
+                 audit: bool = False, extra_state: Any = None, load_extra: Any = None,
+                 **options: Any) -> None:
+        self.manager = manager
+        self.comm = ManagerCommunicator(manager)
+        # built at P = 1 (no collective); the first quorum reconfigures it to the group
+        self.sar = SparseAllreduce(params, comm=self.comm, density=density, algorithm=algorithm,
+                                   **options)
+        self.params: List[torch.Tensor] = [s[0] for s in self.sar.param_slices()]
+        self.audit = bool(audit)
+        self.history: List[Dict[str, Any]] = []
+        self._extra_state, self._load_extra = extra_state, load_extra
+        self._pending: Optional[Dict[str, Any]] = None
+        self._fingerprint = {**param_fingerprint(self.params), "algorithm": algorithm}
+        manager.register_state_dict_fn(STATE_KEY, self._heal_load, self._heal_save)
+        # ours first: a peer of another model is refused before the user's weights are loaded
+        fns = manager._load_state_dict_fns
+        manager._load_state_dict_fns = {STATE_KEY: fns.pop(STATE_KEY), **fns}
+
+    # -- healing ------------------------------------------------------------------------------
+    def _heal_save(self) -> Dict[str, Any]:
+        """What a peer that joins receives: the fingerprint, the step count, the mode's state
+        (replicated on every replica). Never a residual: a new member owes nothing."""
+        return {"fingerprint": self._fingerprint, "step": self.sar.algorithm.step_count,
+                "extra": None if self._extra_state is None else self._extra_state()}
+
+    def _heal_load(self, sd: Dict[str, Any]) -> None:
+        theirs, mine = sd.get("fingerprint"), self._fingerprint
+        if theirs != mine:
+            from ..checkpoint import _differs
+            why = _differs(theirs or {}, mine) or "the fingerprints differ"
+            raise CheckpointError(f"torchft heal refused: the peer's model is another one "
+                                  f"({why})")
+        self._pending = sd
+
+    # -- one sync -----------------------------------------------------------------------------
+    def quorum(self) -> Dict[str, Any]:
+        """Start the quorum (healing this replica if it is behind) and reconfigure the reducer
+        when the group changed: another P or rank, or a member that joined (asked of the group
+        with one allreduce of one word). Returns the sync's record (also appended to
+        ``history``); a failure is recorded in it and makes :meth:`reduce` vote against."""
+        rec: Dict[str, Any] = {"step": None, "P": None, "rank": None, "committed": False,
+                               "healed": False, "reconfigured": False, "bytes": 0,
+                               "relative_error": None, "error": None}
+        self.history.append(rec)
+        self.manager.start_quorum()
+        healed, self._pending = self._pending, None
+        if healed is not None:
+            rec["healed"] = True
+            if self._load_extra is not None:
+                self._load_extra(healed["extra"])
+            self.sar.algorithm.step_count = int(healed["step"])
+        try:
+            changed = self.comm.refresh()
+            rec.update(step=self.manager.current_step(), P=self.comm.world_size,
+                       rank=self.comm.rank)
+            joined = torch.tensor([float(healed is not None)], device=self.comm.device)
+            self.comm.allreduce(joined)
+            if changed or float(joined) > 0:
+                self.sar.reconfigure(self.comm, joined=healed is not None)
+                rec["reconfigured"] = True
+        except CommError as exc:
+            rec["error"] = " ".join(str(exc).split())[:300]
+        return rec
+
+    def reduce(self, rec: Dict[str, Any]) -> Optional[torch.Tensor]:
+        """Reduce the parameters' ``.grad`` (the caller wrote them), check conservation with
+        ``audit``, and vote (``manager.should_commit()``). Returns the flat reduced tensor when
+        the sync commits (every ``.grad`` is then its view). On a failure or a vote against,
+        everything the sync touched is rolled back (the reducer's state, what this replica
+        owes, the audit; ``.grad`` holds this replica's own input again) and ``None`` is
+        returned."""
+        if rec["error"] is not None:          # the quorum's own step failed
+            self.manager.should_commit()
+            return None
+        sar = self.sar
+        alg = sar.algorithm
+        grads = [None if p.grad is None else p.grad.detach().clone() for p in self.params]
+        snap = _capture(alg)
+        sent = self.comm.bytes_sent
+        out: Optional[torch.Tensor] = None
+        try:
+            ledger = sar.audit() if self.audit else None
+            out = sar.reduce_gradients()
+            rec["bytes"] = self.comm.bytes_sent - sent
+            if ledger is not None:
+                rec["relative_error"] = ledger.check()["relative_error"]
+                self.comm.bytes_sent = sent + rec["bytes"]     # the audit's bytes are not sent
+        except CommError as exc:      # what went on the wire before it failed still counts
+            rec["error"] = " ".join(str(exc).split())[:300]
+            rec["bytes"] = self.comm.bytes_sent - sent
+            out = None
+        ok = self.manager.should_commit()
+        rec["committed"] = bool(ok and out is not None)
+        if rec["committed"]:
+            return out
+        sar.algorithm = alg
+        _restore(alg, snap)
+        for p, g in zip(self.params, grads):
+            p.grad = g
+        return None
+
+
+def _check_diloco_options(model_fragments: Any, sync_every: Any, should_quantize: bool,
+                          fragment_sync_delay: int, fragment_update_alpha: float) -> None:
+    """torchft DiLoCo's options that this sparse DiLoCo refuses, each with a one-line reason."""
+    if not isinstance(model_fragments, (list, tuple)) or len(model_fragments) != 1 or \
+            not isinstance(model_fragments[0], torch.nn.Module):
+        raise ValueError("SparseDiLoCo: model_fragments must be a list of one nn.Module (the "
+                         "sparse reduce runs on the whole model at once; Streaming DiLoCo's "
+                         "fragments are not supported)")
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+        raise ValueError(f"SparseDiLoCo: sync_every must be a positive int, got {sync_every!r}")
+    if fragment_sync_delay or fragment_update_alpha:
+        raise ValueError("SparseDiLoCo: fragment_sync_delay and fragment_update_alpha belong to "
+                         "Streaming DiLoCo's fragments, which are not supported: leave them 0")
+    if should_quantize:
+        raise ValueError("SparseDiLoCo: should_quantize is torchft's quantized dense "
+                         "allreduce; use wire_format='q2' or 'q4' for a quantized sparse wire")
+
+
+class SparseDiLoCo:
+    """torchft's ``DiLoCo`` with a sparse pseudo-gradient reduce (error feedback included).
+
+    Same arguments as ``torchft.local_sgd.DiLoCo`` (one model fragment), plus the sparse
+    allreduce's: ``density`` (of each sync; raise it with ``sync_every`` to keep the bytes per
+    step), ``algorithm`` and its options (``wire_format``, ``momentum``, ...; see
+    :class:`~oktopk_triton.SparseAllreduce`), and ``audit`` (see :class:`ReplicaSync`).
+    ``backup_device``, ``pin_memory``, ``use_bucketization`` and ``bucket_cap_mb`` are accepted
+    for a drop-in and change nothing (one flat vector is one bucket; the anchor stays on the
+    parameters' device).
+
+    Every ``sync_every``-th ``inner_optimizer.step()`` (a hook, inside the ``with`` block) syncs:
+    a quorum, ``pseudo-gradient = weights - anchor`` reduced sparsely, and on commit the outer
+    optimizer steps from the anchor with ``-out`` as the gradient (``SGD(lr=1)`` gives plain
+    averaging, bitwise as ``SparseAllreduce(..., sync_every=H).reduce_updates``). A sync that
+    does not commit keeps the local weights and rolls back what is owed: the next sync sends
+    this interval's change with the next one. A replica that joins restarts from the anchor its
+    healer sent, with the outer optimizer's state, and owes nothing. ``sync()`` syncs now.
+    """
+
+    def __init__(self, manager: Any, model_fragments: List[torch.nn.Module],
+                 inner_optimizer: torch.optim.Optimizer, outer_optimizer: torch.optim.Optimizer,
+                 sync_every: int, backup_device: Any = None, pin_memory: bool = True,
+                 use_bucketization: bool = False, bucket_cap_mb: Optional[int] = None,
+                 should_quantize: bool = False, fragment_sync_delay: int = 0,
+                 fragment_update_alpha: float = 0.0, *, density: float = 0.05,
+                 algorithm: str = "oktopk", audit: bool = False, **options: Any) -> None:
+        _check_diloco_options(model_fragments, sync_every, should_quantize, fragment_sync_delay,
+                              fragment_update_alpha)
+        if not isinstance(outer_optimizer, torch.optim.Optimizer) or \
+                not isinstance(inner_optimizer, torch.optim.Optimizer):
+            raise TypeError("SparseDiLoCo: inner_optimizer and outer_optimizer must be "
+                            "torch.optim.Optimizer objects")
+        self.sync_every = sync_every
+        self.inner_optimizer, self.outer_optimizer = inner_optimizer, outer_optimizer
+        self.replica = ReplicaSync(manager, model_fragments[0], density, algorithm, audit,
+                                   extra_state=self._state, load_extra=self._load, **options)
+        self.params = self.replica.params
+        with torch.no_grad():
+            self.anchor = [p.detach().clone() for p in self.params]
+        self.local_step = 0
+        self._hooks: List[Any] = []
+
+    @property
+    def history(self) -> List[Dict[str, Any]]:
+        return self.replica.history
+
+    @property
+    def reducer(self) -> SparseAllreduce:
+        return self.replica.sar
+
+    def __enter__(self) -> "SparseDiLoCo":
+        self._hooks.append(self.inner_optimizer.register_step_post_hook(self._after_step))
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        return False
+
+    def _after_step(self, *_: Any) -> None:
+        self.local_step += 1
+        if self.local_step >= self.sync_every:
+            self.sync()
+
+    # -- the replicated state a healing peer receives -----------------------------------------
+    def _state(self) -> Dict[str, Any]:
+        return {"anchor": [a.clone() for a in self.anchor],
+                "outer_optimizer": self.outer_optimizer.state_dict()}
+
+    def _load(self, sd: Dict[str, Any]) -> None:
+        with torch.no_grad():
+            for a, s in zip(self.anchor, sd["anchor"]):
+                a.copy_(s)
+        self.outer_optimizer.load_state_dict(sd["outer_optimizer"])
+
+    @torch.no_grad()
+    def sync(self) -> bool:
+        """Sync now: returns whether the sync committed (``history[-1]`` describes it)."""
+        self.local_step = 0
+        rec = self.replica.quorum()
+        if rec["healed"]:                 # a joiner restarts from the common weights
+            torch._foreach_copy_(self.params, self.anchor)
+        for p, a in zip(self.params, self.anchor):
+            p.grad = p.detach() - a
+        out = self.replica.reduce(rec)
+        if out is None:                   # rolled back: the local weights go on
+            self._drop_grads()
+            return False
+        if not bool(torch.isfinite(out).all()):      # dropped on every replica alike
+            rec["nonfinite"] = True
+            torch._foreach_copy_(self.params, self.anchor)
+            self._drop_grads()
+            return True
+        torch._foreach_copy_(self.params, self.anchor)
+        out.neg_()                        # torchft's sign: the outer gradient is anchor - local
+        self.outer_optimizer.step()
+        torch._foreach_copy_(self.anchor, self.params)
+        self._drop_grads()
+        return True
+
+    def _drop_grads(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+
+class SparseGradients:
+    """Each step's gradient reduced sparsely over a torchft Manager (error feedback included)::
+
+        ft = SparseGradients(manager, model, density=0.01)
+        loss.backward()
+        if ft.reduce():           # quorum, sparse reduce, should_commit
+            optimizer.step()
+        optimizer.zero_grad()
+
+    Arguments as :class:`ReplicaSync`. A step that does not commit rolls back what is owed (the
+    gradient is dropped on every replica, as torchft drops a failed step). A replica that joins
+    is healed by the Manager (the user's state: weights and optimizer) and sends nothing that
+    step; this library's state carries the step count.
+    """
+
+    def __init__(self, manager: Any, params: Any, density: float = 0.01,
+                 algorithm: str = "oktopk", *, audit: bool = False, **options: Any) -> None:
+        self.replica = ReplicaSync(manager, params, density, algorithm, audit, **options)
+
+    @property
+    def history(self) -> List[Dict[str, Any]]:
+        return self.replica.history
+
+    @property
+    def reducer(self) -> SparseAllreduce:
+        return self.replica.sar
+
+    @torch.no_grad()
+    def reduce(self) -> bool:
+        """One step's quorum, sparse reduce and vote: True when the optimizer may step (every
+        ``.grad`` then holds the reduced gradient)."""
+        rec = self.replica.quorum()
+        if rec["healed"]:
+            for p in self.replica.params:
+                p.grad = None
+        return self.replica.reduce(rec) is not None

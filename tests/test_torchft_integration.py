@@ -1,0 +1,83 @@
+"""Integration tests of the torchft integration against the real ``torchft_lighthouse``, which
+each test starts on loopback, with replica groups as processes over gloo
+(:mod:`oktopk_triton.bench.ft_cluster`, :mod:`oktopk_triton.bench.ft_replica`). Every process is
+started and killed by pid; every wait is bounded."""
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("torchft")
+
+from oktopk_triton.bench.ft_cluster import Lighthouse, Replica, wait_for  # noqa: E402
+from oktopk_triton.bench.ranks import free_port  # noqa: E402
+
+# the run every scenario here shares: 3 replicas of the small MLP, Ok-Topk at 10% every 2 steps
+BASE = dict(syncs=5, sync_every=2, density=0.1, algorithm="oktopk", audit=True)
+WAIT = 150          # seconds any one cluster may take, start-up included (2 loaded cores)
+
+
+def _weights(res):
+    return torch.load(res["weights"], weights_only=True)
+
+
+def _equal(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _ok(results):
+    for r in results:
+        assert r["returncode"] == 0, r["log"]
+
+
+def _committed(res):
+    return [h for h in res["history"] if h["committed"]]
+
+
+def _conserved(res):
+    """Every committed sync conserved over its participants (checked before it committed)."""
+    errs = [h["relative_error"] for h in _committed(res)]
+    assert errs and all(e is not None and e <= 1e-6 for e in errs), errs
+
+
+def _cluster(n, tmp_path, **cfg):
+    with Lighthouse(min_replicas=n) as lh:
+        reps = [Replica(dict(BASE, replica=i, lighthouse=lh.address, min_replicas=n, **cfg),
+                        str(tmp_path)) for i in range(n)]
+        return [r.result(WAIT) for r in reps]
+
+
+def _reference(n, tmp_path, **cfg):
+    port = free_port()
+    reps = [Replica(dict(BASE, replica=i, mode="reference", world=n, master_port=port, **cfg),
+                    str(tmp_path)) for i in range(n)]
+    return [r.result(WAIT) for r in reps]
+
+
+@pytest.mark.slow
+def test_no_fault_is_bitwise_the_plain_local_steps_run_and_a_failed_commit_rolls_back(tmp_path):
+    """No fault: every replica ends with the weights of SparseAllreduce(sync_every=2) on plain
+    torch.distributed, bit for bit. A sync whose collective fails on every replica does not
+    commit, rolls back, and its immediate retry delivers the same mass: the run ends on the
+    same bits as without the failure."""
+    ft = _cluster(3, tmp_path)
+    ref = _reference(3, tmp_path)
+    _ok(ft + ref)
+    assert [h["rank"] for h in ft[1]["history"]] == [1] * BASE["syncs"]
+    w = _weights(ref[0])
+    for r in ft + ref:
+        assert _equal(_weights(r), w)
+    for r in ft:
+        _conserved(r)
+        assert r["step"] == BASE["syncs"] and all(h["committed"] for h in r["history"])
+
+    failed = _cluster(3, tmp_path, fail={"sync": 3, "collective": 2}, retry=True)
+    _ok(failed)
+    for r in failed:
+        h = r["history"]
+        assert [x["committed"] for x in h] == [True, True, False, True, True, True]
+        assert "injected" in h[2]["error"]
+        assert 0 < h[2]["bytes"] < h[3]["bytes"]      # what went out before the failure
+        assert h[3]["bytes"] == ft[0]["history"][2]["bytes"]      # the same sync, sent once
+        _conserved(r)
+        assert _equal(_weights(r), w)
