@@ -10,9 +10,11 @@ P - 1 ranks' residuals. Here each rank writes its own file into one directory:
 holding ``{"format", "kind", "version", "rank", "world_size", "fingerprint", "state"}``: plain
 dicts, lists, ints, floats, strs and tensors only, so ``torch.load(path, weights_only=True)``
 reads it. ``fingerprint`` describes the parameters the state was computed for (shapes, dtypes,
-numel, the algorithm); loading into another world size, another model or another algorithm, or
-from a directory without this rank's file, raises a one-line error, on every rank (the ranks
-agree before any of them continues, so a rank whose file is fine does not train on alone).
+numel, the algorithm); loading into another model or another algorithm, or from a directory
+without this rank's file, raises a one-line error, on every rank (the ranks agree before any of
+them continues, so a rank whose file is fine does not train on alone). Files saved at another
+world size are resharded (:func:`load_rank`'s ``reshard``; docs/checkpointing.md, "Changing the
+world size").
 
 Used by ``SparseAllreduceState.save/load`` (the DDP hook), ``SparseAllreduce.save/load`` and the
 framework integrations (``oktopk_triton.integrations``).
@@ -29,7 +31,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 import torch
 
 __all__ = ["FORMAT", "CheckpointError", "rank_file", "param_fingerprint", "save_rank",
-           "load_rank", "agree", "saved_world_sizes"]
+           "load_rank", "agree", "saved_world_sizes", "saved_at"]
 
 FORMAT = 1
 DEFAULT_NAME = "oktopk"
@@ -179,23 +181,87 @@ def _read(directory: str, kind: str, rank: int, world_size: int,
     return f
 
 
+# fingerprint entries that depend on the world size: not compared when a load reshards
+WORLD_KEYS = ("group_size", "replicas")
+# reshard(group states, old rank 0's state) -> this rank's state (see load_rank)
+Reshard = Callable[[List[Dict[str, Any]], Dict[str, Any]], Dict[str, Any]]
+
+
 def load_rank(directory: str, kind: str, rank: int, world_size: int,
               fingerprint: Optional[Dict[str, Any]],
               gather: Callable[[Optional[str]], List[Optional[str]]],
-              name: str = DEFAULT_NAME, map_location: Any = "cpu") -> Dict[str, Any]:
+              name: str = DEFAULT_NAME, map_location: Any = "cpu",
+              reshard: Optional[Reshard] = None) -> Dict[str, Any]:
     """Read and check this rank's file, then agree with every rank (``gather``: this rank's
     error or ``None`` -> every rank's); any failure raises on every rank. Returns the file's
-    dict (its ``state`` and ``fingerprint``)."""
+    dict (its ``state`` and ``fingerprint``).
+
+    With ``reshard``, a directory that holds files for one other world size P only (none for
+    this one) is resharded (:func:`saved_at`): this rank reads the old ranks p ≡ rank (mod
+    world_size) and old rank 0, checks each, and its ``state`` is ``reshard(group states,
+    rank 0's state)``; the dict then also holds ``resharded_from`` (P)."""
     err: Optional[str] = None
     f: Dict[str, Any] = {}
+    old = saved_at(directory, name, world_size) if reshard is not None else None
     try:
-        f = _read(directory, kind, rank, world_size, fingerprint, name, map_location)
+        if old is None:
+            f = _read(directory, kind, rank, world_size, fingerprint, name, map_location)
+        else:
+            f = _read_resharded(directory, kind, rank, world_size, old, fingerprint, name,
+                                map_location, reshard)
     except CheckpointError as e:
         err = str(e)
     agree(gather(err), err)
-    log.info("%s: rank %d of %d loaded from %s", kind, rank, world_size,
-             rank_file(directory, rank, world_size, name))
+    if old is None:
+        log.info("%s: rank %d of %d loaded from %s", kind, rank, world_size,
+                 rank_file(directory, rank, world_size, name))
+    elif rank == 0:
+        log.info("%s: resharded %s from %d to %d ranks: new rank q sums what old ranks "
+                 "p = q (mod %d) owed, times %d/%d; state shared by every rank from old rank 0",
+                 kind, directory, old, world_size, world_size, world_size, old)
     return f
+
+
+def saved_at(directory: str, name: str, world_size: int) -> Optional[int]:
+    """The world size to reshard from: the only one ``directory`` holds files of ``name`` for,
+    when it holds none for ``world_size``; else ``None`` (a plain load, whose error names the
+    world sizes found when this rank's file is missing)."""
+    sizes = saved_world_sizes(directory, name)
+    if world_size in sizes or len(sizes) != 1:
+        return None
+    return sizes[0]
+
+
+def _read_resharded(directory: str, kind: str, rank: int, world_size: int, old: int,
+                    fingerprint: Optional[Dict[str, Any]], name: str, map_location: Any,
+                    reshard: Reshard) -> Dict[str, Any]:
+    """This rank's file resharded from ``old`` ranks (see :func:`load_rank`)."""
+    fp = None if fingerprint is None else {k: v for k, v in fingerprint.items()
+                                           if k not in WORLD_KEYS}
+    group = list(range(rank, old, world_size))
+    files = {p: _read(directory, kind, p, old, fp, name, map_location)
+             for p in sorted(set(group) | {0})}
+    first = files[0]
+    try:
+        state = reshard([files[p]["state"] for p in group], first["state"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:   # files that do not agree
+        raise CheckpointError(f"{kind}.load: cannot reshard the files of {old} ranks in "
+                              f"{directory} to {world_size}: {type(e).__name__}: {e}") from e
+    return {**first, "rank": rank, "world_size": world_size, "state": state,
+            "resharded_from": old}
+
+
+def reshard_reducers(group: List[Dict[str, Any]], first: Dict[str, Any], rank: int,
+                     world_size: int) -> Dict[str, Any]:
+    """A ``reshard`` for states that hold ``{"algorithm", "reducers": {key: algorithm state}}``
+    (the DDP hook's, FSDP2's): each reducer resharded with its class's ``reshard_state`` over
+    the same key of the group's states (``rank`` / ``world_size``: in the reducers' group);
+    the rest is ``first``'s."""
+    from .algorithms import get_algorithm
+    cls = get_algorithm(first["algorithm"])
+    reducers = {i: cls.reshard_state([g["reducers"][i] for g in group], sd, rank, world_size)
+                for i, sd in first.get("reducers", {}).items()}
+    return {**first, "reducers": reducers}
 
 
 def agree(errors: List[Optional[str]], mine: Optional[str]) -> None:

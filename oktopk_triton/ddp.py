@@ -447,13 +447,20 @@ class SparseAllreduceState:
         first backward of the resumed run). A missing file, another world size, algorithm or
         mode, or (with ``model``) other parameters raise ``CheckpointError`` (a ``ValueError``)
         on every rank; without ``model`` the parameters are checked at the first backward.
-        A ``DistributedDataParallel`` ``model`` is also bound (:meth:`bind`)."""
-        from .checkpoint import gather_dist, load_rank
+        A ``DistributedDataParallel`` ``model`` is also bound (:meth:`bind`). Files saved at
+        another world size are resharded (``checkpoint.reshard_reducers``; the iteration count
+        and layout from old rank 0)."""
+        import functools
+
+        from .checkpoint import gather_dist, load_rank, reshard_reducers
         if model is not None:
             self.bind(model)
         rank, world = self._file_rank()
+        group = (dist.get_rank(self.process_group), self._world_size()) if world > 1 else (0, 1)
         f = load_rank(directory, "SparseAllreduceState", rank, world, self.fingerprint(model),
-                      gather_dist(self.process_group), name)
+                      gather_dist(self.process_group), name,
+                      reshard=functools.partial(reshard_reducers, rank=group[0],
+                                                world_size=group[1]))
         self.load_state_dict(f["state"])
 
 

@@ -27,6 +27,7 @@ continues bit for bit. The communicator is not saved (a restored reducer uses it
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, Iterable, List, Optional, Union
 
 import torch
@@ -357,12 +358,16 @@ class SparseAllreduce(torch.nn.Module):
 
     def load(self, directory: str, name: str = "oktopk") -> None:
         """Restore this rank's state saved by :meth:`save` (every rank calls it: the ranks agree
-        through the communicator). A missing file, another world size, algorithm or other
-        parameters raise ``CheckpointError`` (a ``ValueError``) on every rank."""
+        through the communicator). Files saved at another world size are resharded
+        (:meth:`Algorithm.reshard_state`: what is owed summed and rescaled, the world-size
+        state a fresh reducer's, the rest from old rank 0). A missing file, another algorithm
+        or other parameters raise ``CheckpointError`` (a ``ValueError``) on every rank."""
         from .checkpoint import gather_comm, load_rank
-        f = load_rank(directory, "SparseAllreduce", self.comm.rank, self.comm.world_size,
-                      self.fingerprint(), gather_comm(self.comm), name,
-                      map_location=self.device)
+        rank, world = self.comm.rank, self.comm.world_size
+        f = load_rank(directory, "SparseAllreduce", rank, world, self.fingerprint(),
+                      gather_comm(self.comm), name, map_location=self.device,
+                      reshard=functools.partial(self._cls.reshard_state, rank=rank,
+                                                world_size=world))
         self.set_extra_state(f["state"])
 
     def extra_repr(self) -> str:

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import abc
 import math
-from typing import TYPE_CHECKING, Any, ClassVar, Dict, Optional, Union
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, Optional, Union
 
 import torch
 
@@ -465,6 +465,31 @@ class Algorithm(abc.ABC):
             sd[key] = v.clone() if isinstance(v, torch.Tensor) else _copy(v)
         return sd
 
+    # what a rank owes, in a state_dict: summed over old ranks and rescaled by reshard_state
+    OWED: ClassVar[tuple] = ("residual", "velocity")
+
+    @classmethod
+    def reshard_state(cls, group: List[Dict[str, Any]], first: Dict[str, Any], rank: int,
+                      world_size: int) -> Dict[str, Any]:
+        """The state of rank ``rank`` of ``world_size`` from states saved at another world
+        size P: ``group`` holds the old ranks p ≡ rank (mod world_size), in rank order (empty
+        for a new rank above P), ``first`` old rank 0's. What is owed is summed over the group
+        and rescaled, ``residual' = (world_size/P)·Σ_group residual_p`` (the velocity alike),
+        so ``(1/P')·Σ_q residual'_q == (1/P)·Σ_p residual_p`` up to one fp32 sum's rounding;
+        the step count and loss scale (the same on every rank) are ``first``'s; what depends on
+        the world size (``STATE``: thresholds, regions) is left out, and :meth:`load_state_dict`
+        keeps the loading reducer's own (a fresh reducer's: Ok-Topk calibrates afresh)."""
+        P = int(first["world_size"])
+        sd = {k: _copy(v) for k, v in first.items() if k not in cls.STATE and k not in cls.OWED}
+        for key in cls.OWED:
+            if first.get(key) is None:
+                continue
+            parts = [g[key].float() for g in group]
+            total = torch.stack(parts).sum(0) if parts else torch.zeros_like(first[key])
+            sd[key] = total.mul_(world_size / P)
+        sd.update(world_size=int(world_size), rank=int(rank), resharded_from=P)
+        return sd
+
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         for key, mine in (("algorithm", self.name), ("numel", self.numel), ("world_size", self.P)):
             if sd.get(key) != mine:
@@ -480,6 +505,8 @@ class Algorithm(abc.ABC):
         ls = sd.get("loss_scale")
         self.loss_scale = None if ls is None else ls.clone().to(self.device)
         self._scale_host = None
+        if sd.get("resharded_from") is not None:   # reshard_state: the world-size state is ours
+            return
         for key in self.STATE:
             v = sd[key]
             cur = getattr(self, key, None)

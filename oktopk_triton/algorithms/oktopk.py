@@ -445,6 +445,21 @@ class OkTopk(Algorithm):
             self._signs.zero_()
             self._signs_started = False
 
+    @classmethod
+    def reshard_state(cls, group: list, first: dict, rank: int, world_size: int) -> dict:
+        """As the base class; the sign EMA (``consistency``) is the mean of the group's (it
+        ranks the entries the new rank now owes for all of them); a new rank with no old one
+        starts it afresh at its next step's signs, as a fresh reducer."""
+        sd = super().reshard_state(group, first, rank, world_size)
+        if first.get("consistency_signs") is not None:
+            if group:
+                sd["consistency_signs"] = torch.stack(
+                    [g["consistency_signs"].float() for g in group]).mean(0)
+            else:
+                sd["consistency_signs"] = torch.zeros_like(first["consistency_signs"])
+                sd["consistency_started"] = False
+        return sd
+
     def _sample_threshold(self, grad: torch.Tensor, nonfinite: Optional[torch.Tensor]) -> None:
         """Rank mode: the rank threshold from THIS step's acc at ``threshold_sample`` fixed
         random positions (the k·m/n-th largest of the sample), so a step whose scale jumped

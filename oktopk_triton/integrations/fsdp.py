@@ -177,8 +177,15 @@ class SparseReplicaReduce:
 
     def load(self, directory: str, name: str = "oktopk") -> None:
         """Restore this rank's state (every rank, after :meth:`install`, before the first
-        backward); a mismatch raises ``CheckpointError`` on every rank."""
-        from ..checkpoint import gather_dist, load_rank
+        backward); a mismatch raises ``CheckpointError`` on every rank. Files saved with another
+        number of replicas (the same sharding) are resharded across the replicas
+        (``checkpoint.reshard_reducers``): global ranks are replica-major (``init_device_mesh``
+        with ``("replicate", "shard")``), so new rank q takes the old ranks p ≡ q (mod P), the
+        replicas of its own shard."""
+        from ..checkpoint import gather_dist, load_rank, reshard_reducers
         f = load_rank(directory, "SparseReplicaReduce", dist.get_rank(), dist.get_world_size(),
-                      self.fingerprint(), gather_dist(None), name)
+                      self.fingerprint(), gather_dist(None), name,
+                      reshard=functools.partial(reshard_reducers,
+                                                rank=dist.get_rank(self.group),
+                                                world_size=dist.get_world_size(self.group)))
         self.load_state_dict(f["state"])
