@@ -48,7 +48,8 @@ def register(accelerator: Accelerator, model: torch.nn.Module,
     ``algorithm`` and ``state_options``. The accelerator's GradScaler (``mixed_precision="fp16"``)
     is handed to the state. ``accelerator.save_state(dir)`` then also writes
     ``dir/oktopk/oktopk-rank{r}-of{P}.pt`` on every rank and ``load_state(dir)`` restores it
-    (a missing file or another world size raises on every rank; a state loaded and saved again
+    (resharded when saved at another world size; a missing file or another model raises on
+    every rank; a state loaded and saved again
     before any step is saved as it was loaded). With one process there is
     nothing to reduce: the model is left as it is (the state still saves and loads).
     """

@@ -15,8 +15,9 @@ checkpoint (``on_save``, on every rank) each rank writes
 ``<output_dir>/checkpoint-<step>/oktopk/oktopk-rank{r}-of{P}.pt``; a resumed run (global step
 above 0 when training begins) reads its file back from, in this order, ``resume_from`` given to
 the callback, ``args.resume_from_checkpoint``, or ``<output_dir>/checkpoint-<step>`` (where
-``resume_from_checkpoint=True`` resumes from). Not with hyper-parameter search (its run
-directories are elsewhere).
+``resume_from_checkpoint=True`` resumes from); files saved at another world size are resharded
+(``SparseAllreduceState.load``). Not with hyper-parameter search (its run directories are
+elsewhere).
 """
 from __future__ import annotations
 
