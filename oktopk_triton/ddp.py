@@ -194,7 +194,7 @@ class SparseAllreduceState:
                  "iter", "reducers", "bytes_sent", "total_bytes_sent", "_iter_bytes",
                  "_pending_state", "mode", "_pending", "layout", "scaler", "_arrived",
                  "_reduced", "_new_groups", "_seen", "_used", "_watched", "_now",
-                 "_relayout", "held_out", "_iter_held", "_model")
+                 "_relayout", "held_out", "_iter_held", "_model", "_carried")
 
     MODES = ("flat", "bucket")
     FLAT = -1   # the reducers key of the flat reducer
@@ -249,6 +249,8 @@ class SparseAllreduceState:
         self.held_out = 0                               # parameters held out, last iteration
         self._iter_held = 0
         self._model: Optional["weakref.ref"] = None     # the DDP model (see bind)
+        # reconfigure: the reducers of the last group, taken over as the new group builds its own
+        self._carried: Dict[int, Any] = {}
 
     # -- helpers -----------------------------------------------------------------------------
     def _world_size(self) -> int:
@@ -285,8 +287,33 @@ class SparseAllreduceState:
             red = self._build(buffer.numel(), buffer.device)
             if index in self._pending_state:
                 red.load_state_dict(self._pending_state.pop(index))
+            carried = self._carried.pop(index, None)
+            if carried is not None and carried.numel == red.numel:
+                red.take_owed(carried)
             self.reducers[index] = red
         return red
+
+    def reconfigure(self, process_group: Optional[dist.ProcessGroup] = None, *,
+                    comm: Optional["Communicator"] = None, joined: bool = False) -> None:
+        """Switch to another group between iterations (a change of membership; every member
+        calls it, then registers the state on a ``DistributedDataParallel`` over that group).
+        The reducers are rebuilt for the new group when the hook next uses them, each taking
+        over what its predecessor owed (``Algorithm.take_owed``: residual, velocity, step count,
+        loss scale; the world-size state a fresh reducer's). ``joined=True``: this rank owes
+        nothing (its reducers and any loaded state are dropped; the iteration count stays as
+        it is). ``comm``: a communicator over the new group (``None``: built on first use)."""
+        if joined not in (True, False):
+            raise TypeError(f"SparseAllreduceState.reconfigure: joined must be True or False, "
+                            f"got {joined!r}")
+        if self._pending_state and not joined:
+            raise ValueError("SparseAllreduceState.reconfigure: a loaded state is waiting for "
+                             "its first backward; load it at the new world size instead (load "
+                             "reshards)")
+        self._carried = {} if joined else {**self._carried, **self.reducers}
+        if joined:
+            self._pending_state = {}
+        self.reducers = {}
+        self.process_group, self.comm = process_group, comm
 
     # -- which parameters a step used ----------------------------------------------------------
     def _watch(self, params: Sequence[torch.Tensor], canon: Sequence[int]) -> None:
@@ -372,6 +399,9 @@ class SparseAllreduceState:
         load it into a fresh state before the first backward of the resumed run. A loaded state
         is saved as it was loaded until the hook builds its reducers (a save straight after a
         load keeps every residual)."""
+        if self._carried:
+            raise ValueError("SparseAllreduceState.state_dict: reconfigured, and the new group's "
+                             "reducers are built at the next backward; save after it")
         reducers = dict(self._pending_state)      # loaded, not built yet: saved as loaded
         reducers.update({i: r.state_dict() for i, r in self.reducers.items()})
         return {"iter": self.iter, "algorithm": self.algorithm, "density": self.density,

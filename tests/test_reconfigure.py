@@ -133,3 +133,40 @@ def test_joined_must_be_a_bool():
     sar = SparseAllreduce(100, SingleCommunicator(), density=0.1)
     with pytest.raises(TypeError, match="joined must be True or False"):
         sar.reconfigure(SingleCommunicator(), joined="yes")
+
+
+def _hook_state(comm, three):
+    """The DDP hook's state, its flat reducer driven directly (no DDP: the reducer is what
+    reconfigure rebuilds)."""
+    from oktopk_triton.ddp import SparseAllreduceState
+    state = SparseAllreduceState(density=0.02, comm=comm, momentum=0.9)
+    buf = torch.empty(N)
+    for t in range(STEPS):
+        state.reducer(-1, buf)(_grad(comm.rank, t))
+    owed = _owed_alg(state.reducers[-1])
+    if comm.rank == 3:
+        return owed, None, None
+    state.reconfigure(comm=three.communicator(comm.rank))
+    red = state.reducer(-1, buf)
+    kept = _owed_alg(red)
+    rec = []
+    for t in range(STEPS, 2 * STEPS):
+        g = _grad(comm.rank, t)
+        acc = red.residual.double() + red.velocity.double() * red.momentum + g.double()
+        out = red(g)
+        rec.append((acc, out.clone(), red.residual.double().clone()))
+    return owed, kept, (rec, red.P)
+
+
+def _owed_alg(alg):
+    return alg.residual.clone(), alg.velocity.clone(), alg.step_count
+
+
+def test_ddp_hook_state_reconfigures():
+    three = LocalCluster(3, timeout=30)
+    res = LocalCluster(4, timeout=30).run(_hook_state, three)
+    for owed, kept, _ in res[:3]:
+        assert torch.equal(owed[0], kept[0]) and torch.equal(owed[1], kept[1])
+        assert kept[2] == owed[2] == STEPS and float(owed[0].abs().sum()) > 0
+    assert all(r[2][1] == 3 for r in res[:3])
+    _conserved([r[2][0] for r in res[:3]])
