@@ -2,14 +2,12 @@
 each test starts on loopback, with replica groups as processes over gloo
 (:mod:`oktopk_triton.bench.ft_cluster`, :mod:`oktopk_triton.bench.ft_replica`). Every process is
 started and killed by pid; every wait is bounded."""
-import os
-
 import pytest
 import torch
 
 pytest.importorskip("torchft")
 
-from oktopk_triton.bench.ft_cluster import Lighthouse, Replica, wait_for  # noqa: E402
+from oktopk_triton.bench.ft_cluster import Lighthouse, Replica, wait_for, wait_ready  # noqa: E402
 from oktopk_triton.bench.ranks import free_port  # noqa: E402
 
 # the run every scenario here shares: 3 replicas of the small MLP, Ok-Topk at 10% every 2 steps
@@ -81,3 +79,50 @@ def test_no_fault_is_bitwise_the_plain_local_steps_run_and_a_failed_commit_rolls
         assert h[3]["bytes"] == ft[0]["history"][2]["bytes"]      # the same sync, sent once
         _conserved(r)
         assert _equal(_weights(r), w)
+
+
+@pytest.mark.slow
+def test_a_killed_replica_is_survived_rejoins_healed_and_another_model_is_refused(tmp_path):
+    """Replica 2 is SIGKILLed inside a sync's collectives: the survivors roll that sync back,
+    go on at P = 2 and stay identical, conserving every sync. Restarted, it is healed from a
+    peer, owes nothing and ends identical to them. A replica of another model that tries to
+    join is refused with a one-line error and the others go on."""
+    gate0, gate1, gate2 = (str(tmp_path / g) for g in ("all", "rejoin", "stranger"))
+    cfg = dict(BASE, syncs=8, min_replicas=2, hold=[
+        {"at": 0, "file": gate0}, {"at": 4, "file": gate1}, {"at": 6, "file": gate2}])
+    with Lighthouse(min_replicas=2) as lh:
+        def start(i, **extra):
+            return Replica(dict(cfg, replica=i, lighthouse=lh.address, **extra), str(tmp_path))
+        reps = [start(0), start(1), start(2, die={"sync": 3, "collective": 2})]
+        for r in reps:                      # the first quorum holds all three
+            wait_ready(r, WAIT)
+        open(gate0, "w").close()
+        first = reps[2]
+        assert first.proc.wait(timeout=WAIT) == -9                 # killed itself by SIGKILL
+        wait_for(reps, 0, 4, WAIT)
+        reps[2] = start(2)
+        wait_ready(reps[2], WAIT)
+        open(gate1, "w").close()
+        wait_for(reps, 0, 6, WAIT)
+        stranger = start(3, width=48)
+        wait_ready(stranger, WAIT)
+        open(gate2, "w").close()
+        results = [r.result(WAIT) for r in reps]
+        bad = stranger.result(WAIT)
+    _ok(results)
+    w = _weights(results[0])
+    for r in results:
+        assert r["step"] == 8 and _equal(_weights(r), w)
+        _conserved(r)
+    for r in results[:2]:                                           # the survivors
+        h = r["history"]
+        assert not h[2]["committed"] and h[2]["error"]              # the sync it died in
+        assert h[3]["P"] == 2 and h[3]["reconfigured"] and h[3]["committed"]
+        back = next(x for x in h if x["P"] == 3 and x["step"] >= 4)
+        assert back["reconfigured"] and back["committed"] and not back["healed"]
+    rejoined = results[2]["history"]
+    assert rejoined[0]["healed"] and rejoined[0]["newcomer"] and rejoined[0]["committed"]
+    assert rejoined[0]["step"] >= 4
+    assert bad["returncode"] == 1 and "\n" not in bad["error"]
+    assert bad["error"].startswith("CheckpointError: torchft heal refused: the peer's model is "
+                                   "another one (parameter 0 has shape")

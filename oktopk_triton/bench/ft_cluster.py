@@ -39,7 +39,7 @@ def lighthouse_binary() -> str:
 class Lighthouse:
     """``torchft_lighthouse`` on 127.0.0.1 (a free port), stopped by pid on exit."""
 
-    def __init__(self, min_replicas: int = 1, join_timeout_ms: int = 1000,
+    def __init__(self, min_replicas: int = 1, join_timeout_ms: int = 4000,
                  quorum_tick_ms: int = 50, heartbeat_timeout_ms: int = 2000) -> None:
         self.port = free_port()
         self.address = f"http://127.0.0.1:{self.port}"
@@ -106,6 +106,10 @@ class Replica:
         except (OSError, ValueError):
             return 0
 
+    def ready(self) -> bool:
+        """Whether the replica's Manager is up (it wrote ``result.ready``)."""
+        return os.path.exists(self.config["result"] + ".ready")
+
     def tail(self, lines: int = 15) -> str:
         try:
             with open(self.log) as f:
@@ -127,6 +131,19 @@ class Replica:
             with open(self.config["result"]) as f:
                 res.update(json.load(f))
         return res
+
+
+def wait_ready(replica: Replica, timeout: float) -> None:
+    """Wait (bounded) until ``replica``'s Manager is up."""
+    deadline = time.monotonic() + timeout
+    while not replica.ready():
+        if replica.proc.poll() is not None:
+            raise ClusterError(f"replica {replica.config['replica']} exited early:\n"
+                               f"{replica.tail()}")
+        if time.monotonic() > deadline:
+            raise ClusterError(f"replica {replica.config['replica']} not up within "
+                               f"{timeout:.0f} s")
+        time.sleep(0.05)
 
 
 def wait_for(replicas: List[Replica], who: int, syncs: int, timeout: float) -> None:

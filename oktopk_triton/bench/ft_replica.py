@@ -11,7 +11,9 @@ the digits CNN), ``syncs`` (the run ends when the Manager has committed that man
 ``audit``, ``width`` (another width is another model: a heal from it is refused), and faults:
 ``die`` (``{"sync": k, "collective": i}``: SIGKILL itself at the i-th collective of its k-th
 sync attempt), ``fail`` (``{"sync": k, "collective": i}``: that collective raises, as a failed
-one would), ``retry`` (sync again at once after a sync that did not commit). It writes
+one would), ``retry`` (sync again at once after a sync that did not commit), ``hold`` (a list of
+``{"at": k, "file": path}``: having committed k syncs, wait, bounded, until ``path`` exists, so a
+test can let a replica join at a known sync). It writes ``result.ready`` once its Manager is up,
 ``result`` (JSON: history, losses, the Manager's step, the final weights' file) and, after every
 committed sync, ``result.progress``.
 """
@@ -31,7 +33,7 @@ DEFAULTS: Dict[str, Any] = dict(
     mode="sparse", model="mlp", syncs=6, sync_every=2, density=0.1, algorithm="oktopk",
     options={}, seed=0, lr=0.05, outer_lr=1.0, outer_momentum=0.0, audit=True, width=32,
     batch=16, min_replicas=1, timeout=5.0, quorum_timeout=60.0, die=None, fail=None,
-    retry=False, world=0, master_port=0, eval_every=1, inner="sgd")
+    retry=False, world=0, master_port=0, eval_every=1, inner="sgd", hold=())
 
 
 # -- the task ------------------------------------------------------------------------------------
@@ -143,9 +145,11 @@ def run_torchft(cfg: Dict[str, Any], out: Dict[str, Any]) -> None:
     losses: List[float] = []
     evals: List[Tuple[int, float]] = []
     step, last = 0, -1
+    _write(cfg["result"] + ".ready", "1")
     try:
         with diloco:
             while manager.current_step() < cfg["syncs"]:
+                _hold(cfg, manager.current_step())
                 x, y = batch(step)
                 loss = torch.nn.functional.cross_entropy(model(x), y)
                 loss.backward()
@@ -191,6 +195,15 @@ def run_reference(cfg: Dict[str, Any], out: Dict[str, Any]) -> None:
         opt.zero_grad()
     out["weights"] = _save_weights(cfg, model)
     dist.destroy_process_group()
+
+
+def _hold(cfg: Dict[str, Any], done: int) -> None:
+    for h in cfg["hold"]:
+        deadline = time.monotonic() + 120
+        while done == h["at"] and not os.path.exists(h["file"]):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"held at sync {done} for 120 s: {h['file']} never came")
+            time.sleep(0.02)
 
 
 def _save_weights(cfg: Dict[str, Any], model: torch.nn.Module) -> str:

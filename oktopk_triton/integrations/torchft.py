@@ -83,7 +83,12 @@ class ReplicaSync:
         audit: check conservation on every sync before it commits (an extra allreduce of
             ``2 numel`` fp64, not counted in the bytes; for tests and benchmarks).
         extra_state: called to save (``extra_state()``) this mode's replicated state for a
-            healing peer; ``load_extra(sd)`` loads it.
+            healing peer; ``load_extra(sd)`` loads it; ``on_heal()`` is called when this
+            replica is about to be healed, before anything of it is overwritten.
+
+A replica that is healed is either a newcomer (it never committed a sync: it owes nothing) or a
+member that fell behind (its vote differed from its peers' on a sync): that one keeps what it
+owes, so nothing it computed is lost.
 
     ``history``: one dict per sync (``step``, ``P``, ``rank``, ``committed``, ``healed``,
     ``reconfigured``, ``bytes``, ``relative_error`` with ``audit``, ``error``).
@@ -91,7 +96,7 @@ class ReplicaSync:
 
     def __init__(self, manager: Any, params: Any, density: float, algorithm: str,
                  audit: bool = False, extra_state: Any = None, load_extra: Any = None,
-                 **options: Any) -> None:
+                 on_heal: Any = None, **options: Any) -> None:
         self.manager = manager
         self.comm = ManagerCommunicator(manager)
         # built at P = 1 (no collective); the first quorum reconfigures it to the group
@@ -100,7 +105,8 @@ class ReplicaSync:
         self.params: List[torch.Tensor] = [s[0] for s in self.sar.param_slices()]
         self.audit = bool(audit)
         self.history: List[Dict[str, Any]] = []
-        self._extra_state, self._load_extra = extra_state, load_extra
+        self._extra_state, self._load_extra, self._on_heal = extra_state, load_extra, on_heal
+        self.committed = 0                          # syncs this replica committed
         self._pending: Optional[Dict[str, Any]] = None
         self._fingerprint = {**param_fingerprint(self.params), "algorithm": algorithm}
         manager.register_state_dict_fn(STATE_KEY, self._heal_load, self._heal_save)
@@ -122,6 +128,8 @@ class ReplicaSync:
             why = _differs(theirs or {}, mine) or "the fingerprints differ"
             raise CheckpointError(f"torchft heal refused: the peer's model is another one "
                                   f"({why})")
+        if self._on_heal is not None:
+            self._on_heal()
         self._pending = sd
 
     # -- one sync -----------------------------------------------------------------------------
@@ -131,13 +139,13 @@ class ReplicaSync:
         with one allreduce of one word). Returns the sync's record (also appended to
         ``history``); a failure is recorded in it and makes :meth:`reduce` vote against."""
         rec: Dict[str, Any] = {"step": None, "P": None, "rank": None, "committed": False,
-                               "healed": False, "reconfigured": False, "bytes": 0,
-                               "relative_error": None, "error": None}
+                               "healed": False, "newcomer": False, "reconfigured": False,
+                               "bytes": 0, "relative_error": None, "error": None}
         self.history.append(rec)
         self.manager.start_quorum()
         healed, self._pending = self._pending, None
         if healed is not None:
-            rec["healed"] = True
+            rec.update(healed=True, newcomer=self.committed == 0)
             if self._load_extra is not None:
                 self._load_extra(healed["extra"])
             self.sar.algorithm.step_count = int(healed["step"])
@@ -148,7 +156,7 @@ class ReplicaSync:
             joined = torch.tensor([float(healed is not None)], device=self.comm.device)
             self.comm.allreduce(joined)
             if changed or float(joined) > 0:
-                self.sar.reconfigure(self.comm, joined=healed is not None)
+                self.sar.reconfigure(self.comm, joined=rec["newcomer"])
                 rec["reconfigured"] = True
         except CommError as exc:
             rec["error"] = " ".join(str(exc).split())[:300]
@@ -184,6 +192,7 @@ class ReplicaSync:
         ok = self.manager.should_commit()
         rec["committed"] = bool(ok and out is not None)
         if rec["committed"]:
+            self.committed += 1
             return out
         sar.algorithm = alg
         _restore(alg, snap)
@@ -246,12 +255,14 @@ class SparseDiLoCo:
         self.sync_every = sync_every
         self.inner_optimizer, self.outer_optimizer = inner_optimizer, outer_optimizer
         self.replica = ReplicaSync(manager, model_fragments[0], density, algorithm, audit,
-                                   extra_state=self._state, load_extra=self._load, **options)
+                                   extra_state=self._state, load_extra=self._load,
+                                   on_heal=self._keep_change, **options)
         self.params = self.replica.params
         with torch.no_grad():
             self.anchor = [p.detach().clone() for p in self.params]
         self.local_step = 0
         self._hooks: List[Any] = []
+        self._unsynced: Optional[torch.Tensor] = None
 
     @property
     def history(self) -> List[Dict[str, Any]]:
@@ -281,6 +292,14 @@ class SparseDiLoCo:
         return {"anchor": [a.clone() for a in self.anchor],
                 "outer_optimizer": self.outer_optimizer.state_dict()}
 
+    @torch.no_grad()
+    def _keep_change(self) -> None:
+        """Before a heal overwrites the weights: a member that fell behind keeps its change
+        since the last anchor, to owe it (a newcomer's change from its own start is not)."""
+        if self.replica.committed:
+            self._unsynced = torch.cat([(p.detach() - a).reshape(-1).float()
+                                        for p, a in zip(self.params, self.anchor)])
+
     def _load(self, sd: Dict[str, Any]) -> None:
         with torch.no_grad():
             for a, s in zip(self.anchor, sd["anchor"]):
@@ -294,6 +313,9 @@ class SparseDiLoCo:
         rec = self.replica.quorum()
         if rec["healed"]:                 # a joiner restarts from the common weights
             torch._foreach_copy_(self.params, self.anchor)
+            if self._unsynced is not None:
+                self.reducer.residual.add_(self._unsynced)   # what it had not synced, owed
+            self._unsynced = None
         for p, a in zip(self.params, self.anchor):
             p.grad = p.detach() - a
         out = self.replica.reduce(rec)
