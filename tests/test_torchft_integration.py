@@ -1,7 +1,11 @@
 """Integration tests of the torchft integration against the real ``torchft_lighthouse``, which
 each test starts on loopback, with replica groups as processes over gloo
 (:mod:`oktopk_triton.bench.ft_cluster`, :mod:`oktopk_triton.bench.ft_replica`). Every process is
-started and killed by pid; every wait is bounded."""
+started and killed by pid; every wait is bounded. Each scenario runs in one fresh process
+(``isolated``) that imports torch once and forks its replicas from it."""
+import multiprocessing as mp
+import os
+
 import pytest
 import torch
 
@@ -38,18 +42,30 @@ def _conserved(res):
     assert errs and all(e is not None and e <= 1e-6 for e in errs), errs
 
 
-def _cluster(n, tmp_path, **cfg):
+def isolated(scenario, *args):
+    """Run ``scenario(*args)`` (a module-level function) in a fresh single-threaded process,
+    which may fork replicas; its return value comes back (bounded by 4 * WAIT)."""
+    with mp.get_context("spawn").Pool(1) as pool:
+        return pool.apply_async(scenario, args).get(timeout=4 * WAIT)
+
+
+def _cluster(n, tmp, **cfg):
     with Lighthouse(min_replicas=n) as lh:
         reps = [Replica(dict(BASE, replica=i, lighthouse=lh.address, min_replicas=n, **cfg),
-                        str(tmp_path)) for i in range(n)]
+                        tmp, fork=True) for i in range(n)]
         return [r.result(WAIT) for r in reps]
 
 
-def _reference(n, tmp_path, **cfg):
+def _reference(n, tmp, **cfg):
     port = free_port()
     reps = [Replica(dict(BASE, replica=i, mode="reference", world=n, master_port=port, **cfg),
-                    str(tmp_path)) for i in range(n)]
+                    tmp, fork=True) for i in range(n)]
     return [r.result(WAIT) for r in reps]
+
+
+def _no_fault_and_failed(tmp):
+    return (_cluster(3, tmp), _reference(3, tmp),
+            _cluster(3, tmp, fail={"sync": 3, "collective": 2}, retry=True))
 
 
 @pytest.mark.slow
@@ -58,8 +74,7 @@ def test_no_fault_is_bitwise_the_plain_local_steps_run_and_a_failed_commit_rolls
     torch.distributed, bit for bit. A sync whose collective fails on every replica does not
     commit, rolls back, and its immediate retry delivers the same mass: the run ends on the
     same bits as without the failure."""
-    ft = _cluster(3, tmp_path)
-    ref = _reference(3, tmp_path)
+    ft, ref, failed = isolated(_no_fault_and_failed, str(tmp_path))
     _ok(ft + ref)
     assert [h["rank"] for h in ft[1]["history"]] == [1] * BASE["syncs"]
     w = _weights(ref[0])
@@ -69,7 +84,6 @@ def test_no_fault_is_bitwise_the_plain_local_steps_run_and_a_failed_commit_rolls
         _conserved(r)
         assert r["step"] == BASE["syncs"] and all(h["committed"] for h in r["history"])
 
-    failed = _cluster(3, tmp_path, fail={"sync": 3, "collective": 2}, retry=True)
     _ok(failed)
     for r in failed:
         h = r["history"]
@@ -81,18 +95,13 @@ def test_no_fault_is_bitwise_the_plain_local_steps_run_and_a_failed_commit_rolls
         assert _equal(_weights(r), w)
 
 
-@pytest.mark.slow
-def test_a_killed_replica_is_survived_rejoins_healed_and_another_model_is_refused(tmp_path):
-    """Replica 2 is SIGKILLed inside a sync's collectives: the survivors roll that sync back,
-    go on at P = 2 and stay identical, conserving every sync. Restarted, it is healed from a
-    peer, owes nothing and ends identical to them. A replica of another model that tries to
-    join is refused with a one-line error and the others go on."""
-    gate0, gate1, gate2 = (str(tmp_path / g) for g in ("all", "rejoin", "stranger"))
+def _killed(tmp):
+    gate0, gate1, gate2 = (os.path.join(tmp, g) for g in ("all", "rejoin", "stranger"))
     cfg = dict(BASE, syncs=8, min_replicas=2, hold=[
         {"at": 0, "file": gate0}, {"at": 4, "file": gate1}, {"at": 6, "file": gate2}])
     with Lighthouse(min_replicas=2) as lh:
         def start(i, **extra):
-            return Replica(dict(cfg, replica=i, lighthouse=lh.address, **extra), str(tmp_path))
+            return Replica(dict(cfg, replica=i, lighthouse=lh.address, **extra), tmp, fork=True)
         reps = [start(0), start(1), start(2, die={"sync": 3, "collective": 2})]
         for r in reps:                      # the first quorum holds all three
             wait_ready(r, WAIT)
@@ -107,8 +116,16 @@ def test_a_killed_replica_is_survived_rejoins_healed_and_another_model_is_refuse
         stranger = start(3, width=48)
         wait_ready(stranger, WAIT)
         open(gate2, "w").close()
-        results = [r.result(WAIT) for r in reps]
-        bad = stranger.result(WAIT)
+        return [r.result(WAIT) for r in reps], stranger.result(WAIT)
+
+
+@pytest.mark.slow
+def test_a_killed_replica_is_survived_rejoins_healed_and_another_model_is_refused(tmp_path):
+    """Replica 2 is SIGKILLed inside a sync's collectives: the survivors roll that sync back,
+    go on at P = 2 and stay identical, conserving every sync. Restarted, it is healed from a
+    peer, owes nothing and ends identical to them. A replica of another model that tries to
+    join is refused with a one-line error and the others go on."""
+    results, bad = isolated(_killed, str(tmp_path))
     _ok(results)
     w = _weights(results[0])
     for r in results:

@@ -54,7 +54,7 @@ class Lighthouse:
         self.proc = subprocess.Popen(self._cmd, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL)
         import socket
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline:      # bounded: until it accepts connections
             if self.proc.poll() is not None:
                 raise ClusterError(f"torchft_lighthouse exited with {self.proc.returncode}")
@@ -63,7 +63,7 @@ class Lighthouse:
                     return self
             time.sleep(0.05)
         self.__exit__()
-        raise ClusterError("torchft_lighthouse did not start within 15 s")
+        raise ClusterError("torchft_lighthouse did not start within 60 s")
 
     def __exit__(self, *exc: Any) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -71,16 +71,57 @@ class Lighthouse:
             self.proc.wait(timeout=10)
 
 
-class Replica:
-    """One replica group of one process: ``python -m oktopk_triton.bench.ft_replica CONFIG``.
-    ``config`` is a dict (see that module); the result is the dict it writes."""
+class _Forked:
+    """A replica forked from this process (already holding torch and torchft: no start-up
+    cost), with the part of ``subprocess.Popen`` the harness uses. Fork only from a
+    single-threaded harness (``oktopk_triton.bench.ft_soak``)."""
 
-    def __init__(self, config: Dict[str, Any], workdir: Optional[str] = None) -> None:
+    def __init__(self, config: Dict[str, Any], log: str) -> None:
+        pid = os.fork()
+        if pid == 0:                                      # the child: run the replica, exit
+            code = 1
+            try:
+                fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.dup2(fd, 1)
+                os.dup2(fd, 2)
+                from .ft_replica import main
+                code = main([json.dumps(config)])
+            finally:
+                os._exit(code)
+        self.pid = pid
+        self.returncode: Optional[int] = None
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid == self.pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"replica pid {self.pid}", timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+
+class Replica:
+    """One replica group of one process: ``python -m oktopk_triton.bench.ft_replica CONFIG``
+    (``fork=True``: forked from this process instead). ``config`` is a dict (see that module);
+    the result is the dict it writes."""
+
+    def __init__(self, config: Dict[str, Any], workdir: Optional[str] = None,
+                 fork: bool = False) -> None:
         self.workdir = workdir or tempfile.mkdtemp(prefix="oktopk-ft-")
         self.config = dict(config)
         self.config.setdefault("result", os.path.join(
             self.workdir, f"replica{config['replica']}-{os.getpid()}-{time.monotonic_ns()}.json"))
         self.log = self.config["result"] + ".log"
+        if fork:
+            self.proc: Any = _Forked(self.config, self.log)
+            return
         env = dict(os.environ, RUST_LOG="error", OMP_NUM_THREADS="1",
                    PYTHONUNBUFFERED="1")
         with open(self.log, "w") as log:

@@ -10,12 +10,21 @@ the digits CNN), ``syncs`` (the run ends when the Manager has committed that man
 ``density``, ``algorithm``, ``options``, ``seed``, ``lr``, ``outer_lr``, ``outer_momentum``,
 ``audit``, ``width`` (another width is another model: a heal from it is refused), and faults:
 ``die`` (``{"sync": k, "collective": i}``: SIGKILL itself at the i-th collective of its k-th
-sync attempt), ``fail`` (``{"sync": k, "collective": i}``: that collective raises, as a failed
-one would), ``retry`` (sync again at once after a sync that did not commit), ``hold`` (a list of
+sync attempt; ``{"step": s}``: before its inner step s), ``fail`` (``{"sync": k,
+"collective": i}``: that collective raises, as a failed one would), ``retry`` (sync again at
+once after a sync that did not commit), ``hold`` (a list of
 ``{"at": k, "file": path}``: having committed k syncs, wait, bounded, until ``path`` exists, so a
 test can let a replica join at a known sync). It writes ``result.ready`` once its Manager is up,
 ``result`` (JSON: history, losses, the Manager's step, the final weights' file) and, after every
 committed sync, ``result.progress``.
+
+The result also holds ``evals`` (``(committed syncs, test loss)``, after every ``eval_every``-th
+committed sync) with ``eval_steps`` (this process's inner steps at each), ``heals`` (how often
+the Manager loaded a peer's state into this replica) and ``bytes`` (sent by this replica). In
+``dense`` mode, where torchft's ``DiLoCo`` counts nothing, ``history`` has one record per sync
+attempt (every ``sync_every`` inner steps: ``step``, ``P``, ``committed``, ``healed``, ``bytes``)
+and the bytes are computed: each attempt in a quorum of P > 1 counted as a ring allreduce of
+every fp32 parameter, ``2(P-1)/P * 4n`` (a failed attempt counted whole).
 """
 from __future__ import annotations
 
@@ -89,7 +98,7 @@ def inject(cfg: Dict[str, Any], replica: Any) -> None:
             count["n"] = 0
         k, i = len(replica.history), count["n"]
         count["n"] += 1
-        if cfg["die"] and (k, i) == (cfg["die"]["sync"], cfg["die"]["collective"]):
+        if cfg["die"] and (k, i) == (cfg["die"].get("sync"), cfg["die"].get("collective")):
             os.kill(os.getpid(), signal.SIGKILL)
         if cfg["fail"] and (k, i) == (cfg["fail"]["sync"], cfg["fail"]["collective"]):
             def issue():
@@ -119,7 +128,21 @@ def make_manager(cfg: Dict[str, Any], state: Dict[str, Any]):
     return m, store
 
 
+def _dense_record(history: List[Dict[str, Any]], manager: Any, state: Dict[str, Any],
+                  nbytes: int) -> None:
+    """The record of the sync attempt torchft's ``DiLoCo`` just made (dense mode)."""
+    from ..comm import ring_allreduce_bytes
+    P = int(manager.num_participants())
+    done = manager.current_step()
+    prev = history[-1] if history else {"step": 0, "heals": 0}
+    history.append({"step": done, "P": P, "rank": None, "committed": done > prev["step"],
+                    "healed": state["heals"] > prev["heals"], "heals": state["heals"],
+                    "bytes": ring_allreduce_bytes(nbytes, P) if P > 1 else 0,
+                    "relative_error": None, "error": None})
+
+
 def _load_user(state: Dict[str, Any], sd: Dict[str, Any]) -> None:
+    state["heals"] = state.get("heals", 0) + 1
     state["model"].load_state_dict(sd["model"])
     state["optim"].load_state_dict(sd["optim"])
 
@@ -129,7 +152,7 @@ def run_torchft(cfg: Dict[str, Any], out: Dict[str, Any]) -> None:
     opt = inner_optimizer(cfg, model)
     outer = torch.optim.SGD(model.parameters(), lr=cfg["outer_lr"],
                             momentum=cfg["outer_momentum"], nesterov=cfg["outer_momentum"] > 0)
-    state = {"model": model, "optim": opt}
+    state = {"model": model, "optim": opt, "heals": 0}
     manager, _store = make_manager(cfg, state)
     if cfg["mode"] == "sparse":
         from ..integrations.torchft import SparseDiLoCo
@@ -142,14 +165,18 @@ def run_torchft(cfg: Dict[str, Any], out: Dict[str, Any]) -> None:
         from torchft.local_sgd import DiLoCo
         diloco = DiLoCo(manager, [model], opt, outer, sync_every=cfg["sync_every"])
         history = []
+        dense_bytes = 4 * sum(p.numel() for p in model.parameters())
     losses: List[float] = []
     evals: List[Tuple[int, float]] = []
+    eval_steps: List[int] = []
     step, last = 0, -1
     _write(cfg["result"] + ".ready", "1")
     try:
         with diloco:
             while manager.current_step() < cfg["syncs"]:
                 _hold(cfg, manager.current_step())
+                if cfg["die"] and cfg["die"].get("step") == step:      # between syncs
+                    os.kill(os.getpid(), signal.SIGKILL)
                 x, y = batch(step)
                 loss = torch.nn.functional.cross_entropy(model(x), y)
                 loss.backward()
@@ -157,6 +184,8 @@ def run_torchft(cfg: Dict[str, Any], out: Dict[str, Any]) -> None:
                 opt.zero_grad()
                 step += 1
                 losses.append(float(loss.detach()))
+                if cfg["mode"] != "sparse" and step % cfg["sync_every"] == 0:
+                    _dense_record(history, manager, state, dense_bytes)
                 if cfg["retry"] and history and not history[-1]["committed"] \
                         and history[-1]["error"] is not None and diloco.local_step == 0:
                     diloco.sync()
@@ -165,13 +194,17 @@ def run_torchft(cfg: Dict[str, Any], out: Dict[str, Any]) -> None:
                     last = done
                     if done % cfg["eval_every"] == 0:
                         evals.append((done, evaluate()))
+                        eval_steps.append(step)
                     _write(cfg["result"] + ".progress", str(done))
     finally:
-        out.update(history=history, losses=losses, evals=evals, step=manager.current_step(),
-                   local_steps=step, rank=None)
+        out.update(history=history, losses=losses, evals=evals, eval_steps=eval_steps,
+                   step=manager.current_step(), local_steps=step, rank=None,
+                   heals=state["heals"])
         if cfg["mode"] == "sparse":
             out["bytes"] = diloco.reducer.comm.bytes_sent
             out["residual_sum"] = float(diloco.reducer.residual.double().sum())
+        else:
+            out["bytes"] = sum(h["bytes"] for h in history)
         manager.shutdown(wait=False)
     out["weights"] = _save_weights(cfg, model)
 

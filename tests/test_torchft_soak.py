@@ -1,0 +1,35 @@
+"""Three of the soak's seeded fault schedules (``make soak`` runs 20): a SIGKILL inside a sync's
+collectives with a restart that rejoins, a SIGKILL between syncs, and a collective that fails
+on every replica. Each against the real lighthouse; see :mod:`oktopk_triton.bench.ft_soak`."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torchft")
+
+from oktopk_triton.bench.ft_soak import KINDS, schedule  # noqa: E402
+
+
+def test_the_schedules_are_seeded_and_cover_every_kind():
+    assert schedule(7) == schedule(7)
+    assert {schedule(s)["kind"] for s in range(5)} == set(KINDS)
+    for s in range(20):
+        f = schedule(s)
+        assert 0 <= f["victim"] < 3 and 2 <= f["sync"] < f["rejoin_at"]
+
+
+@pytest.mark.slow
+def test_three_soak_schedules(tmp_path):
+    out = tmp_path / "soak.json"
+    proc = subprocess.run([sys.executable, "-m", "oktopk_triton.bench.ft_soak", "--seeds", "1",
+                           "2", "4", "--jobs", "3", "--json", str(out)],
+                          capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    recs = json.loads(out.read_text())["schedules"]
+    assert [r["kind"] for r in recs] == ["kill-in-sync-rejoin", "kill-between", "fail-commit"]
+    for r in recs:
+        assert r["ok"] and r["max_relative_error"] <= 1e-6, r
+    assert recs[0]["heals"] >= 1 and recs[0]["rolled_back"] == 1
+    assert recs[2]["rolled_back"] == 1
