@@ -97,8 +97,11 @@ owes, so nothing it computed is lost.
     def __init__(self, manager: Any, params: Any, density: float, algorithm: str,
                  audit: bool = False, extra_state: Any = None, load_extra: Any = None,
                  on_heal: Any = None, **options: Any) -> None:
-        self.manager = manager
         self.comm = ManagerCommunicator(manager)
+        if STATE_KEY in manager._load_state_dict_fns:
+            raise ValueError("ReplicaSync: this Manager already has a sparse reducer (one per "
+                             "Manager: its state is what a healing peer receives)")
+        self.manager = manager
         # built at P = 1 (no collective); the first quorum reconfigures it to the group
         self.sar = SparseAllreduce(params, comm=self.comm, density=density, algorithm=algorithm,
                                    **options)
