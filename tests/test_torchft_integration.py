@@ -143,3 +143,30 @@ def test_a_killed_replica_is_survived_rejoins_healed_and_another_model_is_refuse
     assert bad["returncode"] == 1 and "\n" not in bad["error"]
     assert bad["error"].startswith("CheckpointError: torchft heal refused: the peer's model is "
                                    "another one (parameter 0 has shape")
+
+
+def _fsdp(tmp):
+    with Lighthouse(min_replicas=2) as lh:
+        reps = []
+        for i in range(2):
+            port = free_port()
+            reps += [Replica(dict(BASE, mode="fsdp", replica=i, group_rank=r, group_world=2,
+                                  group_port=port, lighthouse=lh.address, min_replicas=2,
+                                  syncs=4), tmp, fork=True) for r in range(2)]
+        return [r.result(WAIT) for r in reps]
+
+
+@pytest.mark.slow
+def test_fsdp2_inside_each_replica_group_the_sparse_reduce_across_groups(tmp_path):
+    """Two replica groups of 2 ranks: FSDP2 shards the model inside each group, and each rank's
+    shards are reduced sparsely with the same rank's of the other group through the Manager:
+    every step commits, is conserved, and the two groups hold the same shards bit for bit."""
+    results = isolated(_fsdp, str(tmp_path))
+    _ok(results)
+    for r in results:
+        assert r["step"] == 4 and all(h["committed"] and h["P"] == 2 for h in r["history"])
+        _conserved(r)
+    for rank in range(2):                       # group rank r of group 0 and of group 1
+        a, b = _weights(results[rank]), _weights(results[2 + rank])
+        assert _equal(a, b)
+    assert not _equal(_weights(results[0]), _weights(results[1]))   # two different shards

@@ -5,7 +5,9 @@
 Config keys (defaults in :data:`DEFAULTS`): ``replica`` (its index: the data shard and the
 replica id), ``lighthouse``, ``mode`` (``sparse``: :class:`SparseDiLoCo`; ``dense``: torchft's
 ``DiLoCo``; ``reference``: the same local steps on plain torch.distributed, ``world`` ranks at
-``master_port``, no torchft), ``model`` (``mlp``: a small MLP on a synthetic task; ``digits``:
+``master_port``, no torchft; ``fsdp``: :class:`SparseGradients` every step, with FSDP2 over the
+``group_world`` ranks of this replica group, ``group_rank`` of them, their store at
+``group_port``), ``model`` (``mlp``: a small MLP on a synthetic task; ``digits``:
 the digits CNN), ``syncs`` (the run ends when the Manager has committed that many), ``sync_every``,
 ``density``, ``algorithm``, ``options``, ``seed``, ``lr``, ``outer_lr``, ``outer_momentum``,
 ``audit``, ``width`` (another width is another model: a heal from it is refused), and faults:
@@ -42,7 +44,8 @@ DEFAULTS: Dict[str, Any] = dict(
     mode="sparse", model="mlp", syncs=6, sync_every=2, density=0.1, algorithm="oktopk",
     options={}, seed=0, lr=0.05, outer_lr=1.0, outer_momentum=0.0, audit=True, width=32,
     batch=16, min_replicas=1, timeout=5.0, quorum_timeout=60.0, die=None, fail=None,
-    retry=False, world=0, master_port=0, eval_every=1, inner="sgd", hold=())
+    retry=False, world=0, master_port=0, eval_every=1, inner="sgd", hold=(), group_rank=0,
+    group_world=1, group_port=0)
 
 
 # -- the task ------------------------------------------------------------------------------------
@@ -239,6 +242,51 @@ def _hold(cfg: Dict[str, Any], done: int) -> None:
             time.sleep(0.02)
 
 
+def run_fsdp(cfg: Dict[str, Any], out: Dict[str, Any]) -> None:
+    """One rank of a replica group of ``group_world`` ranks: FSDP2 inside the group, the sparse
+    reduce of this rank's shards across the replica groups (:class:`SparseGradients`)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed import TCPStore
+    from torchft import Manager, ProcessGroupGloo
+    from ..integrations.torchft import SparseGradients
+    gr, gw, port = cfg["group_rank"], cfg["group_world"], cfg["group_port"]
+    store = TCPStore("127.0.0.1", port, gw, is_master=gr == 0, wait_for_workers=False)
+    dist.init_process_group("gloo", store=store, rank=gr, world_size=gw)
+    model, batch, _ = make_task(cfg)
+    fully_shard(model, mesh=init_device_mesh("cpu", (gw,)))
+    opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"])
+    t = timedelta(seconds=cfg["timeout"])
+    manager = Manager(pg=ProcessGroupGloo(timeout=t), load_state_dict=None, state_dict=None,
+                      min_replica_size=cfg["min_replicas"], use_async_quorum=False, rank=gr,
+                      world_size=gw, store_addr="127.0.0.1", store_port=port,
+                      lighthouse_addr=cfg["lighthouse"], replica_id=f"replica_{cfg['replica']}",
+                      hostname="127.0.0.1", timeout=t,
+                      quorum_timeout=timedelta(seconds=cfg["quorum_timeout"]),
+                      connect_timeout=timedelta(seconds=10), init_sync=False)
+    ft = SparseGradients(manager, model, density=cfg["density"], algorithm=cfg["algorithm"],
+                         audit=cfg["audit"], **cfg["options"])
+    _write(cfg["result"] + ".ready", "1")
+    step = 0
+    try:
+        while manager.current_step() < cfg["syncs"]:
+            _hold(cfg, manager.current_step())
+            x, y = batch(2 * step + gr)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            if ft.reduce():
+                opt.step()
+            opt.zero_grad()
+            step += 1
+    finally:
+        out.update(history=ft.history, step=manager.current_step(), local_steps=step)
+        manager.shutdown(wait=False)
+    path = cfg["result"] + ".weights.pt"
+    torch.save({k: v.to_local().detach().clone() for k, v in model.state_dict().items()}, path)
+    out["weights"] = path
+    dist.destroy_process_group()
+
+
 def _save_weights(cfg: Dict[str, Any], model: torch.nn.Module) -> str:
     path = cfg["result"] + ".weights.pt"
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, path)
@@ -258,7 +306,8 @@ def main(argv: List[str]) -> int:
     out: Dict[str, Any] = {"config": cfg, "error": None, "started": time.time()}
     code = 0
     try:
-        (run_reference if cfg["mode"] == "reference" else run_torchft)(cfg, out)
+        run = {"reference": run_reference, "fsdp": run_fsdp}.get(cfg["mode"], run_torchft)
+        run(cfg, out)
     except Exception as exc:  # noqa: BLE001 - reported in one line, as a user sees it
         out["error"] = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
         print(f"replica {cfg['replica']}: error: {out['error']}", file=sys.stderr, flush=True)

@@ -96,7 +96,8 @@ owes, so nothing it computed is lost.
 
     def __init__(self, manager: Any, params: Any, density: float, algorithm: str,
                  audit: bool = False, extra_state: Any = None, load_extra: Any = None,
-                 on_heal: Any = None, **options: Any) -> None:
+                 on_heal: Any = None, fingerprint: Optional[Dict[str, Any]] = None,
+                 **options: Any) -> None:
         self.comm = ManagerCommunicator(manager)
         if STATE_KEY in manager._load_state_dict_fns:
             raise ValueError("ReplicaSync: this Manager already has a sparse reducer (one per "
@@ -111,7 +112,8 @@ owes, so nothing it computed is lost.
         self._extra_state, self._load_extra, self._on_heal = extra_state, load_extra, on_heal
         self.committed = 0                          # syncs this replica committed
         self._pending: Optional[Dict[str, Any]] = None
-        self._fingerprint = {**param_fingerprint(self.params), "algorithm": algorithm}
+        self._fingerprint = fingerprint or {**param_fingerprint(self.params),
+                                            "algorithm": algorithm, "numel": self.sar.numel}
         manager.register_state_dict_fn(STATE_KEY, self._heal_load, self._heal_save)
         # ours first: a peer of another model is refused before the user's weights are loaded
         fns = manager._load_state_dict_fns
@@ -165,8 +167,10 @@ owes, so nothing it computed is lost.
             rec["error"] = " ".join(str(exc).split())[:300]
         return rec
 
-    def reduce(self, rec: Dict[str, Any]) -> Optional[torch.Tensor]:
-        """Reduce the parameters' ``.grad`` (the caller wrote them), check conservation with
+    def reduce(self, rec: Dict[str, Any],
+               flat: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """Reduce the parameters' ``.grad`` (the caller wrote them; or ``flat``, for a reducer
+        built from a length), check conservation with
         ``audit``, and vote (``manager.should_commit()``). Returns the flat reduced tensor when
         the sync commits (every ``.grad`` is then its view). On a failure or a vote against,
         everything the sync touched is rolled back (the reducer's state, what this replica
@@ -177,13 +181,14 @@ owes, so nothing it computed is lost.
             return None
         sar = self.sar
         alg = sar.algorithm
-        grads = [None if p.grad is None else p.grad.detach().clone() for p in self.params]
+        grads = [] if flat is not None else [
+            None if p.grad is None else p.grad.detach().clone() for p in self.params]
         snap = _capture(alg)
         sent = self.comm.bytes_sent
         out: Optional[torch.Tensor] = None
         try:
             ledger = sar.audit() if self.audit else None
-            out = sar.reduce_gradients()
+            out = sar.reduce_gradients() if flat is None else sar(flat)
             rec["bytes"] = self.comm.bytes_sent - sent
             if ledger is not None:
                 rec["relative_error"] = ledger.check()["relative_error"]
@@ -351,15 +356,28 @@ class SparseGradients:
             optimizer.step()
         optimizer.zero_grad()
 
-    Arguments as :class:`ReplicaSync`. A step that does not commit rolls back what is owed (the
-    gradient is dropped on every replica, as torchft drops a failed step). A replica that joins
-    is healed by the Manager (the user's state: weights and optimizer) and sends nothing that
-    step; this library's state carries the step count.
+    Arguments as :class:`ReplicaSync`. With FSDP2 inside each replica group (parameters that are
+    ``DTensor`` shards), this rank's shards are reduced with the same shards of the other
+    replica groups (torchft gives every group rank its own process group across the replicas):
+    HSDP with a sparse, fault-tolerant cross-replica step. A step that does not commit rolls back
+    what is owed (the gradient is dropped on every replica, as torchft drops a failed step). A
+    replica that joins is healed by the Manager (the user's state: weights and optimizer) and
+    sends nothing that step; this library's state carries the step count.
     """
 
     def __init__(self, manager: Any, params: Any, density: float = 0.01,
                  algorithm: str = "oktopk", *, audit: bool = False, **options: Any) -> None:
-        self.replica = ReplicaSync(manager, params, density, algorithm, audit, **options)
+        plist = list(params.parameters()) if isinstance(params, torch.nn.Module) \
+            else list(params)
+        self.shards = [p for p in plist if p.requires_grad] if any(
+            _is_dtensor(p) for p in plist) else None
+        target, fp = params, None
+        if self.shards is not None:
+            local = [p.to_local() for p in self.shards]
+            target = sum(t.numel() for t in local)
+            fp = {**param_fingerprint(local), "algorithm": algorithm, "numel": target}
+        self.replica = ReplicaSync(manager, target, density, algorithm, audit, fingerprint=fp,
+                                   **options)
 
     @property
     def history(self) -> List[Dict[str, Any]]:
@@ -374,7 +392,27 @@ class SparseGradients:
         """One step's quorum, sparse reduce and vote: True when the optimizer may step (every
         ``.grad`` then holds the reduced gradient)."""
         rec = self.replica.quorum()
+        params = self.shards if self.shards is not None else self.replica.params
         if rec["healed"]:
-            for p in self.replica.params:
+            for p in params:
                 p.grad = None
-        return self.replica.reduce(rec) is not None
+        if self.shards is None:
+            return self.replica.reduce(rec) is not None
+        for p in self.shards:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        local = [p.grad.to_local() for p in self.shards]
+        out = self.replica.reduce(rec, torch.cat([g.reshape(-1).float() for g in local]))
+        if out is None:
+            return False
+        torch._foreach_copy_(local, [o.view(g.shape) for o, g in zip(
+            out.split([g.numel() for g in local]), local)])
+        return True
+
+
+def _is_dtensor(t: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:     # pragma: no cover - torch without DTensor
+        return False
+    return isinstance(t, DTensor)
