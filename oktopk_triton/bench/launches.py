@@ -332,7 +332,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _parse_option(s: str):
-    from .train import _parse_option as parse
+    from .train import parse_option as parse
     return parse(s)
 
 

@@ -169,7 +169,7 @@ def _add_gpt_arguments(g) -> None:
 def _add_output_arguments(p: argparse.ArgumentParser) -> None:
     """Algorithm options, device, and where the results go."""
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                   type=_parse_option,
+                   type=parse_option,
                    help="extra option passed to the sparse algorithms (repeatable; VALUE as "
                         "JSON where it parses, e.g. threshold_sample=0). Local steps (--model "
                         "gpt, reduce updates): sync_every=H, outer_lr, outer_momentum, "
@@ -318,7 +318,7 @@ def _corpus_summary(config) -> Dict[str, Any]:
     return dict(c.info, unigram_nats_per_byte=c.unigram_entropy())
 
 
-def _parse_option(s: str):
+def parse_option(s: str):
     """``--option KEY=VALUE`` (VALUE read as JSON where it is JSON, else a string)."""
     if "=" not in s or not s.split("=", 1)[0]:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {s!r}")

@@ -1,7 +1,7 @@
 """The local-steps campaign on the byte-level GPT: one row per run, then one per configuration
 (averaged over its seeds), against dense data-parallel AdamW.
 
-    python tools/local_steps_screen.py DIR [--dense DENSE.json] [--json OUT.json]
+    python -m tools.research.local_steps_screen DIR [--dense DENSE.json] [--json OUT.json]
 
 DIR holds one ``oktopk-bench train --model gpt`` JSON per run (the commands are in
 docs/techniques.md). Each run is compared with dense data-parallel AdamW of the same model
