@@ -10,6 +10,8 @@ from oktopk_triton.comm.local import LocalCluster
 
 from tools.research import block_probe as bp
 
+pytestmark = pytest.mark.research
+
 N = 1000
 
 

@@ -6,6 +6,8 @@ import pytest
 
 from tools.research import local_steps_screen as screen
 
+pytestmark = pytest.mark.research
+
 
 def _run(alg, seed, final, bytes_per_step, curve, density=1.0, steps=1200, conservation=None):
     return {"algorithm": alg, "seed": seed, "density": density, "steps": steps,

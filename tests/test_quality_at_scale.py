@@ -20,6 +20,8 @@ from oktopk_triton.comm.base import ring_allreduce_bytes
 
 from tools.research import quality_at_scale as qas
 
+pytestmark = pytest.mark.research
+
 # the torch references on CPU where the kernels allow it
 OPTIONS = ["--option", "sync_every=2", "--option", "wire_format=q2", "--option", 'backend="torch"']
 ARGS = ["--size", "tiny", "--steps", "6", "--density", "0.05", "--eval-sequences", "16"]

@@ -13,6 +13,8 @@ from oktopk_triton.comm.local import LocalCluster
 
 from tools.research import volume_at_scale as vas
 
+pytestmark = pytest.mark.research
+
 
 @pytest.mark.parametrize("P", [2, 3, 5])
 @pytest.mark.parametrize("alg", ["oktopk", "topka"])
