@@ -29,8 +29,9 @@ compiled JIT functions); tests/test_kernel_dispatch.py runs it in a subprocess. 
 compile in ``--jobs`` forked processes.  Exit status 1 when a variant fails to compile.
 
 Why it exists: the first H100 run found a fused_select failure that only the compiled kernel
-had (an overflowing row held unselected indices; docs/gpu-measurements.md), and the interpreter
-never shows whether a streaming load is vectorised (``ld.global.v4``), which decides its bandwidth.
+had (an overflowing row held unselected indices; docs/research/gpu-measurements.md), and the
+interpreter never shows whether a streaming load is vectorised (``ld.global.v4``), which decides its
+bandwidth.
 """
 from __future__ import annotations
 

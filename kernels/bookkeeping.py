@@ -3,9 +3,9 @@
 Why: after the gather, an Ok-Topk step places next step's row thresholds from the select pass's
 histograms, re-balances the regions from the global set, takes the global threshold and sums
 seven statistics. As torch ops on P-sized tensors that was about 70 launches of a 221-launch
-steady step (``oktopk-bench launches``, docs/launch-budget.md), each a few microseconds on a GPU
-for a few hundred bytes. Here one program does all of it (P <= ``TRITON_MAX_P``; beyond that the
-torch reference runs on the device, same result, more launches).
+steady step (``oktopk-bench launches``, docs/research/launch-budget.md), each a few microseconds on
+a GPU for a few hundred bytes. Here one program does all of it (P <= ``TRITON_MAX_P``; beyond that
+the torch reference runs on the device, same result, more launches).
 
 What it computes (the torch reference, :func:`_bookkeeping_torch`, is the specification):
 

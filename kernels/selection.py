@@ -14,7 +14,7 @@ in bins relative to the region's threshold (1/8 of a binade in fp32 bit space, 6
 to 16 times the threshold, the two end bins open), so the caller can place next step's
 threshold at any count between those edges without a threshold pass.
 
-The numbers that decided it (one H100, 2026-11-23; docs/kernel-measurements.md, raw data in
+The numbers that decided it (one H100, 2026-11-23; docs/research/kernel-measurements.md, raw data in
 bench/results/kernels/gpu-kernel-variants-call1.json; a copy of 2^28 fp32 ran at 2.94 TB/s there):
 * a separate two-level 2048-bin histogram threshold cost 10x the selection itself (38 ms
   against 3.6 ms at n = 2^28): hence the count rides in this pass, in 64 bins;

@@ -3,7 +3,7 @@ gradients, then the ranks reduce their accumulated weight change (the pseudo-gra
 sparse algorithm, error feedback included, and every replica restarts from the same weights.
 
 Used through ``SparseAllreduce(params, ..., sync_every=H).reduce_updates(optimizer)``; this
-module holds the state between syncs (:class:`LocalSteps`). See ``docs/techniques.md``.
+module holds the state between syncs (:class:`LocalSteps`). See ``docs/research/techniques.md``.
 """
 from __future__ import annotations
 

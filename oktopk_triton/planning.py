@@ -590,8 +590,8 @@ def validate(d: Dict[str, Any], kernels: KernelCosts = DEFAULT_KERNELS,
 
     ``fit="per-P"`` (default): one (α, β) per world size, from that world size's probes and dense
     step: on one box the P ranks share the host's loopback and CPU, so the bandwidth per rank
-    falls with P (docs/gpu-measurements.md: 3.0 GB/s per rank at P=4, 1.9 at P=8 for the dense
-    allreduce); a world size without two usable points falls back to the global fit.
+    falls with P (docs/research/gpu-measurements.md: 3.0 GB/s per rank at P=4, 1.9 at P=8 for the
+    dense allreduce); a world size without two usable points falls back to the global fit.
     ``fit="global"``: one (α, β) for all, as on a cluster whose links do not depend on P."""
     if fit not in ("per-P", "global"):
         raise ValueError(f"validate: fit must be 'per-P' or 'global', got {fit!r}")

@@ -36,8 +36,8 @@ A steady step on rank r of P (k = density·n), all on the device, in the paper's
    ``th_global`` becomes the smallest |value| in I.
 
 Why it is shaped so (measured on an H100, 4 ranks on one GPU over sockets, n = 2^26, 1%;
-docs/gpu-measurements.md): the previous step took 290 ms against 143 ms for a dense allreduce,
-because it recomputed both thresholds with histograms every step (13 histogram launches,
+docs/research/gpu-measurements.md): the previous step took 290 ms against 143 ms for a dense
+allreduce, because it recomputed both thresholds with histograms every step (13 histogram launches,
 70 ms), summed the gather into ``out`` with ``index_put_(accumulate=True)`` over every padded
 slot (40 ms), read the host once and issued two threshold allreduces. Here a steady step reads
 the gradient-sized vectors once in the select pass (plus once in the base class's non-finite
@@ -109,7 +109,7 @@ values sent stay ``acc``: conservation and the rest of the step are unchanged. W
 last 100 syncs of a 16-rank probe (1m GPT, 1.6%) only 10-13% of the whole sum's top k was
 chosen, and the part no rank offered had the sum's sign on 96-99% of the ranks; ranked so, the
 completed exchange's ideal ended 0.011 lower on three seeds, 0.028 on the 4m GPT
-(docs/volume-at-scale.md). An entry whose gradient stays 0 scores ever lower as its EMA
+(docs/research/volume-at-scale.md). An entry whose gradient stays 0 scores ever lower as its EMA
 decays (b^t): what it owes stays in the residual (nothing is lost) until its gradient moves.
 
 Conservation holds exactly: fused_select leaves ``residual = acc``; only clear_sent zeroes, and

@@ -3,7 +3,7 @@
 Why: a step at n = 2^26 on an H100 was bound by launches, not bytes (an Ok-Topk step cost about
 4x what its bytes and memory traffic need; one profile counted 275 launches), and a GPU is not
 always at hand. The torch ops a step dispatches are the same on CPU as on CUDA, so a trace on
-CPU counts them; docs/launch-budget.md holds the table, the rule of each column, and the
+CPU counts them; docs/research/launch-budget.md holds the table, the rule of each column, and the
 budgets that tests/test_launch_budget.py enforces (``launch_budget.json`` beside this file).
 
 For each algorithm, wire format and mode, ranks run as threads (:class:`LocalCluster`: the

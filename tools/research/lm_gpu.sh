@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The language model's GPU run: the 25m GPT preset, dense against Ok-Topk at density 1%, P ranks on the
 # GPUs at hand (ranks share a GPU when there are fewer GPUs than ranks: NCCL then runs one host
-# per rank over loopback, so MPS is started first; see docs/gpu-measurements.md).
+# per rank over loopback, so MPS is started first; see docs/research/gpu-measurements.md).
 #
 #   tools/research/lm_gpu.sh [OUT_DIR]            env: P=4 STEPS=1000 SIZE=25m SEEDS=0 DRY=1 (print only)
 #

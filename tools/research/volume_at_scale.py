@@ -21,7 +21,7 @@ schedule.py).
 At equal density TopkA delivers the union of the ranks' top-k (up to P·k entries), Ok-Topk the
 global top-k (k entries): not the same quality. The ``equal-output`` row runs Ok-Topk at
 k = the union size TopkA delivered, the comparison in TopkA's favour (see
-docs/volume-at-scale.md).
+docs/research/volume-at-scale.md).
 """
 from __future__ import annotations
 
