@@ -14,23 +14,11 @@ as a failure.  A variant carries the compile options its launcher passes (fused_
 of them with fusion on): the velocity update ``u * momentum + grad`` must round twice,
 bitwise like the torch reference.
 
-The report ends with one line per streaming kernel (:data:`STREAMING`, and a module's own
-``COMPILE_STREAMING`` of the same form): in how many of its variants the op that streams
-compiled to a vector load or store (``ld.global.v4``), and which did not.  It says what the
-PTX holds, not why: a mask by a length the JIT does not specialise (``do_not_specialize``, or
-a count read on the device) or an offset of unknown alignment keeps a stream scalar.
-
-``--resources`` adds each variant's registers and spills (ptxas -v); ``--spill-bounds`` also
-FAILS a variant that spills more bytes per thread than :data:`SPILL_BOUNDS` allows its kernel
-(none, for a kernel not named): a spill nobody chose shows up as a failure, not a line to read.
-
 Must run in a process WITHOUT ``TRITON_INTERPRET=1`` (the kernels are then decorated as
 compiled JIT functions); tests/test_kernel_dispatch.py runs it in a subprocess.  Variants
 compile in ``--jobs`` forked processes.  Exit status 1 when a variant fails to compile.
 
-Why it exists: the first H100 run found a fused_select failure that only the compiled kernel
-had (an overflowing row held unselected indices; docs/gpu-measurements.md), and the interpreter
-never shows whether a streaming load is vectorised (``ld.global.v4``), which decides its bandwidth.
+Measured why: docs/research/design-notes.md, ``kernels/_compile_check.py``.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@
 Why the counters: every kernel records its launches and its bytes by formula, so a test can
 see what a step costs without a GPU.  The number that made them matter: on an H100 an Ok-Topk
 step launched the histogram kernel 13 times (70 ms of a 290 ms step at n = 2^26,
-docs/gpu-measurements.md), which no CPU test had counted.
+docs/research/gpu-measurements.md), which no CPU test had counted.
 """
 from __future__ import annotations
 

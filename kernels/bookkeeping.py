@@ -1,12 +1,5 @@
 """step_bookkeeping: Ok-Topk's state for the next step in ONE launch (thresholds, regions, stats).
 
-Why: after the gather, an Ok-Topk step places next step's row thresholds from the select pass's
-histograms, re-balances the regions from the global set, takes the global threshold and sums
-seven statistics. As torch ops on P-sized tensors that was about 70 launches of a 221-launch
-steady step (``oktopk-bench launches``, docs/launch-budget.md), each a few microseconds on a GPU
-for a few hundred bytes. Here one program does all of it (P <= ``TRITON_MAX_P``; beyond that the
-torch reference runs on the device, same result, more launches).
-
 What it computes (the torch reference, :func:`_bookkeeping_torch`, is the specification):
 
 * rows (rank mode): ``cap[j]`` = the |acc| at which row j's 64-bin histogram (bins around
@@ -23,6 +16,8 @@ What it computes (the torch reference, :func:`_bookkeeping_torch`, is the specif
 
 Every rank computes ``region_offsets`` from the same gathered bits with the same program, so
 the regions stay identical on every rank (fp64 for the weights, exact for integer counts).
+
+Measured why: docs/research/design-notes.md, ``kernels/bookkeeping.py``.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Why: the owner's selection (its ``cap_g`` largest |sums| as an ascending slot) and the gather's
 global set (the k largest of the P gathered slots, as ascending rows) were chains of small
 torch ops on O(k) tensors: 32 + 11 kernel-launching ops of a 96-launch steady step
-(``oktopk-bench launches``, P = 4, n = 2^17, 1%; docs/launch-budget.md), each a few
+(``oktopk-bench launches``, P = 4, n = 2^17, 1%; docs/research/launch-budget.md), each a few
 microseconds on a GPU for a few hundred kilobytes. Both follow one pattern, kept here as a
 pipeline of kernels around the torch ops that need a global view (a k-selection, its min, a
 scan): candidates -> magnitudes (-1: invalid) -> ``torch.topk`` -> ``.min()`` = kth ->

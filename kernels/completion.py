@@ -20,11 +20,7 @@ the nearer centroid), code i at bit ``2·(i % 16)`` of word ``i // 16``. The row
 integer sums of fixed-point magnitudes (that module's scheme), so the scales do not depend on
 the order of the entries and the Triton passes give the reference's bits.
 
-Why kernels: as torch ops the phase was 182 kernel-launching ops of a q2 step (216 launches
-against 43 without the option; ``oktopk-bench launches``, n = 2^18, 4 ranks): a steady GPU step
-is bound by its launches (221 torch ops of one measured 10.7 ms at n = 2^26 on an H100, where its
-bytes needed 2.2 ms). Here q2 is 12 launches (each encode: the table's memset, stats, sum,
-split, finish; the owner's sum; the add), fp32 4; no host read, static sizes.
+Measured why: docs/research/design-notes.md, ``kernels/completion.py``.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Why: a rank's own top-|acc| is mostly made of entries that the other ranks' parts cancel. Over
 the last 100 syncs of a 16-rank probe (the 1.04M-parameter GPT, local steps every 2 steps,
-1.6%, docs/volume-at-scale.md) only 10-13% of the whole sum's top k was chosen, while the
+1.6%, docs/research/volume-at-scale.md) only 10-13% of the whole sum's top k was chosen, while the
 entries of that top that no rank offered had the sum's sign on 96-99% of the ranks. Ranking by
 ``|acc| · |EMA_b(sign(grad))|`` instead of ``|acc|`` (an entry whose new part keeps its sign sync
 after sync ranks as its size, one whose sign wanders ranks lower) lowered the completed ideal's

@@ -2,16 +2,6 @@
 then ``iters`` device-side corrections, in ``1 + 2·iters`` launches, and the compaction of what
 passes it in 3, each with a torch reference beside it.
 
-Why a kernel: the correction is a loop of ``iters`` steps (8 by default), each one count over
-``acc`` and a bracket update on 0-dim tensors. As torch ops that is about 19 launches a step
-(``abs``, ``ge``, ``ne``, ``and``, ``sum``, then ``lt``, ``gt``, five ``where``, ...), 151 of
-Gaussiank's 240 launches a steady call (``oktopk-bench launches``, P = 4, n = 2^17, 1%), most
-of them on one element. Here each step is two launches: a count pass over ``acc`` (integer
-atomics, one per program) and a one-program update of ``[thr, lo, hi]``; one more launch makes
-the first threshold from the fit and zeroes the counters. The count is an exact integer and the
-update does what the reference does in fp32 (IEEE square root, no fma contraction), so both
-paths give the same threshold bit for bit.
-
 :func:`gaussian_threshold`: ``thr = |mean| + z·std`` (``std_mean`` of ``acc``, population
 standard deviation), then per step ``c = #{|acc| >= thr, acc != 0}``; ``c < lo_c`` makes
 ``thr`` an upper bracket, ``c > hi_c`` a lower one; the next threshold is the geometric mean of
@@ -23,6 +13,8 @@ into a fixed capacity. As torch ops (a mask of four ops, then an int64 cumsum ov
 an arange and two scatters) it moved about 136 bytes an entry through n-sized temporaries; here
 a count per block, a cumsum of the block counts and one writing pass read ``acc`` twice and
 write the kept mask: 9 bytes an entry, 3 launches.
+
+Measured why: docs/research/design-notes.md, ``kernels/gaussian.py``.
 """
 from __future__ import annotations
 

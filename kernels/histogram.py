@@ -12,8 +12,9 @@ atomic_add.
 Now only the fallback of :func:`magnitude_threshold` (when its sampled window misses) and the
 threshold of the simpler algorithms: on an H100 this threshold took 38 ms at n = 2^28 against
 5.93 ms for ``torch.topk`` (a 2048-bin ``tl.histogram`` pass alone 9.1 ms, a 256-bin one 0.81 ms),
-and Ok-Topk launched it 13 times per step (70 ms at 2^26, docs/gpu-measurements.md).  ``skip``
-(a device flag) lets the fallback be launched always and do nothing, so no host read decides it.
+and Ok-Topk launched it 13 times per step (70 ms at 2^26, docs/research/gpu-measurements.md).
+``skip`` (a device flag) lets the fallback be launched always and do nothing, so no host read
+decides it.
 """
 from __future__ import annotations
 

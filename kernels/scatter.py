@@ -9,14 +9,14 @@ reads the true count on the device; slots past min(count, capacity) are masked.
 disjoint) in ONE launch over [rows, slots], skipping empty slots (index -1 or past the count).
 It replaced ``out.index_put_(..., accumulate=True)`` over every padded slot, which sorted all of
 them (padding at index 0 included): 40 ms per step at n = 2^26, P = 4 on an H100
-(docs/gpu-measurements.md).  On the same H100, one scatter of the selection rows at n = 2^26,
-P = 4, 1%: scatter_rows 0.155 ms against 0.544 ms for index_put_(accumulate=True)
+(docs/research/gpu-measurements.md).  On the same H100, one scatter of the selection rows at n =
+2^26, P = 4, 1%: scatter_rows 0.155 ms against 0.544 ms for index_put_(accumulate=True)
 (bench/results/kernels/gpu-kernel-variants-call1.json).  Bytes: 12 per written entry (index, value,
 out).
 
 ``scatter_rows_dense`` writes a whole output in one launch (zeros, the rows, or NaN on a device
 flag): a step's ``out`` then needs no memset before and no NaN pass after, two launches and a
-pass over n fewer (``oktopk-bench launches``, docs/launch-budget.md).
+pass over n fewer (``oktopk-bench launches``, docs/research/launch-budget.md).
 """
 from __future__ import annotations
 

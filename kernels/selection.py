@@ -14,19 +14,7 @@ in bins relative to the region's threshold (1/8 of a binade in fp32 bit space, 6
 to 16 times the threshold, the two end bins open), so the caller can place next step's
 threshold at any count between those edges without a threshold pass.
 
-The numbers that decided it (one H100, 2026-11-23; docs/kernel-measurements.md, raw data in
-bench/results/kernels/gpu-kernel-variants-call1.json; a copy of 2^28 fp32 ran at 2.94 TB/s there):
-* a separate two-level 2048-bin histogram threshold cost 10x the selection itself (38 ms
-  against 3.6 ms at n = 2^28): hence the count rides in this pass, in 64 bins;
-* the old kernel took 3.62 ms at 2^28; this one (its previous, int64-offset version) was best at
-  BLOCK 2048 / 4 warps: 2.20 ms without hist (50% of copy bandwidth on its bytes), 2.90 ms with
-  hist (the 64-bin histogram is NOT hidden under the loads: +0.70 ms), 3.72 ms with velocity +
-  hist (at 4096 / 8 warps).  Bigger blocks and more warps were slower: 2048 / 8 warps 3.46 ms,
-  8192 / 16 warps 9.4 ms.  Per-element math is int32 now (one int64 block base).
-* re-measured with int32 math (H100, 2026-11-25, bench/results/kernels/gpu-kernels-2026-11-25.json):
-  2.21 ms at 2^28 (49% of copy bandwidth; the goal is 80%), 2.92 ms with hist, 0.70 ms at 2^26;
-  bf16 grad 38%; with a velocity 74% (fp32) / 65% (bf16), the extra 8n riding the same pass.
-  Still 2.7x torch.topk at 2^28. Open: the loads compile scalar (ld.global.b32, no v4).
+Measured why: docs/research/design-notes.md, ``kernels/selection.py``.
 """
 from __future__ import annotations
 

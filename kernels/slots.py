@@ -4,7 +4,7 @@ Why: after the send/recv, Ok-Topk's owner sorts the indices it received (its own
 the P-1 received rows) and sums each run of equal indices into one slot. As torch ops that was
 14 glue ops (cat, casts, the valid mask, where, ones_like, ne, the shift, a scatter of the slot
 numbers, the zeroing of the sums) plus ``scatter_add``'s P launches: 18 of a 96-launch steady
-step (``oktopk-bench launches``, P = 4, n = 2^17, 1%; docs/launch-budget.md), each a few
+step (``oktopk-bench launches``, P = 4, n = 2^17, 1%; docs/research/launch-budget.md), each a few
 microseconds on a GPU for a few tens of kilobytes. Here: :func:`slot_keys` (the sort keys,
 straight from the two receive buffers), ``torch.sort`` (stable), :func:`slot_starts` (the run
 starts), ``torch.cumsum`` and :func:`slot_sums` (the slot numbers and every slot's sum, the

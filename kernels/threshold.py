@@ -1,10 +1,5 @@
 """magnitude_threshold: the k-th largest |x| in one pass over x, with no sort of x and no host read.
 
-Why it is shaped so: on an H100 a two-level 2048-bin histogram threshold took 38 ms at n = 2^28
-(``tl.histogram`` costs grow with the bins: 256 bins 0.81 ms, 2048 bins 9.1 ms per pass at 2^28),
-six times ``torch.topk`` (5.93 ms at 2^28, 1.56 ms at 2^26, 0.42 ms at 2^24); one read of 2^28
-fp32 takes 0.37 ms (2.93 TB/s).  The goal is <= 0.8 ms at 2^28, 7x torch.topk.  So:
-
 1. **Sample.** S = 2^12..2^18 positions spread over the range (a fixed jittered stride); their
    |x| bit patterns are sorted (S is small).  The k-th largest of the range sits, with very high
    probability, between the sample's order statistics at ranks r ∓ 6√r (r = k·S/len): the
@@ -22,33 +17,7 @@ fp32 takes 0.37 ms (2.93 TB/s).  The goal is <= 0.8 ms at 2^28, 7x torch.topk.  
    ``[v, v + 1)`` (the sample tied at both ranks, e.g. all magnitudes equal) needs no
    candidates: when it holds the k-th largest, that is v.
 
-The answer is exact (the torch path's value) unless the window missed: fewer than k entries at
-or above ``lo``, k or more at or above ``hi``, or the spill overflowed (which takes more
-candidates than the capacity: the window's population decides it, not how it clusters).  Then
-the result comes from the two-level histogram threshold (2 more passes), launched always but
-gated on that device flag, so no host read is ever needed; the tests force this path.  That
-answer is within 2^-14 relative of the exact one and at or below it (k <= count <= 1.01·k), and
-``info`` says it answered (``window_ok`` False; ``spilled`` above ``cap`` when the spill
-overflowed).  With fewer than k nonzero finite entries the threshold is 0 (select every
-nonzero).  The torch path (CPU) computes the exact value with ``torch.topk``.  Bytes: 4·len
-(fp32 x) plus the sample and the candidates.
-
-Measured on the H100 (bench/results/kernels/gpu-kernel-variants-call1.json): the window pass
-with ONE slot counter for the whole grid took 1.22 ms at 2^28 (30% of the read bandwidth;
-BLOCK 4096 / 8 warps best, 8192 / 16 warps 1.68 ms), hence ``WINDOW_SEGMENTS`` counters (program p
-appends to segment p % 32); the candidate sort took ~0.12 ms.
-
-Measured again on the H100 after the rewrite (2026-11-25,
-bench/results/kernels/gpu-kernels-2026-11-25.json and
-bench/results/gpu-profile/gpu-profile-threshold-2026-11-25.json): 1.34 / 2.17 / 2.11 ms at
-2^24 / 2^26 / 2^28, i.e. 0.30x / 0.72x / 2.8x torch.topk (goals: <= 0.8 ms and 7x at 2^28, 5x
-below).  Two causes:
-* launches: one call is 102 launches (the sample sort, the candidate sort, the histogram
-  fallback's gated passes and their small torch ops); at 2^24 the kernels are busy 0.33 ms of a
-  1.66 ms call, at 2^26 0.61 of 1.69.  Fewer, fused launches (or a CUDA graph) are the fix;
-* the window pass: 1.46 ms at 2^28, 24% of the read bandwidth (0.37 ms).  Its loads compile
-  scalar (``ld.global.b32``, no v4: ``start`` is not specialised, so 16-byte alignment of
-  ``x + start + lane`` is unknown).
+Measured why: docs/research/design-notes.md, ``kernels/threshold.py``.
 """
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
 """The compact wire's encode and decode (oktopk_triton/algorithms/_wire.py, docs/algorithms.md §9)
 as Triton passes, with a torch reference beside each.
 
-Why kernels: the torch version of the compact wire sorted every row (``torch.sort``, also the
-Ok-Topk slot that is already ascending), counted chunks with ``scatter_add`` and found each
-slot's chunk with ``searchsorted``: about 96 kernel-launching ops a step, three sorts, and one
-host synchronisation per steady step on an H100 (against none for fp32). Here:
-
 * :func:`wire_encode` writes a row that is already ascending (``ordered``: Ok-Topk's slots,
   TopkA's and Gaussiank's messages) in ONE launch: each program writes its block of words in
   place and the counts of its block of chunks, each the difference of two binary searches in
@@ -23,9 +18,7 @@ host synchronisation per steady step on an H100 (against none for fp32). Here:
 * :func:`slot_chunks` is that search for the quantized formats' torch decode: static-size
   ``scatter_add`` and ``cumsum``, no ``searchsorted``.
 
-No op here reads the host or has a data-dependent size: a steady step stays free of host
-synchronisation (tests/test_wire_kernels.py traces the ops and checks them against an
-allowlist).
+Measured why: docs/research/design-notes.md, ``kernels/wire.py``.
 """
 from __future__ import annotations
 

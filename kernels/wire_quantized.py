@@ -2,10 +2,6 @@
 oktopk_triton/algorithms/_wire.py, docs/algorithms.md §9) as Triton passes, a torch reference
 beside each.
 
-Why kernels: the torch version was about 50 ops each way (``scatter_add`` tables, packing by
-shifts and sums, unpacking, gathers), about 300 of an Ok-Topk step's launches on the q2 wire
-against 36 on the compact wire. Here, with the compact wire's structure (``kernels/wire.py``):
-
 * :func:`quantized_encode`: a memset of the ``[rows, 6, chunks]`` int64 table, then passes over
   the row's slots: ``stats`` (per chunk: the count, and the largest exponent (q2) or the
   smallest and largest magnitude bits (q4), integer atomics; it also zeroes the row's packed
@@ -18,17 +14,7 @@ against 36 on the compact wire. Here, with the compact wire's structure (``kerne
 * :func:`quantized_decode`: ONE launch, each slot's chunk from the running counts as the
   compact decode finds it.
 
-The sums are exact integer sums, so their order does not matter (the atomics' order on a GPU
-gives the same bits as the reference): a magnitude ``a = m·2^(e-150)`` (``m`` its 24-bit
-significand, ``e`` its biased exponent, at least 1) counts ``(m << 16) >> (E - e)`` units of
-``2^(E-166)``, where ``E`` is the largest exponent of its chunk (the bits below a unit are
-dropped, at most 2^-16 of the largest magnitude's ulp an entry); the sum of a chunk back in fp32
-is ``fp32(units) · 2^-39 · 2^(E-127)`` (one rounding). q2's scales are then, as before,
-``mean = sum/count``, ``hi = mean(a >= mean)``, ``lo = mean(a < mean)`` (``hi`` if none),
-``base = lo``, ``step = hi - lo``; q4's are ``base = min(a)``, ``step = (max(a) - base)/7``,
-``j = round_half_even((a - base)/step)`` (the bits of the torch ops before). Every division is
-IEEE (``div_rn``), and the finishing pass runs without fma contraction, so ``base + j·step`` is
-two roundings in both paths.
+Measured why: docs/research/design-notes.md, ``kernels/wire_quantized.py``.
 """
 from __future__ import annotations
 

@@ -8,65 +8,10 @@
     model.register_comm_hook(state, sparse_allreduce_hook)
     # ... the ordinary loop: loss.backward() now reduces every bucket sparsely
 
-How it works (cf. ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook``):
-
-* DDP hands the hook one *bucket* at a time (a flat buffer of some parameters' gradients). The
-  hook keeps one :class:`~oktopk_triton.algorithms.Algorithm` per bucket index, created on first
-  use, each with its own error-feedback residual and its own thresholds/regions (``k =
-  density * bucket size`` per bucket).
-* DDP rebuilds its buckets after the first iteration (in the order the gradients became ready),
-  so a reducer built in iteration 0 would be built for the wrong bucket. Until
-  ``state.start_iter`` iterations have completed (default 1, the smallest safe value), the hook
-  does a plain dense allreduce (``buffer / world_size`` then a sum, as DDP's default hook does).
-* ``mode="flat"`` (the default): the buckets of an iteration are collected and, when the last
-  one arrives, the whole iteration's gradient is reduced as ONE flat vector by one reducer (k =
-  density · all parameters: the top entries of the whole model, not of each bucket); the earlier
-  buckets' futures complete then. ``mode="bucket"``: one reducer per bucket, each reduced as it
-  arrives. Why flat is the default: a sparse step has a fixed cost per call that a bucket pays
-  again and again (3 collectives, each a network latency, and ~20 small kernel launches of
-  15-60 µs each on a GPU), while the hook is synchronous either way (it does not overlap with the
-  backward pass the way DDP's asynchronous allreduce does). Measured on CPU gloo (P=2, see
-  ``oktopk-bench ddp``); the GPU comparison is owed (README).
-* The element order a reducer sees is fixed by *parameters*, not by DDP's bucket layout (which
-  differs between a fresh instance's first iteration and later ones): a resumed run applies
-  every saved residual to the parameter it was computed for, bit for bit (see ``_Layout``).
-* Iterations are counted on the bucket for which ``bucket.is_last()`` is true.
-* Loss scaling: give the state ``scaler=`` (a ``torch.amp.GradScaler``) and the residuals follow
-  its scale changes (see :meth:`Algorithm.__call__`'s ``scale``).
-* The sparse result (``out``: the average over ranks, bitwise identical on every rank) is
-  returned as an already completed ``torch.futures.Future`` of the bucket buffer's shape: the
-  algorithms are synchronous with respect to the host on gloo and enqueue on the current stream
-  on NCCL, so no extra work has to be chained.
-
 Every rank must process the buckets in the same order, which DDP guarantees (buckets are
 launched in index order).
 
-How DDP is driven, and what the hook does about it (each case is tested, in
-``tests/test_ddp_modes.py``):
-
-* **Parameters unused in a step** (``find_unused_parameters=True``, ``static_graph=True``, a
-  branch taken on some steps only): DDP leaves the ``.grad`` of a parameter that no rank used
-  untouched, so whatever a reducer delivered to it would reach no optimizer. The hook therefore
-  **holds out** the parameters this rank did not use since the last synchronised backward: their
-  residual (and velocity) is set aside for the step, so nothing owed to them is offered, and put
-  back afterwards together with their (zero) gradient slot. What they are owed stays owed and is
-  delivered in a later step that uses them. A parameter some other rank used is still reduced
-  (DDP writes its ``.grad`` on every rank). Usage is seen through one
-  ``register_post_accumulate_grad_hook`` per parameter (host-side, no device work), registered
-  the first time a parameter shows up in a bucket; in the first iteration an instance sees (no
-  hooks yet) a parameter whose gradient slot is exactly zero counts as unused (one host read,
-  that iteration only). The invariant, checked at ``p.grad``: over any run, what the ranks fed
-  in equals P times what reached the optimizer plus the change in the residuals.
-* **Bucket rebuilds**: DDP rebuilds its buckets after the first iteration, after the second with
-  ``static_graph=True``, never with ``find_unused_parameters=True``. Bucket mode's groups follow
-  it: groups built provisionally in an instance's first two iterations are replaced, with every
-  residual moved to its parameter's new group, when a later iteration shows another layout.
-* ``no_sync()`` accumulation, ``gradient_as_bucket_view=True`` and ``join()`` with uneven inputs
-  (a joined rank contributes zeros and holds out what it owes) work.
-* **Compiled autograd's Python reducer** (``torch._dynamo.config.optimize_ddp =
-  "python_reducer"``) calls a comm hook once per parameter with a ``(grad, param)`` tuple; a
-  sparse allreduce over the whole gradient cannot run there, and the hook raises a one-line
-  error at its first call naming the alternatives.
+Measured why: docs/research/design-notes.md, ``oktopk_triton/ddp.py``.
 """
 import warnings
 import weakref

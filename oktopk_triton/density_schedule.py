@@ -1,5 +1,5 @@
 """Deep Gradient Compression's sparsity warm-up: the ``density_schedule`` option of
-``SparseAllreduce`` (see ``docs/techniques.md``).
+``SparseAllreduce`` (see ``docs/research/techniques.md``).
 
 Why: a sparse reducer that starts at its target density from random weights stalls where the
 gradient is spread widely; DGC starts dense-ish and ramps the density down. This module holds

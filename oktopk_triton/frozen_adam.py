@@ -1,5 +1,5 @@
 """The frozen-variance Adam of 1-bit Adam (Tang et al. 2021), ``SparseAllreduce.reduce_adam``
-with ``adam="frozen"`` (see ``docs/techniques.md``).
+with ``adam="frozen"`` (see ``docs/research/techniques.md``).
 
 Why a component: Adam's variance cannot be reduced sparsely (it is not linear in the gradient),
 so a dense warm-up fills it, then it is frozen and the preconditioned gradient, which is linear,

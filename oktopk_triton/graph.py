@@ -1,39 +1,11 @@
 """``GraphedStep``: replay a captured CUDA graph of an algorithm's steady step.
 
-Why: on an H100 one steady Ok-Topk step is 275 kernel launches, and launching them is most of
-its time (n = 2^26, one rank: 5.59 ms a step with the kernels busy 1.91 ms; replayed from a graph,
-2.14 ms; ``bench/results/gpu-profile/gpu-profile-graph-2026-11-25.json``). A steady step has
-static sizes, reads nothing on the host and updates its state in place, so it can be captured
-once and replayed as one launch.
-
     step = GraphedStep(algorithm)          # after building it; CUDA tensors, NCCL or one rank
     for batch in loader:
         ...backward...
         out = step(flat_grad)              # the same tensor every step: use it before the next
 
-1. The first ``eager_steps`` calls run eagerly (calibration, Triton compilation and the
-   allocator settle there), and so do the algorithm's dense ``warmup_steps``; the next call is
-   captured, then every call replays it. ``reset()`` drops the graph (after loading a state:
-   ``SparseAllreduce`` does it), and the next calls run eagerly and capture again.
-2. ``out`` is the graph's static output: read or copy it before the next call.
-3. What a replay cannot do, it refuses: a loss scale (pass ``scale`` to the algorithm itself),
-   a gradient of another size, dtype or device, a communicator that synchronises in Python
-   (``LocalCluster`` threads, gloo). Counters that live in Python (``step_count``,
-   ``comm.bytes_sent``, ``comm.collectives_issued``) advance by the captured step's amounts on
-   every replay, and ``algorithm.stats`` holds the captured step's tensors, which each replay
-   rewrites.
-4. An algorithm that runs dense steps later (``warmup_steps`` beyond ``eager_steps``) or a
-   density schedule changes what a step does: capture after those, or do not graph.
-5. Across ranks (NCCL): no other thread may touch CUDA while the capture is open. The capture
-   runs inside ``comm.capture_guard()`` (NCCL's watchdog finishes its poll and waits until the
-   capture closes) and in the ``"thread_local"`` capture error mode, so that a CUDA call from a
-   thread this package does not own (a data loader's, torch's own NCCL watchdog) cannot
-   invalidate it either; unsafe calls on the capturing thread itself are still refused. Each
-   replay is handed to ``comm.track_replay()``: the watchdog times a replayed step out like an
-   eager one.
-6. A replay reads nothing back to the host (no ``.item()``, no tensor in a Python condition):
-   one copy into the static input, the graph's launch, Python counters. The capturing call
-   itself synchronises once (``torch.cuda.graph`` waits for the device before it captures).
+Measured why: docs/research/design-notes.md, ``oktopk_triton/graph.py``.
 """
 from __future__ import annotations
 

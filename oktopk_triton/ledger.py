@@ -19,20 +19,9 @@ element of memory and one allreduce per run, so a benchmark can afford it on eve
 Why one balance and not separate fp64 sums of input, output and starting residual: 12 bytes an
 element instead of 24, which is 3.1 GB on the 4m GPT at 64 thread ranks of one process.
 
-With momentum correction a call accumulates the velocity ``u = m·u + grad``, not the gradient,
-so ``fed`` adds ``m·u`` (the velocity before the call, masked where the last step delivered)
-plus the gradient: what the call really accumulated. With SparseLoCo's ``residual_decay`` < 1
-what the decay drops at a sync is never delivered, on purpose: ``fed`` gives it back
-(:meth:`dropped`, the residual before and after the decay, bit for bit), so the sum above holds
-with it and the decayed run is checked too. Where the sum is not the invariant the ledger says
-so instead of checking (``checked: False`` and the reason): a loss scale (the residual follows
-the scaler's backoffs), ``adam="frozen"`` (its warm-up rescales the velocity), and a call whose
-output was not finite (its progress was dropped on every rank).
-
-A change of membership (:meth:`SparseAllreduce.reconfigure`) closes an epoch: the sum above runs
-over one group, so the ledger is rebased (:meth:`ConservationLedger.rebase`: the balance becomes
-the current residual, ``fed`` restarts) and :meth:`~ConservationLedger.check` covers the calls
-since, while ``calls`` keeps counting those of the closed epochs too.
+A change of membership (:meth:`SparseAllreduce.reconfigure`) rebases the ledger
+(:meth:`ConservationLedger.rebase`); ``calls`` keeps counting. Measured why:
+docs/research/design-notes.md, ``oktopk_triton/ledger.py``.
 """
 from __future__ import annotations
 

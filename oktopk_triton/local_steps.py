@@ -3,7 +3,7 @@ gradients, then the ranks reduce their accumulated weight change (the pseudo-gra
 sparse algorithm, error feedback included, and every replica restarts from the same weights.
 
 Used through ``SparseAllreduce(params, ..., sync_every=H).reduce_updates(optimizer)``; this
-module holds the state between syncs (:class:`LocalSteps`). See ``docs/techniques.md``.
+module holds the state between syncs (:class:`LocalSteps`). See ``docs/research/techniques.md``.
 """
 from __future__ import annotations
 
@@ -57,37 +57,26 @@ class LocalSteps:
     ``check_finite="raise"`` the sync raises on every rank with the residual as it was, and the
     next call syncs again.
 
-    Advice on the options (the prototype behind them: a 366k-parameter byte-level transformer,
-    4 ranks, 300 AdamW steps, bytes per step matched to 1% per-step Ok-Topk):
+    Advice on the options (measured numbers: docs/research/design-notes.md, ``LocalSteps``):
 
     1. ``sync_every`` (H, default 1: every call syncs, as plain ``reduce_updates``): raise the
-       density with H to keep the bytes per step (``density = H * per-step density``). H = 4 at
-       4% was best in the prototype (+9.2% validation loss over dense AdamW, against +15.2% for
-       1% every step); H = 2, 8, 16 gave +11.8%, +11.6%, +13.5%.
-       On the 4m GPT, H = 4 was best at 2% of dense's bytes (Ok-Topk: 1.28x dense's steps
-       against 1.31x at H = 2) and H = 2 at 0.2% (TopkA: 1.46x against 1.59x at H = 4).
+       density with H to keep the bytes per step (``density = H * per-step density``); H = 2
+       to 4 did best.
     2. ``outer_lr`` (default 1.0: the replicas take the reduced change as it is): DiLoCo tunes
        it with Nesterov momentum; plain local SGD averaging is 1.0.
-    3. ``outer_momentum`` (default 0): with ``algorithm="dense"``, ``outer_lr=0.36,
-       outer_momentum=0.7`` (a steady multiple of 1.2) lowered the floor of the project's GPT
-       (4m: steps ratio 1.26 -> 1.23); with a sparse algorithm keep 0: its error feedback acts
-       as a momentum already, and the same step made Ok-Topk worse (1.28 -> 1.54). DiLoCo's
-       (0.7, 0.9) was worse in the prototype (+26% to +42% at 300 steps).
+    3. ``outer_momentum`` (default 0): with ``algorithm="dense"`` a small one (0.7 at
+       ``outer_lr=0.36``) helped; with a sparse algorithm keep 0: its error feedback acts as a
+       momentum already.
     4. ``residual_decay`` (default 1.0, no decay): SparseLoCo decays what is owed each sync, so
        stale pseudo-gradient mass fades instead of arriving late; 0.9-0.95 are its values.
     5. ``moment_sync_every`` (K, default 0: off), ``moment_sync``, ``moment_dtype``: every K-th
        sync averages the optimizer's Adam moments over the ranks (DES-LOC;
-       :class:`~oktopk_triton.moments.MomentSync`); its bytes are in the sync's ``bytes_sent``
-       and, spread over K syncs, in ``bytes_per_step``. Both moments at K = 1 lowered the 4m
-       GPT's floor from 1.26 to 1.13 at three times dense pseudo-gradients' bytes; the second
-       alone did nothing (1.27).
+       :class:`~oktopk_triton.moments.MomentSync`); its bytes are in the sync's ``bytes_sent``.
+       Sync both moments; the second alone did not help.
     6. ``moment_realign`` (a, default 0: off): after each sync every rank's Adam first moment
        moves a fraction ``a`` of the way to the common step's direction, at no bytes
-       (:class:`~oktopk_triton.realign.MomentRealign`). 0.3 with TopkA at 2% of dense's bytes
-       took the 4m GPT from 1.24 to 1.16 (three seeds); at 0.2% (0.70% a sync) it did not
-       help (1.60 against 1.56, one seed); 1 stalled Ok-Topk (its error-fed steps overstate
-       the direction), and 0.3 did not help Ok-Topk either, with ``complete_sums`` or without
-       (at 4 and at 64 ranks): use it near 0.3 with TopkA, at a few percent a sync.
+       (:class:`~oktopk_triton.realign.MomentRealign`): use it near 0.3 with TopkA, at a few
+       percent a sync; not with Ok-Topk.
 
     Costs: the anchor (one copy of the weights, their dtypes), and with ``outer_momentum`` an
     fp32 velocity of ``numel``. A local call: the optimizer step and a few Python lines, no

@@ -18,12 +18,7 @@
 describes the last step (``bytes_sent``, ``local_selected``, ``global_selected``, ``overflow``,
 ...; values may be 0-dim device tensors, reading them is a host sync on a GPU).
 
-State: the algorithm's tensors (residual, thresholds, regions, capacities, step) are not module
-parameters or buffers; they travel as the module's *extra state*, so ``sar.state_dict()``,
-``model.state_dict()`` of a model holding ``sar`` as a submodule, ``torch.save`` /
-``torch.load(weights_only=True)`` and ``load_state_dict`` all work, and a restored reducer
-continues bit for bit. The communicator is not saved (a restored reducer uses its own).
-``.to(device)`` does not move the algorithm: build the reducer on the right device.
+Measured why: docs/research/design-notes.md, ``oktopk_triton/module.py``.
 """
 from __future__ import annotations
 

@@ -13,56 +13,13 @@ step (after calibration and warm-up). The forward and backward passes (dense com
 
 **Communication** prices each algorithm's own schedule (``Algorithm.schedule``: every call of a
 step with its bytes, as ``bytes_sent`` counts them, and rounds; tested against recorded traffic)
-on a network of per-GPU bandwidth β (bytes/s, each direction) and per-message latency α:
-
-=============  =================================================================================
-allreduce      min(ring, tree): ring ``2(P−1)·α + 2(P−1)/P·b/β``; tree (binomial reduce then
-               broadcast, not pipelined) ``2·⌈log2 P⌉·(α + b/β)``. The tree wins only for
-               small messages (the 4-byte non-finite flag), the ring for the dense gradient.
-allgather      ring: ``(P−1)·α + (P−1)·c/β`` (c = the chunk)
-alltoall       pairwise exchange: ``(P−1)·α + (P−1)/P·b/β``
-broadcast      min(chain ``(P−1)·α + b/β``, binomial ``⌈log2 P⌉·(α + b/β)``)
-send_recv      ``rounds·α + max(sent, received)/β`` (a batch to several peers goes out one
-               message after another on this rank's link: Ok-Topk's batch has P−1 rounds)
-=============  =================================================================================
+on a network of per-GPU bandwidth β (bytes/s, each direction) and per-message latency α (the
+formula of each kind of call is in the note linked below).
 
 The calls of a step run one after the other (no overlap between them); the time of the rank the
 step waits for is taken (``schedule(rank=None)``).
 
-**Selection kernels** (and the other passes over n a step makes: the non-finite check, forming
-``acc``, writing the residual and ``out``) are priced per element, scaled linearly with n:
-
-* memory-bound passes: the bytes per element counted from each algorithm's code
-  (:data:`PASSES`), at the copy bandwidth;
-* Ok-Topk's fused select pass and ``torch.topk`` over n: their measured time per element;
-* the work on the selected entries (sorts and top-ks of ~k entries, priced like ``torch.topk``
-  per element; scatter-adds of the P gathered sets of TopkA and Gaussiank, ~20 B per entry):
-  :func:`entry_work`.
-
-The copy bandwidth and the two measured kernels come from the newest
-``bench/results/kernels/gpu-kernels-*.json`` when one exists (``oktopk-bench kernels`` on a GPU,
-at its largest n; or the ``tools/gpu_kernel_variants.py`` row format), else from the
-**defaults** (:data:`DEFAULT_KERNELS`), an H100's own measurements at n = 2^28
-(``bench/results/kernels/gpu-kernel-variants-call1.json``): copy bandwidth 2.94 TB/s, the fused
-select with its histogram 2.90 ms (32 bytes-equivalent per element at that bandwidth, for the 12 it
-moves), ``torch.topk`` 5.83 ms (64 bytes-equivalent: a multi-pass radix select).
-
-Not modeled: launch and Python overheads (tens of kernels a step, ~10 µs each); overlap of
-communication with computation; Gaussiank's compaction, which stores every unselected element
-to one trash slot (same-address stores serialize on a GPU: its measured step is far above this
-model's).
-
-**Data-dependent sizes.** TopkDSA's gather depends on how much the P selections overlap: the
-largest reduced region holds ``fill·cap`` entries (``cap = ⌈1.25k/P⌉``), with ``fill =
-0.74 + 0.465·log2 P`` fitted to the LocalCluster collectives benchmark (correlated heavy-tailed
-gradients, P = 2..32: 1.2 at P=2 up to 3.1 at P=32); ``--topkdsa-fill`` sets a constant instead.
-Every other algorithm sends static sizes.
-
-**Validation** (``--validate JSON`` or ``tools/validate_projection.py``): fits α and β to the
-allreduce probes and the dense steps of a one-GPU NCCL collectives run (per world size by
-default: on one box the ranks share the host's loopback, so the bandwidth per rank falls with
-P), then predicts every algorithm's measured step time (the kernels of the P ranks share the one
-GPU: their time is multiplied by the ranks per GPU) and prints predicted against measured.
+Measured why: docs/research/design-notes.md, ``oktopk_triton/planning.py``.
 """
 from __future__ import annotations
 
@@ -590,8 +547,8 @@ def validate(d: Dict[str, Any], kernels: KernelCosts = DEFAULT_KERNELS,
 
     ``fit="per-P"`` (default): one (α, β) per world size, from that world size's probes and dense
     step: on one box the P ranks share the host's loopback and CPU, so the bandwidth per rank
-    falls with P (docs/gpu-measurements.md: 3.0 GB/s per rank at P=4, 1.9 at P=8 for the dense
-    allreduce); a world size without two usable points falls back to the global fit.
+    falls with P (docs/research/gpu-measurements.md: 3.0 GB/s per rank at P=4, 1.9 at P=8 for the
+    dense allreduce); a world size without two usable points falls back to the global fit.
     ``fit="global"``: one (α, β) for all, as on a cluster whose links do not depend on P."""
     if fit not in ("per-P", "global"):
         raise ValueError(f"validate: fit must be 'per-P' or 'global', got {fit!r}")

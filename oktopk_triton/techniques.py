@@ -1,5 +1,5 @@
-"""Training techniques on top of the sparse reducers (see ``docs/techniques.md``): the names
-``FrozenAdam`` and ``DensitySchedule`` kept importable from here.
+"""Training techniques on top of the sparse reducers (see ``docs/research/techniques.md``): the
+names ``FrozenAdam`` and ``DensitySchedule`` kept importable from here.
 
 Each technique is a component of its own: the frozen-variance Adam of 1-bit Adam in
 :mod:`oktopk_triton.frozen_adam` (``SparseAllreduce.reduce_adam``), Deep Gradient Compression's

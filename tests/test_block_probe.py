@@ -1,18 +1,16 @@
-"""tools/block_probe.py: the idealised block exchanges it trains with keep the step contract
-(conservation, identical outputs), deliver whole blocks within the budget, and at one density
-cost the same q2 bits at every block size."""
-import os
+"""tools/research/block_probe.py: the idealised block exchanges it trains with keep the step
+contract (conservation, identical outputs), deliver whole blocks within the budget, and at one
+density cost the same q2 bits at every block size."""
 import re
-import sys
 
 import pytest
 import torch
 
 from oktopk_triton.comm.local import LocalCluster
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "tools"))
-import block_probe as bp  # noqa: E402
+from tools.research import block_probe as bp
+
+pytestmark = pytest.mark.research
 
 N = 1000
 

@@ -1,7 +1,7 @@
-"""The launch budget (docs/launch-budget.md): a steady call of each row below issues at most what
-oktopk_triton/bench/launch_budget.json records (dispatches, kernel-launching ops, collectives,
-host reads, full-length passes), traced on CPU by ``oktopk-bench launches``; and the counter's
-rules themselves."""
+"""The launch budget (docs/research/launch-budget.md): a steady call of each row below issues at
+most what oktopk_triton/bench/launch_budget.json records (dispatches, kernel-launching ops,
+collectives, host reads, full-length passes), traced on CPU by ``oktopk-bench launches``; and the
+counter's rules themselves."""
 import json
 
 import pytest
@@ -64,8 +64,9 @@ def test_consistency_adds_no_launch_and_no_pass(wire):
 
 
 def test_the_goals_met_stay_met_in_the_budget():
-    """docs/launch-budget.md: a steady Ok-Topk step dispatches at most 150 ops and a non-sync
-    local-steps call at most the optimizer's ops + 5, each read from the recorded budget."""
+    """docs/research/launch-budget.md: a steady Ok-Topk step dispatches at most 150 ops and a
+    non-sync local-steps call at most the optimizer's ops + 5, each read from the recorded
+    budget."""
     b = L.load_budget()
     assert b["oktopk/fp32/gradients"]["dispatches"] <= 150
     assert b["oktopk/fp32/local"]["launches"] <= b["oktopk/fp32/optimizer"]["launches"] + 5

@@ -1,13 +1,12 @@
-"""tools/local_steps_screen.py: rows against dense of the same seed and steps, configurations
-averaged over seeds (synthetic records)."""
+"""tools/research/local_steps_screen.py: rows against dense of the same seed and steps,
+configurations averaged over seeds (synthetic records)."""
 import json
-import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
-import local_steps_screen as screen  # noqa: E402
+from tools.research import local_steps_screen as screen
+
+pytestmark = pytest.mark.research
 
 
 def _run(alg, seed, final, bytes_per_step, curve, density=1.0, steps=1200, conservation=None):

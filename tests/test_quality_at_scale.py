@@ -1,4 +1,4 @@
-"""tools/quality_at_scale.py: the GPT's local steps on P thread ranks of a LocalCluster.
+"""tools/research/quality_at_scale.py: the GPT's local steps on P thread ranks of a LocalCluster.
 
 Its ranks must train what ``train --model gpt`` trains on P gloo processes (the same validation
 loss from the same seed); every run checks conservation and identical replicas, counts TopkA's
@@ -18,9 +18,9 @@ from oktopk_triton.bench.records import HEADER_KEYS
 from oktopk_triton.algorithms.schedule import schedule_of, total_bytes
 from oktopk_triton.comm.base import ring_allreduce_bytes
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "tools"))
-import quality_at_scale as qas  # noqa: E402
+from tools.research import quality_at_scale as qas
+
+pytestmark = pytest.mark.research
 
 # the torch references on CPU where the kernels allow it
 OPTIONS = ["--option", "sync_every=2", "--option", "wire_format=q2", "--option", 'backend="torch"']
@@ -127,7 +127,7 @@ def test_a_bad_option_is_one_line():
 _RETAINED = r"""
 import sys, threading, torch
 sys.path.insert(0, sys.argv[1])
-import quality_at_scale as qas
+from tools.research import quality_at_scale as qas
 assert qas.lean_malloc()
 def resident():
     return int(open('/proc/self/statm').read().split()[1]) * 4096
@@ -149,8 +149,8 @@ def test_lean_malloc_hands_freed_temporaries_back():
     """8 threads free ~100 MB of mid-sized temporaries; with glibc's defaults ~135 MB of it
     stayed resident on the CPU machine, with lean_malloc a few MB."""
     import subprocess
-    tools = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
-    r = subprocess.run([sys.executable, "-c", _RETAINED, tools], capture_output=True, text=True,
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", _RETAINED, root], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert float(r.stdout.strip()) < 32.0

@@ -42,10 +42,12 @@ def _anchor(heading: str) -> str:
 
 
 def test_every_relative_link_in_the_docs_resolves():
-    """README.md and docs/*.md: each relative link names a file of the repository (relative to
-    the file holding it), and each #anchor a heading of its target."""
-    docs = ["README.md"] + [os.path.join("docs", f) for f in sorted(os.listdir(
-        os.path.join(ROOT, "docs"))) if f.endswith(".md")]
+    """README.md, docs/*.md, docs/research/*.md and tools/research/README.md: each relative link
+    names a file of the repository (relative to the file holding it), and each #anchor a heading
+    of its target."""
+    docs = ["README.md", os.path.join("tools", "research", "README.md")] + [
+        os.path.join(d, f) for d in ("docs", os.path.join("docs", "research"))
+        for f in sorted(os.listdir(os.path.join(ROOT, d))) if f.endswith(".md")]
     broken = []
     for doc in docs:
         text = open(os.path.join(ROOT, doc)).read()
@@ -103,11 +105,11 @@ def test_readme_framework_snippets_are_lines_of_the_tested_examples():
 
 
 def test_readme_results_figures_are_in_the_docs():
-    """Every decimal figure of the README's results is also in docs/ (results.md,
+    """Every decimal figure of the README's results is also in docs/research/ (results.md,
     gpu-measurements.md, techniques.md), where each is traced to its result file."""
     text = _readme()
     results = text[text.index("## Results"):text.index("## Known gaps")]
-    docs = "".join(open(os.path.join(ROOT, "docs", f)).read()
+    docs = "".join(open(os.path.join(ROOT, "docs", "research", f)).read()
                    for f in ("results.md", "gpu-measurements.md", "techniques.md"))
     figures = set(re.findall(r"(?<![\w.^])\d+\.\d+(?![\w.])", results))
     assert len(figures) > 30

@@ -10,7 +10,7 @@ from oktopk_triton.comm.local import LocalCluster
 
 def test_removed_techniques_are_unknown_options():
     # ef_decay, local_clip, flush_every and dense_tail were measured and did not pay
-    # (docs/techniques.md)
+    # (docs/research/techniques.md)
     for opt in ("ef_decay", "local_clip", "flush_every", "dense_tail"):
         with pytest.raises(TypeError, match=rf"unknown option\(s\) \['{opt}'\].*warmup_steps"):
             run_steps("oktopk", P=1, n=100, steps=1, density=0.1, grad_fn=mixed(0),

@@ -1,10 +1,8 @@
-"""tools/volume_at_scale.py at small P and n: the bytes each rank receives per sync of the local
-steps, counted from the messages it gets, equal the schedule's formula on every rank (Ok-Topk and
-TopkA, odd P too); TopkA's match the closed form of its allgather; what the ranks receive adds up
-to what they send; the JSON record carries the project's header."""
+"""tools/research/volume_at_scale.py at small P and n: the bytes each rank receives per sync of
+the local steps, counted from the messages it gets, equal the schedule's formula on every rank
+(Ok-Topk and TopkA, odd P too); TopkA's match the closed form of its allgather; what the ranks
+receive adds up to what they send; the JSON record carries the project's header."""
 import json
-import os
-import sys
 
 import pytest
 import torch
@@ -13,9 +11,9 @@ from oktopk_triton.bench.records import HEADER_KEYS
 from oktopk_triton.comm.base import ring_allreduce_bytes
 from oktopk_triton.comm.local import LocalCluster
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "tools"))
-import volume_at_scale as vas  # noqa: E402
+from tools.research import volume_at_scale as vas
+
+pytestmark = pytest.mark.research
 
 
 @pytest.mark.parametrize("P", [2, 3, 5])

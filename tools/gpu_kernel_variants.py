@@ -6,7 +6,7 @@ measured in the same run.  Also checks the compiled kernels against their torch 
 
     python tools/gpu_kernel_variants.py OUT.json [--max-log2 28]
 
-Results are recorded in docs/kernel-measurements.md (the decisions quote them).
+Results are recorded in docs/research/kernel-measurements.md (the decisions quote them).
 """
 # The timed lambdas close over loop variables that each iteration deletes after timing them
 # (freeing GPU memory before the next size): ruff reads those as undefined names.

@@ -1,8 +1,8 @@
 """Print the results tables (markdown) from the JSON files in bench/results/.
 
     python tools/readme_tables.py            # all tables
-docs/results.md quotes this output verbatim, and the README's short results summary takes its
-figures from there (tests/test_readme.py checks that each is in docs/), so every number comes
+docs/research/results.md quotes this output verbatim, and the README's short results summary takes
+its figures from there (tests/test_readme.py checks that each is in docs/), so every number comes
 from a recorded file. It
 first rewrites bench/results/index.json (one entry per result file below bench/results: its
 path there, benchmark, date, commit, dirty, device; oktopk_triton.bench.records.index) and

@@ -13,44 +13,10 @@ starts with one int32 count per 65,536-element chunk of the span its indices liv
 a block, or all of n), ``chunks(span) = ceil(span / 65536)`` words; the receiver recovers the high
 bits of entry ``i`` as the number of chunks whose running count ends at or before ``i``.
 
-A row of capacity ``cap`` over a span of ``span`` elements is ``header + chunks(span) + cap``
-words (``header``: the algorithm's own words in front), against ``header' + 2·cap`` in fp32.
-Encode and decode are the Triton passes of ``kernels/wire.py`` (torch references beside them):
-a row already ascending (``order="ascending"``) is written in one launch and nothing is sorted;
-a row in any order is grouped by chunk (``order="chunks"``: per-chunk cursors, no sort) or
-sorted first (``order="sort"``, the default: one ``torch.sort``, for callers that need ascending
-entries back); decode finds each slot's chunk by a binary search over the running counts.
-Static sizes, no host read.
-
 Conservation: a sender keeps ``v - bf16(v)`` of every entry it sent in its own residual (what
 the wire dropped), so nothing is lost (:func:`bf16_rounding`).
 
-**Quantized values** (``wire_format="q2"`` / ``"q4"``, as SparseLoCo sends them): the same
-chunk counts, then two fp32 words per chunk (``base``, ``step``), the 16-bit chunk-relative
-indices two to an int32 word, and the values as ``b``-bit codes (``b`` = 2 or 4: a sign bit and
-``b-1`` magnitude bits) packed ``32/b`` to a word. Code ``sign | j`` decodes to
-``±(base[c] + j·step[c])`` for chunk ``c``, computed in fp32 exactly as :func:`decode` does, so
-every rank and the sender itself agree on the bits. A row is
-``header + 3·chunks(span) + ceil(cap/2) + ceil(cap·b/32)`` words: 2.25 bytes an entry for q2,
-2.5 for q4 (compact: 4, fp32: 8), plus 12 bytes a chunk. The scales, per chunk of the row's
-sent entries (magnitudes ``a``):
-
-* q2 (one magnitude bit): the two centroids of one Lloyd step from the split at the mean,
-  ``lo = mean(a < mean(a))``, ``hi = mean(a >= mean(a))``, ``base = lo``, ``step = hi - lo``.
-  Top-k magnitudes are skewed (many just above the threshold, a few far above); one scale
-  (``mean(a)`` or ``max(a)``) would send the bulk with an error of the order of the value,
-  the centroids keep each half's squared error at its variance.
-* q4 (three magnitude bits): 8 uniform levels from the chunk's smallest to its largest
-  magnitude, ``base = min(a)``, ``step = (max(a) - min(a))/7``, code ``j = round((a-base)/step)``:
-  every entry within ``step/2``, none clipped (a clipped outlier would come back late through
-  the residual).
-
-Error feedback: a sender keeps ``v - q(v)`` of every entry that was delivered in its own residual
-(:func:`encode` with ``return_wire=True`` gives ``q(v)`` per input slot), as the compact wire
-keeps ``v - bf16(v)``; conservation holds as before. Encode and decode are the Triton passes of
-``kernels/wire_quantized.py`` (torch references beside them): static sizes, no host read; the
-chunk sums are exact integer sums of fixed-point magnitudes (that module's doc), so the scales'
-bits do not depend on the order of the entries.
+Measured why: docs/research/design-notes.md, ``oktopk_triton/algorithms/_wire.py``.
 """
 from __future__ import annotations
 

@@ -8,41 +8,7 @@ of the contributions), and ``residual`` afterwards holds exactly what of ``acc``
 
     sum_p acc_p == P * out + sum_p residual_p'        (up to float rounding)
 
-:class:`Algorithm` does the parts common to all algorithms, so each subclass only implements
-:meth:`Algorithm.step`:
-
-* input checks with clear errors (length, dtype, device, contiguity); a numel that differs
-  across ranks is found at construction with one small allgather and raised on every rank;
-* the non-finite policy: with ``check_finite="skip"`` (default) each rank's "has NaN/Inf"
-  flag is summed over ranks with one 4-byte allreduce on the stream (no host read); the
-  subclass sees it as ``nonfinite`` and must then leave ``residual`` exactly as it was; ``out``
-  becomes NaN on every rank, so ``torch.amp.GradScaler`` skips the step. ``"raise"`` reads the
-  flag on the host (one sync) and raises on every rank. ``"off"`` skips the check;
-* low-precision outputs: ``out`` is computed in fp32 and returned in the gradient's dtype; the
-  rounding error times P is added to the residual, each rank taking its own 1/P slice of the
-  index space, so conservation holds exactly in the output's own precision too;
-* ``warmup_steps``: the first steps are dense (:meth:`dense_step`, one allreduce of the whole
-  ``acc``) for every algorithm alike, as DDP's PowerSGD hook starts dense; the sparse steps
-  follow with the step count going on, from an empty residual;
-* ``momentum`` (momentum correction, as in Deep Gradient Compression, Lin et al. 2018): with
-  ``momentum=m`` the reducer keeps a velocity ``u = m·u + grad`` and accumulates and sparsifies
-  ``u`` instead of ``grad``; the optimizer then runs without momentum. ``acc = residual + u``
-  in the contract below. ``momentum_masking`` (DGC's momentum factor masking; default on
-  for the sparse algorithms, off for ``dense``) zeroes ``u`` where a sparse step delivered the
-  whole accumulated value (``residual == 0`` after it). Without the mask an entry keeps its
-  velocity after it was sent, so its next sends repeat momentum that was already applied: on
-  the digits CNN at density 0.1% (4 ranks, 5 seeds) that diverged one seed in five (test
-  accuracy 23%) and cost 17 points on average. With the mask, Ok-Topk at 0.1% fit the
-  training set 10x better than with the optimizer's momentum (final loss 0.0056 against 0.055)
-  and gained 1.1 test points over 10 seeds (95.95 → 97.04; dense 98.75). The mask would remove
-  the momentum of every entry of a dense step, so ``dense`` and the dense warm-up steps do not
-  mask: there the velocity is exactly momentum SGD's;
-* ``wire_format``: ``"fp32"`` (default) or ``"compact"`` (:mod:`._wire`: an entry in one word,
-  bf16 value and 16-bit chunk-relative index; the rounding stays in the sender's residual). A
-  subclass that cannot carry it names why in ``compact_refusal``, and the constructor refuses;
-  ``"q2"`` / ``"q4"``: the same packing with 2- or 4-bit values and per-chunk scales (the
-  quantization error stays in a residual), where ``quantized_refusal`` is None;
-* ``stats`` and ``state_dict``.
+Measured why: docs/research/design-notes.md, ``oktopk_triton/algorithms/base.py``.
 """
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Gaussiank (Shi et al.): a threshold from a normal fit of ``acc``, then an allgather of
 fixed-capacity slots (docs/algorithms.md §6).
-
 Per step:
 
 1. ``acc = residual + grad``; ``mu, sigma`` = mean and standard deviation of ``acc``;
@@ -22,20 +21,7 @@ Per step:
    everywhere) and divides by P.
 5. ``residual = acc`` with the sent entries zeroed: conservation holds exactly.
 
-Caveat (docs/algorithms.md §6): real gradients are heavy-tailed, not normal: a few huge coordinates
-inflate ``sigma`` and the fitted threshold sits far too high, so plain Gaussiank (``iters=0``)
-**under-selects**, often by a large factor (0.1·k in the test with 0.1 % outliers ×1000). The
-correction brings the count back near ``[lo·k, hi·k]`` when ``iters`` gallop/bisection steps
-suffice; the threshold after the last step is not re-checked, so the count can still land a
-little outside the band. When it under-selects the step simply sends fewer than k entries (the
-rest waits in the residual); over-selection is cut at the capacity (the overflow, the
-highest indices, stays in the residual). Nothing is lost either way.
-
-Volume ``2·(1 + cap)·(P-1)`` words per rank per step (the padding counts as sent).
-
-``wire_format="compact"`` (docs/algorithms.md §9): a slot is ``ceil(n/65536)`` chunk counts (the
-indices are global; they sum to the count sent) and ``cap`` words, ``(ceil(n/65536) + cap)(P-1)``
-words in all; the sender keeps ``acc - bf16(acc)`` of what it sent.
+Measured why: docs/research/design-notes.md, ``oktopk_triton/algorithms/gaussiank.py``.
 """
 from __future__ import annotations
 

@@ -17,28 +17,7 @@ Per step:
    which of the partner's entries reached ``F`` (see below).
 5. ``out[F] = F.values / P`` (the same bits on every rank).
 
-Conservation (exact, the reason for the butterfly and the sticky mask): an entry of ``L_p``
-contributes to ``F`` iff its index was in the merged set of p's group at *every* merge from the
-moment it entered -- once dropped, p's value is gone from the group's partial sums even if the
-index comes back later through another group. Each rank tracks that ``alive`` mask over its own
-``L`` (by membership in each round's set); the even rank of a fold pair tracks it for its partner
-too. ``residual = acc`` with the alive entries zeroed; everything else of ``acc`` (including local
-top-k entries dropped at some merge) stays in the residual. Then
-``sum_p acc_p = P·out + sum_p residual_p`` up to the rounding of the sums.
-
-Messages are fixed size: ``2k`` words (k int32 indices + k fp32 value bits, no header: the count
-is always k), plus ``ceil(k/32)`` mask words on the unfold message. Volume per rank per step:
-``2k·log2 P`` words for a power of two; otherwise at most ``2k·ceil(log2 P) + ceil(k/32)``
-(the even rank of a fold pair: ``floor(log2 P)`` butterfly rounds + the unfold message; the odd
-rank sends ``2k`` once). No host read anywhere.
-
-``wire_format="compact"`` (docs/algorithms.md §9): a set is ``ceil(n/65536)`` chunk counts (global
-indices) and ``k`` words. Both partners of a round must merge the same bits, so each rounds its
-current set to bf16 *before* the exchange and merges the rounded sets; the rounding of a group's
-partial sum is kept by one member, the group's lowest virtual rank, and only where the index
-survives every later merge (otherwise the sticky mask returns the contributions whole). The
-final set is rounded once more, everyone applies ``bf16(F)/P``, and virtual rank 0 keeps
-``F - bf16(F)``. The folded rank keeps the rounding of its own entries where they stayed alive.
+Measured why: docs/research/design-notes.md, ``oktopk_triton/algorithms/gtopk.py``.
 """
 from __future__ import annotations
 

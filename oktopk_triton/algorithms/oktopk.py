@@ -2,119 +2,26 @@
 
 A steady step on rank r of P (k = density·n), all on the device, in the paper's order:
 
-1. **Select** (:meth:`_select`, one pass over n): ``fused_select`` forms ``acc = residual + grad``
-   (with momentum correction ``u = m·u + grad``, ``acc = residual + u``), writes it back, and
-   compacts every entry with ``|acc| >= th_row[j]`` straight into row j of the packed int32
-   message buffer ``msg[P, 2 + 2·cap_r]`` = ``[true count, nonfinite flag, cap_r region-relative
-   indices, cap_r fp32 value bits]`` for owner j. In the same pass it counts, per region, |acc|
-   in 64 bins around the row's threshold (1/8 binade each, from 1/16 to 16 times it).
-2. **Split and reduce** (:meth:`_reduce`): ONE grouped send/recv (destination rotation: rank r
-   sends row (r+i)%P to (r+i)%P and receives from (r−i)%P), then the owner scatter-adds its own
-   row and the received rows, in that fixed order (deterministic sums), into one fp32
-   slot per distinct index (no n-sized scratch).
-3. **Owner selection** (:meth:`_owner_select`): the owner keeps the ``cap_g`` largest |sums| of its
-   region (exact: the nonzero sums are at most P·cap_r, compacted in ascending order and cut at
-   their ``cap_g``-th largest), as ``[count, count at th_global, cap_g indices (ascending), cap_g
-   values (sum/P)]``; the header's second word is the number of its sums at or above the last
-   step's global threshold (what the regions are balanced on).
+1. **Select** (:meth:`_select`): one ``fused_select`` pass forms ``acc = residual + grad``,
+   writes it back, compacts every ``|acc| >= th_row[j]`` into row j of the message for owner j
+   and counts |acc| per region in 64 bins around the row's threshold.
+2. **Split and reduce** (:meth:`_reduce`): ONE grouped send/recv in destination rotation; the
+   owner scatter-adds its own and the received rows in a fixed order (deterministic sums).
+3. **Owner selection** (:meth:`_owner_select`): the owner keeps the ``cap_g`` largest |sums|.
 4. **Balanced gather and global selection** (:meth:`_gather`): ONE allgather of the slots; every
-   rank takes as the global set I the k largest |values| among the P gathered slots (all of
-   them when they hold at most k), writes ``out[region_j + idx] = value`` for I and 0 elsewhere
-   (one ``scatter_rows_dense`` launch writes all of ``out``, uninitialised before: regions are
-   disjoint, bitwise identical on every rank) and clears its
-   residual (and velocity: momentum factor masking) at ``S_r ∩ I`` (``clear_sent``).
-5. **Next step, on the device** (:meth:`_prepare_next`, one launch of
-   ``K.step_bookkeeping`` by default): ``row_threshold="rank"`` (default,
-   the paper's local threshold): one threshold for the rank, the k·m/n-th largest |acc| of
-   this step's acc at m fixed random positions, taken just before the select pass
-   (``threshold_sample``; with 0, where the rows' histograms together hold a steered target);
-   a row is never aimed above 3/4 of its staging (its threshold is raised to the one its last
-   histogram puts there), because a full row keeps entries by position.
-   ``row_threshold="region"``: each row its own threshold, aimed at filling its staging to the
-   geometric middle of ``[cap_r, cap_s]``. The regions are re-balanced from I (each gathered
-   entry of region j weighted by how many of its sums reached the global threshold);
-   ``th_global`` becomes the smallest |value| in I.
+   rank takes the k largest as the global set I, writes ``out`` in one launch (bitwise identical
+   on every rank) and clears its residual at ``S_r ∩ I`` (``clear_sent``).
+5. **Next step** (:meth:`_prepare_next`, one ``step_bookkeeping`` launch): the rows'
+   thresholds (``row_threshold="rank"``: from a sample of this step's acc; ``"region"``: each
+   row its own), the regions re-balanced from I, ``th_global`` the smallest |value| in I.
 
-Why it is shaped so (measured on an H100, 4 ranks on one GPU over sockets, n = 2^26, 1%;
-docs/gpu-measurements.md): the previous step took 290 ms against 143 ms for a dense allreduce,
-because it recomputed both thresholds with histograms every step (13 histogram launches,
-70 ms), summed the gather into ``out`` with ``index_put_(accumulate=True)`` over every padded
-slot (40 ms), read the host once and issued two threshold allreduces. Here a steady step reads
-the gradient-sized vectors once in the select pass (plus once in the base class's non-finite
-check), issues three collectives (the 4-byte non-finite flag, the send/recv batch, the
-allgather), never reads the host, and its thresholds come from counts the select pass gathered
-anyway. The global threshold needs no exchange: the k largest of the gathered slots are the same
-on every rank.
+Options, in short: ``volume_budget`` sizes the static capacities; ``wire_dtype="bf16"`` and
+``wire_format`` ("compact", "q2", "q4", :mod:`._wire`) shrink the rows; ``region_span`` bounds
+a packed row's chunk counts; ``complete_sums=True`` delivers every rank's part of I with a
+values-only second exchange; ``consistency=b`` ranks entries by ``|acc|·|EMA_b(sign(grad))|``.
+Conservation holds exactly: only ``clear_sent`` zeroes, and only entries that reached ``out``.
 
-**Capacities** are static (message sizes must be known to the host): ``cap_r + cap_g`` is the
-largest that keeps a step within ``volume_budget·k(P−1)/P`` words per rank, headers and the
-non-finite flag included (default 4: SparDL's volume, two thirds of the paper's 6k bound), split
-by ``capacity_split`` (default: half each). An entry that does not fit a row stays in the residual;
-the row thresholds aim at ``row_fill`` (0.9) of a row so that overflow is rare (a full row keeps
-whichever entries its programs reached first: the lowest indices on CPU).
-
-**Why the rank threshold from a sample** (measured on the byte-level GPT, 4 ranks, 1%, AdamW
-updates reduced with ``reduce_updates``, seed 0, validation nats/byte after 150 steps): with a
-threshold per region predicted from the last step's histogram, every region's row was filled
-to cap_r whatever its share of the rank's top-k, and the staging rows overflowed on 84 of 150
-steps (Adam's first updates are all ±lr, massive ties, and the warm-up then doubles them from
-one step to the next, faster than a threshold from the last step can follow): 2.957. A rank
-threshold predicted from the histograms: 2.949 (the first steps staged 90% of n). Exact
-thresholds every step (``exact_thresholds``, passes over n): 2.674, as gTop-k (2.668). The rank
-threshold from this step's acc at 65,536 fixed random positions (``threshold_sample``, the
-default): 2.674, with no pass over n. ``calibrate_steps=N`` makes the first N steps exact
-instead (the passes of ``magnitude_threshold``).
-
-``wire_dtype="bf16"`` sends the reduce rows' values as bf16 (two per int32 word: a row entry
-costs 1.5 words instead of 2, so the rows hold 4/3 as many in the same budget). Nothing is lost:
-``clear_sent`` leaves ``r - bf16(r)`` in the sender's residual at a delivered entry instead of 0.
-The gathered slots stay fp32 (they are the output itself).
-
-``wire_format="compact"`` (:mod:`._wire`, docs/algorithms.md §9) sends both phases at one word
-an entry: a row is ``ceil(span/65536)`` chunk counts and ``cap_r``
-words (bf16 value, low 16 bits of the region-relative index), sorted by index on the device; a
-slot is the owner's count at the global threshold, the chunk counts and ``cap_g`` words. The
-capacities are fp32's (``volume_budget`` counts fp32 entries), so a step sends the same entries
-in about half the bytes (0.503x at n = 320,000, 1%, P = 4). The rows' rounding stays in the
-senders' residuals (``clear_sent`` as for ``wire_dtype="bf16"``); ``out`` holds the slots' bf16
-values, and the owner keeps ``P·(sum/P − bf16(sum/P))`` at its delivered entries.
-``"q2"`` / ``"q4"``: the same packing with 2- or 4-bit values and two fp32 scales per chunk
-(2.25 / 2.5 bytes an entry); a sender keeps ``v − q(v)`` of its delivered row entries
-(:meth:`_keep_row_error`), the owner ``P·(sum/P − q(sum/P))`` of its delivered slot entries.
-
-**The span** (``region_span``): a packed row carries a count (q2/q4: three words) for every
-chunk a region may cover, so the re-balancing keeps every region within ``span`` elements,
-by default 4·n/P rounded up to whole chunks (:meth:`region_span`; ``K.capped_offsets``: a
-region that would be wider gives its excess to its neighbours). Unbounded, a region may grow
-to all of n, and at P = 64 on the 1.04M-parameter GPT the 2-bit rows and slots spent 192 of
-their bytes each on 16 chunks' words, 24.2 kB of a 75.4 kB sync at 1.1%: a third.
-
-**Completed sums** (``complete_sums=True``, :meth:`_complete`): an entry of I carries only the
-parts of the ranks that sent it in their rows. After the gather every rank knows I, so one
-alltoall of values only (what each rank still owes at region j's entries of I, to owner j; 2
-bits a value on a packed wire) and one allgather of the owners' sums/P deliver every rank's
-part. Why (64 ranks, the 1.04M-parameter GPT, local steps every 2 steps, q2, 320 steps; docs/
-volume-at-scale.md): at 1.6% it adds 12.6% to a sync's bytes and lowers the validation loss
-from 2.5883 to 2.5180; at 1.42%, the bytes of 1.6% without it, three seeds end at 2.5307 where
-TopkA at five times the bytes ends at 2.5602. ``kernels/completion.py``: 12 launches a q2 step
-(43 without it, 55 with it), 4 on fp32, no glue op and no host read.
-
-**Sign-steady ranking** (``consistency=b`` in [0, 1), 0 off): each rank keeps an EMA of
-``sign(grad)`` (n words of state, in the state_dict and carried by :meth:`take_over`), updated
-in the select pass (``fused_select``'s ``weight_rate``: 8n bytes more, no launch and no pass
-more; the sampled threshold and the calibration preview the update), and selects, stages and
-samples its own entries by ``|acc|·|ema|`` (the ``weight`` of ``fused_select``,
-``staged_magnitudes`` and ``sample_magnitudes``; the calibration's exact thresholds too). The
-values sent stay ``acc``: conservation and the rest of the step are unchanged. Why: over the
-last 100 syncs of a 16-rank probe (1m GPT, 1.6%) only 10-13% of the whole sum's top k was
-chosen, and the part no rank offered had the sum's sign on 96-99% of the ranks; ranked so, the
-completed exchange's ideal ended 0.011 lower on three seeds, 0.028 on the 4m GPT
-(docs/volume-at-scale.md). An entry whose gradient stays 0 scores ever lower as its EMA
-decays (b^t): what it owes stays in the residual (nothing is lost) until its gradient moves.
-
-Conservation holds exactly: fused_select leaves ``residual = acc``; only clear_sent zeroes, and
-only the entries that reached ``out``. Non-finite steps (``nonfinite > 0``) skip fused_select
-(residual untouched bit for bit, nothing sent) and keep thresholds and regions as they were.
+Full step and measured why: docs/research/design-notes.md, ``oktopk_triton/algorithms/oktopk.py``.
 """
 from __future__ import annotations
 

@@ -6,42 +6,7 @@ them (the same calls that ``collectives_issued`` counts). The cost model of
 ``oktopk-bench project`` prices these lists; ``tests/test_schedule.py`` checks them against the
 traffic a recording communicator sees, for every algorithm at P = 2..16.
 
-Fields of a spec:
-
-* ``kind``: ``send_recv`` (one grouped batch), ``allgather``, ``allreduce``, ``alltoall`` or
-  ``broadcast``.
-* ``bytes_per_rank``: what the call adds to the communicator's ``bytes_sent`` (the module
-  docstring of :mod:`oktopk_triton.comm.base`): a send of b bytes counts b, an allgather of a
-  chunk c counts (P−1)·c, an allreduce of b bytes 2(P−1)·b//P, an alltoall of b bytes
-  (P−1)·b//P, a broadcast b on the root. Integer division exactly as the communicators do it.
-  Where the size depends on the data (``data_dependent > 0``), this is the most it can be.
-* ``rounds``: latency steps of the call. ``send_recv``: the most messages this rank sends or
-  receives in the batch (they are issued together, but a rank's link takes them one after the
-  other). Collectives: the rounds of the bandwidth-optimal algorithm whose bytes are counted
-  (ring allreduce 2(P−1), ring allgather P−1, pairwise alltoall P−1, chain broadcast P−1);
-  a cost model may price another algorithm from the same bytes (a tree for small allreduces).
-* ``peers``: the other ranks the call involves on this rank (``send_recv``: distinct ranks it
-  sends to or receives from; collectives: P−1, the rest of the group).
-* ``data_dependent``: how many of ``bytes_per_rank`` depend on the data (a variable fill): the
-  call sends between ``bytes_per_rank - data_dependent`` and ``bytes_per_rank`` bytes. 0 for a
-  static size; every algorithm of the library is static except TopkDSA's gather, whose mode and
-  capacity follow the fill it observed at its last decision (pass ``mode`` and ``cap2`` to its
-  ``schedule`` to get the exact size).
-* ``recv_bytes`` (``send_recv`` only): the bytes this rank receives in the batch, when it is not
-  the same as what it sends (gTop-k's fold: the surviving rank receives its partner's k entries
-  and sends nothing in that call). ``None``: the same as ``bytes_per_rank``.
-
-Options every ``schedule`` takes besides the class's own ``OPTIONS`` (unknown names raise
-``TypeError``, as the constructors do): ``check_finite`` (default ``"skip"``: the 4-byte
-non-finite flag allreduce, first in every step; ``"off"`` removes it), ``dtype`` (the gradient's
-dtype: only the dense allreduce sends it), ``rank`` (``None``: the rank the step waits for, the
-one with the most rounds, then the most bytes; an int: that rank's own list, for algorithms whose
-ranks differ), ``wire_format`` (``"fp32"``, ``"compact"``, ``"q2"`` or ``"q4"``: the sizes of
-the packed messages, ``o["compact"]`` in the resolved options), and the base options
-``warmup_steps``, ``momentum``, ``momentum_masking``, which change nothing on the wire of a
-steady step. A step
-with ``k >= n`` is dense for every algorithm (the base class's ``dense_step``: one fp32
-allreduce of n).
+Measured why: docs/research/design-notes.md, ``oktopk_triton/algorithms/schedule.py``.
 """
 from __future__ import annotations
 

@@ -21,23 +21,7 @@ copy ``W`` of its accumulator, ``[P, L]`` with ``L = ceil(n/P)`` (padding is alw
 * **Spar-All-Gather**: a Bruck allgather of the final blocks in ``ceil(log2 P)`` rounds
   (``send_recv``), so ``out`` is built on every rank from the same bytes: bitwise identical.
 
-Messages are int32 buffers ``[blocks, 1 + 2*k_b]``: one header word (number of nonzero entries in
-the block, for the stats), ``k_b`` block-relative indices, ``k_b`` fp32 values (bit views).
-Sizes depend on ``n``, ``k``, ``P`` and ``teams`` only. Per rank per step: ``2(P-1)`` blocks, i.e.
-``2(P-1)(1 + 2 k_b)`` words ~= ``4k(P-1)/P`` (plus 4 bytes of the non-finite flag allreduce).
-No host read in a step: selection by ``torch.topk``, all bookkeeping by scatter/gather.
-
-Teams (``teams=d``, ``d`` divides ``P``): rank ``r`` is in team ``t = r // (P/d)`` at position
-``q = r % (P/d)``. Block ``b`` belongs to super-block ``b // d``. Phase 1: Spar-Reduce-Scatter of
-the ``P/d`` super-blocks (``d`` blocks each) inside every team; phase 2: Spar-Reduce-Scatter of
-super-block ``q``'s ``d`` blocks among the ``d`` ranks at position ``q`` (one per team), so rank
-``(t, q)`` owns block ``q*d + t``; then a Bruck allgather among those ``d`` ranks and one of the
-super-blocks inside every team. ``ceil(log2(P/d)) + ceil(log2 d)`` rounds each way.
-
-``wire_format="compact"`` (docs/algorithms.md §9): a block message is ``ceil(L/65536)`` chunk
-counts (block-relative indices) and ``k_b`` words instead of ``1 + 2·k_b``. A rank that sends a
-partial sum keeps what the bf16 rounding dropped in its own ``W``, where everything it does not
-forward stays anyway; every rank builds ``out`` from the same bf16 values.
+Measured why: docs/research/design-notes.md, ``oktopk_triton/algorithms/spardl.py``.
 """
 from __future__ import annotations
 

@@ -21,24 +21,7 @@ One step on rank ``r``:
    identical).
 5. ``residual = acc - sent`` (+ on the owner, what of ``R`` was not gathered).
 
-Mode and ``cap2`` are decided at most every ``tau`` steps (after steps 0, tau, 2*tau, ...) from
-the fill observed in that step (the gathered headers, or the nonzeros of the dense regions --
-identical on every rank): this is the one amortised host read. ``dense`` when the total fill
-exceeds ``fill * n`` (default n/3) or when a sparse region message would be larger than a dense
-one; otherwise ``sparse`` with ``cap2 = ceil(gather_slack * max region fill)``. Step 0 uses a
-lossless capacity (``cap2 = P*cap``, or dense if that is larger than a dense region). Between
-decisions every message size is fixed, and no step reads the device from the host.
-
-Note: in dense mode the sparse reduce-scatter is kept (SparCML's ``split_allgather``) rather than
-a dense allreduce of ``acc``: the fill stays observable (so the algorithm can switch back to
-sparse) and the volume stays within §6's ``(2k + n)(P-1)/P``.
-
-``wire_format="compact"`` (docs/algorithms.md §9): a reduce message is ``ceil(L/65536)`` chunk
-counts (region-relative indices) and ``cap`` words instead of ``1 + 2·cap``; a sparse gather
-message is the fill word, the chunk counts and ``cap2`` words; a dense gather sends ``R`` as
-bf16 (``ceil(L/2)`` words). The senders keep the rounding: in the reduce each rank in its
-residual, in the gather the owner in what stays of ``R``. The switch to dense compares these
-compact sizes.
+Measured why: docs/research/design-notes.md, ``oktopk_triton/algorithms/topkdsa.py``.
 """
 from __future__ import annotations
 

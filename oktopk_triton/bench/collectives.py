@@ -5,22 +5,6 @@ world sizes, against the formulas of docs/algorithms.md §6 and the lower bound 
         --density 0.01 [--steps 3] [--warmup 1] [--backend local|gloo|nccl] [--comm cupy|torch]
         [--json PATH] [--plot PATH]
 
-Backends:
-
-* ``local``: ``LocalCluster`` (P threads in one process, CPU). Volumes are exact (every backend
-  counts bytes the same way); step times are those of P threads sharing this machine's cores, so
-  they only compare algorithms with one another on the same run. Intra-op threads are set to 1.
-* ``gloo``: P real processes on this machine (``torch.multiprocessing`` spawn, loopback TCP),
-  ``TorchCommunicator`` on a gloo group, CPU tensors.
-* ``nccl``: P processes whatever the number of GPUs: rank r on ``cuda:(r % gpus)``. When ranks
-  share a GPU each process sets its own ``NCCL_HOSTID`` before NCCL initialises, so NCCL sees P
-  hosts and talks over loopback sockets (NCCL 2.28 has no multi-rank-per-GPU switch). Such ranks
-  need the CUDA MPS daemon to run at once rather than time-sliced: whether MPS is active is
-  detected and recorded (``mps``), and a loud warning goes to stderr when ranks share a GPU
-  without it. ``--comm cupy`` (default): ``NcclCommunicator`` (CuPy NCCL, bootstrapped through a
-  gloo group); ``--comm torch``: ``TorchCommunicator`` on an NCCL group. Without
-  ``--json`` the report goes to ``bench/results/collectives/gpu-collectives-<date>-<device>.json``.
-
 For the process backends, one group of P processes runs the probes and then every algorithm in
 turn (CUDA and NCCL start once per P); an algorithm that fails ends its group and the remaining
 algorithms run in a new one.
@@ -29,23 +13,6 @@ Gradients: deterministic from ``--seed``, heavy tailed and correlated across ran
 data-parallel gradients: ``g = scale * (common_t + own_{rank,t})`` with a fixed log-normal
 per-coordinate ``scale`` (``exp(1.5 z)``) and standard normal ``common_t`` / ``own``.
 
-Per (algorithm, P):
-
-* bytes: ``comm.bytes_sent`` around each call (checked equal to the algorithm's
-  ``stats["bytes_sent"]``); they include the 4-byte non-finite flag allreduce of
-  ``check_finite="skip"`` (``check_bytes``; ``--check-finite off`` removes it). ``bytes_mean`` and
-  ``mb_sent_per_rank``: mean over the steps after the first (calibration) step and over ranks;
-  ``bytes_max``: max over all steps and ranks. ``nnz``: nonzeros of ``out``.
-* time: each step starts after a barrier and a device synchronisation on every rank and ends
-  with a device synchronisation; a step takes its slowest rank's time. ``step_ms_mean``,
-  ``step_ms_min``, ``step_ms_median`` and the spread ``step_ms_p25`` / ``step_ms_p75`` over the
-  steps after the first ``--warmup``; ``ratio_to_dense`` = step_ms_mean / dense's at the same P
-  in the same run (``median_ratio_to_dense``, ``bytes_ratio_to_dense`` likewise).
-* ``host_syncs``: on CUDA, the synchronising CUDA calls of one more steady step under
-  ``torch.cuda.set_sync_debug_mode("warn")`` (max over ranks; null on CPU).
-* ``out_bitwise_equal``: a checksum of ``out``'s bits on every rank, equal on all ranks at every
-  step; ``collectives_per_step``: ``alg.stats["collectives"]``, max over ranks and timed steps.
-
 Variants: ``--algorithms dense oktopk oktopk:wire_format=compact oktopk:graph=1`` runs one
 configuration of an algorithm per label (its constructor's options after the colon, as
 ``SparseAllreduce`` takes them; ``graph=1`` times the steady step replayed from a CUDA graph,
@@ -53,9 +20,7 @@ configuration of an algorithm per label (its constructor's options after the col
 label is the result's ``algorithm``; ``base_algorithm``, ``options`` and ``graph`` say what it
 ran. A variant that its algorithm refuses exits with one line before any rank starts.
 
-Probes (per P, same processes, before the algorithms): fp32 allreduces of 4n bytes (dense), 4 bytes
-and 64 KiB, ``--probe-reps`` timed calls each after one warm-up (``probes``: ms_mean, ms_min), for
-a latency/bandwidth model.
+Measured why: docs/research/design-notes.md, ``oktopk_triton/bench/collectives.py``.
 """
 from __future__ import annotations
 

@@ -7,18 +7,8 @@
 The model is a stack of ``Linear(W, W)`` layers with ReLU between them (W=2048, 16 layers:
 67.1M parameters on CUDA; W=256, 4 layers on CPU), trained with SGD (momentum 0.9) on a fixed
 random regression batch per rank, wrapped in ``DistributedDataParallel`` (``--bucket-cap-mb``,
-default 25 as DDP's). The hooks, i.e. the choices a user of this box has:
-
-* ``none``       a comm hook that communicates nothing and returns the bucket as is: the compute
-                 floor (forward + backward + optimizer, no communication). Replicas diverge.
-* ``allreduce``  DDP's default (no hook registered: the C++ reducer's allreduce).
-* ``fp16``       ``torch``'s ``fp16_compress_hook``.
-* ``powersgd``   ``torch``'s ``powerSGD_hook`` (``matrix_approximation_rank=4``, error feedback
-                 and warm start on, ``start_powerSGD_iter=2``); on gloo each bucket is waited for
-                 before the next (its chained allreduces otherwise deadlock with several buckets).
-* ``sparse``     :func:`oktopk_triton.ddp.sparse_allreduce_hook`, once per algorithm of
-                 ``--algorithms`` at ``--density``, and per mode of ``SparseAllreduceState``
-                 (``--modes``; ``bucket``/``flat`` where the state accepts a ``mode`` argument).
+default 25 as DDP's). The hooks (``--hooks``), the choices a user of this box has, are listed
+in the note linked below.
 
 A step is ``zero_grad``, forward, loss, backward (DDP's communication runs inside it), optimizer
 step, then ``torch.cuda.synchronize`` on CUDA; the ranks meet at a barrier before each step (not
@@ -26,30 +16,11 @@ timed). Each step's time is the slowest rank's; ``step_ms_mean`` / ``step_ms_min
 ``--steps`` steps after ``--warmup`` untimed ones (which must cover PowerSGD's and the sparse
 hook's dense start iterations and their first compressed iteration).
 
-``mb_sent_per_rank_per_step`` (MB = 1e6 bytes, mean over ranks and timed steps), with its
-``bytes_source``:
-
-* sparse: the communicator's own byte counter (``comm.bytes_sent``) around each step;
-* fp16, powersgd: every ``torch.distributed.all_reduce`` the hook issues, counted as a ring
-  allreduce (``2 (P-1)/P`` times the tensor's bytes);
-* allreduce: the same ring model applied to all parameters (DDP's C++ reducer is not visible
-  from Python);
-* none: 0.
-
-Ranks are processes (``torch.multiprocessing`` spawn, TCP rendezvous on 127.0.0.1):
-
-* CPU (``gloo``): every rank on the CPU (``--threads`` intra-op threads each, default 1).
-* CUDA (``nccl``): rank r on ``cuda:(r % GPUs)``. When ranks share a GPU each gets its own
-  ``NCCL_HOSTID`` (NCCL then sends through loopback sockets). Shared GPUs need the MPS daemon
-  (without it the ranks are time-sliced and a tiny allreduce costs ~18 ms); the JSON records
-  whether MPS was active and the run warns loudly when it was not. The sparse hook's
-  communicator is ``--comm``: ``cupy`` (:class:`~oktopk_triton.comm.NcclCommunicator`),
-  ``torch`` (:class:`~oktopk_triton.comm.TorchCommunicator` on the NCCL group) or ``auto``
-  (cupy when importable).
-
 Replicas: after the run every rank hashes its parameters; ``replicas_identical`` says whether
 all ranks ended with bitwise-equal parameters (true for every averaging hook, false for
 ``none``). ``final_loss`` is the mean over ranks of the last step's loss.
+
+Measured why: docs/research/design-notes.md, ``oktopk_triton/bench/ddp_bench.py``.
 """
 from __future__ import annotations
 

@@ -1,36 +1,18 @@
 """``oktopk-bench kernels``: every selection kernel, and the whole selection against torch.topk.
 
 For each n (default 2^24, 2^26, 2^28 on CUDA; 2^16 on CPU), on the same input (acc = residual +
-grad, k = density * n, P regions), it times:
-
-* copy            ``y.copy_(x)`` of n fp32: the reference bandwidth of this run (8n bytes).
-* read            ``x.amax()``: the read bandwidth of this run (4n).
-* torch.topk      ``torch.topk(acc.abs(), k)`` (4n).
-* topk + gather   torch.topk, then ``acc.gather(0, idx)``: what the selection replaces
-                  (4n + 24k: read acc; fp32 values and int64 indices out; gather).
-* hist threshold  the two-level 2048-bin histogram threshold, now only the fallback (2 * 4n).
-* magnitude_threshold  sample + one window pass + candidate sort (4n + 4S + 8·candidates).
-* window_pass     that one pass alone (4n + 4·candidates).
-* fused select    per grad dtype (fp32, bf16): plain; + hist (the 64-bin count histogram, one
-                  threshold per region); + velocity; + velocity + hist (the Ok-Topk step)
-                  ((s_g + 8)n + 8·selected, + 8n with a velocity).
-* unfused torch   acc = r + g; mask; nonzero; gather; residual copy (same bytes as fused select).
-* scatter_rows    the P selection rows into a dense out (12·written).
-* index_put_      ``out.index_put_(..., accumulate=True)`` over every padded slot (the way the
-                  scatter was done before; 12·P·capacity).
-* selection       magnitude_threshold + fused select compaction (both formulas), against
-                  topk + gather.
-* the competitors' kernels, each beside the torch ops it replaced: magnitude_keys (TopkA's and
-                  gTop-k's top-k keys, 12n against 92n), gaussian_threshold (the fit and 8
-                  corrections, 36n against 124n) and select_above (Gaussiank's selection,
-                  9n + 8*cap against 136n).
+grad, k = density * n, P regions), it times each selection kernel and the torch ops it
+replaced (the list, with each row's bytes formula, is in the note linked below).
 
 Every row has ``kernel`` (a stable id), ``n``, ``ms`` (median), its bytes formula, GB/s and
 the % of the copy bandwidth of the same run.  CUDA: CUDA events after warm-up, median of >= 10
 repeats; JSON to ``bench/results/kernels/gpu-kernels-<date>.json`` unless ``--json`` says
 otherwise.  CPU: the torch path (or the Triton interpreter) at small n, a functionality check
 and no performance claim.  The kernel goals are printed (and stored under ``goals``) against the
-rows. """
+rows.
+
+Measured why: docs/research/design-notes.md, ``oktopk_triton/bench/kernels.py``.
+"""
 from __future__ import annotations
 
 import argparse

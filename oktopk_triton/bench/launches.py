@@ -1,31 +1,9 @@
 """``oktopk-bench launches``: what one steady step issues, counted on CPU (the launch budget).
 
-Why: a step at n = 2^26 on an H100 was bound by launches, not bytes (an Ok-Topk step cost about
-4x what its bytes and memory traffic need; one profile counted 275 launches), and a GPU is not
-always at hand. The torch ops a step dispatches are the same on CPU as on CUDA, so a trace on
-CPU counts them; docs/launch-budget.md holds the table, the rule of each column, and the
-budgets that tests/test_launch_budget.py enforces (``launch_budget.json`` beside this file).
-
 For each algorithm, wire format and mode, ranks run as threads (:class:`LocalCluster`: the
 collectives are counted, not sent over a network); after the warm-up calls (the first steps
-calibrate) rank 0 traces ONE call with a ``TorchDispatchMode``. Columns (per steady call):
-
-* ``dispatches``: aten ops dispatched outside the kernels (views and allocations included);
-* ``glue``: those of them that launch a kernel on CUDA: everything but views (an op whose
-  output aliases its input and writes nothing), allocations without a fill (``empty*``),
-  metadata ops, ops whose outputs are all empty, and the host reads (their own column);
-* ``kernel``: launches of the library's kernels (``oktopk_triton.kernels``): on CUDA each
-  public kernel function launches its Triton kernel(s), and the count it records
-  (``kernels._dispatch.record``) is what the CUDA path launches, whatever backend ran here:
-  the torch reference's own ops are not counted as glue;
-* ``launches`` = glue + kernel: what a steady step launches on CUDA (the budget's number);
-* ``collectives``: communicator calls (a grouped send/recv batch is one);
-* ``host_reads``: ops that synchronise with the host on CUDA (``_local_scalar_dense``
-  (``.item()``, ``bool()``, ``int()``), ``nonzero``, ``masked_select``, ``unique``, boolean
-  indexing, ``.tolist()``/``.numpy()``);
-* ``full_passes``: glue ops with an input or output of at least n elements (an indexing op:
-  only when its index or a new output has n), plus kernel calls that move at least 2n bytes (a
-  bf16 read of n; the kernels' byte formulas).
+calibrate) rank 0 traces ONE call with a ``TorchDispatchMode``. Its columns (per steady call:
+dispatches, launches, collectives, host reads, full passes) are defined in the note below.
 
 The kernels run their torch references (each records the launches of its CUDA path);
 ``--interpreted`` (with ``TRITON_INTERPRET=1``) traces the Triton path itself instead.
@@ -33,6 +11,8 @@ The kernels run their torch references (each records the launches of its CUDA pa
 Modes: ``gradients`` (``SparseAllreduce.forward``), ``updates`` (``reduce_updates`` with SGD),
 ``local`` (a non-sync ``reduce_updates`` call with ``sync_every=4``), ``sync`` (its sync call),
 ``optimizer`` (the optimizer's step alone, what ``local`` is measured against).
+
+Measured why: docs/research/design-notes.md, ``oktopk_triton/bench/launches.py``.
 """
 from __future__ import annotations
 
@@ -332,7 +312,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _parse_option(s: str):
-    from .train import _parse_option as parse
+    from .train import parse_option as parse
     return parse(s)
 
 

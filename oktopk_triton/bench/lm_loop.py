@@ -211,7 +211,7 @@ def _oktopk_bytes(n: int, density: float, P: int, wire_format: str = "fp32") -> 
                                    wire_format=wire_format))
 
 
-def _lm_lr(cfg):
+def lm_lr(cfg):
     """The learning rate at step ``i``: linear warm-up over ``warmup_fraction`` of the steps,
     then cosine decay (or constant)."""
     steps = cfg["steps"]
@@ -278,7 +278,7 @@ def train_one_lm(cfg, algorithm: str, seed: int, comm, device, data, log) -> Dic
     counter.start(params)
 
     steps, bs = cfg["steps"], cfg["batch_size"]
-    lr_at = _lm_lr(cfg)
+    lr_at = lm_lr(cfg)
     # this rank's windows: the same for every algorithm at a given seed, different per rank
     g = torch.Generator().manual_seed(1_000_003 * seed + 7919 * rank + 17)
     vstarts = val_starts(len(val_bytes), cfg["eval_sequences"], L)

@@ -18,37 +18,7 @@ Two models:
   the algorithm applied) and the steps that applied none, so a gap to dense can be traced to the
   layers that starve (``tools/lm_results.py`` tabulates it).
 
-The digits data is ``sklearn.datasets.load_digits`` (1797 8x8 images, bundled: no download),
-split once (fixed split seed) into a training and a held-out test set. ``world_size`` ranks are
-launched by ``torchrun`` (gloo on CPU; NCCL, through CuPy when installed, when there are at least
-``world_size`` GPUs). Every rank builds the model from the same seed, trains on its own shard of
-the training set and averages its gradients with :class:`oktopk_triton.SparseAllreduce`; the
-loop is the one a user copies::
-
-    sar = SparseAllreduce(model.parameters(), density=0.01, algorithm="oktopk")
-    for x, y in loader:
-        opt.zero_grad(); loss = F.cross_entropy(model(x), y); loss.backward()
-        sar.reduce_gradients()      # averages .grad over ranks (sparse), with error feedback
-        opt.step()
-
-Launch design: ONE torchrun for the whole comparison. The workers loop over the (seed,
-algorithm) runs, re-seeding the model, optimizer and data order for each, so every algorithm
-sees exactly the same initial weights and batches. One launch pays interpreter start-up, the
-torch import, and the process-group rendezvous once instead of once per algorithm (on the 2-core
-reference machine that is ~10 s per launch for 4 processes). If a run fails (an algorithm
-raises or a rank dies), torchrun stops the launch; the driver records the failure for that run
-and relaunches with the runs that are left, so one broken algorithm never hides the others.
-
-Rank 0 prints one progress line per epoch and appends one JSON record per finished run to a
-results file that the driver reads. At the end of every run the parameters of all ranks are
-compared bit for bit (an allgather of an exact integer checksum of the fp32 bit patterns): the
-reduced gradient is bitwise identical on every rank, so the replicas must be too.
-
-Where the pieces live: this module is the command line (:func:`add_arguments`, :func:`main`,
-:func:`build_config`) and the worker's entry point; :mod:`.launcher` starts the ranks and runs
-the worker, :mod:`.digits` holds the digits data and model, :mod:`.loops` the digits training
-loop (and what both loops share), :mod:`.lm_loop` the language-model loop and :mod:`.report`
-the summary, table and plot.
+Measured why: docs/research/design-notes.md, ``oktopk_triton/bench/train.py``.
 """
 from __future__ import annotations
 
@@ -169,7 +139,7 @@ def _add_gpt_arguments(g) -> None:
 def _add_output_arguments(p: argparse.ArgumentParser) -> None:
     """Algorithm options, device, and where the results go."""
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                   type=_parse_option,
+                   type=parse_option,
                    help="extra option passed to the sparse algorithms (repeatable; VALUE as "
                         "JSON where it parses, e.g. threshold_sample=0). Local steps (--model "
                         "gpt, reduce updates): sync_every=H, outer_lr, outer_momentum, "
@@ -318,7 +288,7 @@ def _corpus_summary(config) -> Dict[str, Any]:
     return dict(c.info, unigram_nats_per_byte=c.unigram_entropy())
 
 
-def _parse_option(s: str):
+def parse_option(s: str):
     """``--option KEY=VALUE`` (VALUE read as JSON where it is JSON, else a string)."""
     if "=" not in s or not s.split("=", 1)[0]:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {s!r}")

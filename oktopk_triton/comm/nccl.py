@@ -14,37 +14,12 @@ Construction:
   group; the unique id made on group rank 0 and every rank's (host, pid) are exchanged through the
   group (any backend: a gloo group is the usual bootstrap).
 
-The unique id has two forms, depending on the cupy installed: cupy 14 (``cupy-cuda13x``) gives
-``bytes`` of length 128 and its ``NcclCommunicator`` wants ``bytes``; older cupy gave a tuple of
-128 C ``char`` values (signed on x86, unsigned on ARM) and wanted such a tuple. Ranks always
-exchange the 128 raw bytes (:func:`unique_id_bytes`); each rank then hands its own cupy the form
-that cupy accepts (:func:`_new_nccl_comm`), so ranks need not agree on the cupy version either.
-
-Failures: NCCL never times out by itself, and a rank whose peer died would wait on the GPU
-forever. A watchdog thread (``timeout`` not None) polls ``check_async_error()`` and the completion
-events of the enqueued primitives every ``poll_interval`` seconds; on an asynchronous error (a peer
-that died closes its sockets: NCCL reports a remote/system error) or when a primitive has not
-completed within ``timeout`` seconds, it aborts the NCCL communicator (``abort()``: the kernels
-stuck on the GPU return, so a host blocked in ``torch.cuda.synchronize()`` wakes up) and records
-the failure, with the peers of this host that no longer run named (``peers``). Every later call
-raises it: :class:`CommAborted` (an error, or a peer found lost) or :class:`CommTimeout`.
-``check()`` raises it at once; ``synchronize()`` waits for the stream without blocking the
-watchdog.
-
-CUDA graphs: while a graph of a step is captured (``oktopk_triton.graph``) no other thread may
-query an event or otherwise touch CUDA: under ``torch.cuda.graph``'s default (global) capture
-mode such a call from another thread invalidates the capture (cudaErrorStreamCaptureInvalidated
-at ``capture_end``; torch's own NCCL process group had the same bug, its watchdog querying
-events of work enqueued before the capture). :meth:`NcclCommunicator.capture_guard` pauses the
-watchdog: entering it waits for a poll in progress to finish, and the watchdog makes no CUDA (or
-NCCL) call until it is left; the paused time does not count toward a primitive's ``timeout``.
-Primitives enqueued during a capture are not tracked (their events would belong to the graph);
-each replay is (:meth:`NcclCommunicator.track_replay`).
-
 Running several ranks on one GPU: NCCL refuses duplicate GPUs in one communicator unless every
 rank looks like a different host, e.g. ``NCCL_HOSTID=rank<r>`` set per process before
 construction (see ``tests/distutil.py::run_nccl`` and ``oktopk-bench collectives --backend
 nccl``); start the MPS daemon first, or the ranks are time-sliced on the GPU.
+
+Measured why: docs/research/design-notes.md, ``oktopk_triton/comm/nccl.py``.
 """
 from __future__ import annotations
 

@@ -18,21 +18,7 @@ link carries a dense shard every step, and that is where a sparse allreduce pays
     fully_shard(model, mesh=mesh["shard"])
     sparse = SparseReplicaReduce(mesh["replicate"].get_group(), density=0.01).install(model)
 
-Each FSDP unit gets its own reducer (created at its first backward) over its shard: residuals
-are shard-sized, error feedback and conservation hold per shard across the replicas (the sum
-over replicas of what came in and was owed equals R x ``out`` plus what is owed now), and every
-replica of a shard gets the same ``out`` bit for bit. The result is the average over replicas,
-as HSDP's all-reduce gives.
-
-Cost and where it pays: a dense HSDP step sends 2(R-1)/R x (shard bytes) per rank across the
-replica (inter-node) link; Ok-Topk sends at most 4k(R-1)/R words with k = density x shard numel,
-about 2 x density of the dense volume in fp32 (1%: about 50x less). It adds a selection pass over
-the shard and three collectives per FSDP unit and step; on a GPU a non-graphed Ok-Topk step is
-launch-bound (hundreds of small launches, see README), so use few FSDP units (e.g. blocks of
-layers, or the root only) or a cheaper algorithm, and expect it to pay on slow inter-node links
-(Ethernet, a few tens of Gb/s), not over InfiniBand-class fabrics. The hook is synchronous: it
-runs on FSDP's all-reduce stream (CUDA) and does not overlap with other units' reduce-scatters
-beyond what that stream allows.
+Measured why: docs/research/design-notes.md, ``oktopk_triton/integrations/fsdp.py``.
 """
 from __future__ import annotations
 

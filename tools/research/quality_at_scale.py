@@ -1,7 +1,7 @@
 """Quality at scale: the byte-level GPT trained with local steps on P = 16 .. 64 ranks of a
 ``LocalCluster`` (threads of one process), to compare Ok-Topk and TopkA at *equal quality*.
 
-    python tools/quality_at_scale.py --world-size 64 --algorithms topka --density 0.005 \\
+    python -m tools.research.quality_at_scale --world-size 64 --algorithms topka --density 0.005 \\
         --option sync_every=4 --option wire_format=q2 --json OUT.json
 
 Why threads: ``oktopk-bench train`` runs one process per rank, and each holds ~140 MB of torch
@@ -18,7 +18,8 @@ model, AdamW, learning-rate schedule, per-rank windows and reduction
 initial model. What differs: the validation loss is taken once, at the end, by the calling
 thread on rank 0's replica (every replica is checked to be bitwise the same first), and each
 rank counts the bytes it sends (the communicator's ``bytes_sent``) and receives
-(``count_received`` of tools/volume_at_scale.py). Conservation is audited over the whole run.
+(``count_received`` of tools/research/volume_at_scale.py). Conservation is audited over the
+whole run.
 """
 from __future__ import annotations
 
@@ -26,25 +27,21 @@ import argparse
 import copy
 import ctypes
 import math
-import os
 import sys
 import time
 from typing import Any, Dict, List, Optional
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from oktopk_triton import SparseAllreduce  # noqa: E402
-from oktopk_triton.bench import records  # noqa: E402
-from oktopk_triton.bench.gpt import GPT, SIZES, GPTConfig, batch_at, load_corpus, val_starts  # noqa: E402
-from oktopk_triton.bench.lm_loop import _lm_lr, resolve_reduce  # noqa: E402
-from oktopk_triton.bench.loops import sparse_setup  # noqa: E402
-from oktopk_triton.bench.measure import params_checksum  # noqa: E402
-from oktopk_triton.bench.train import CONSERVATION_TOL, GPT_DEFAULTS, _parse_option  # noqa: E402
-from oktopk_triton.comm.local import LocalCluster  # noqa: E402
-from volume_at_scale import count_received  # noqa: E402
+from oktopk_triton import SparseAllreduce
+from oktopk_triton.bench import records
+from oktopk_triton.bench.gpt import GPT, SIZES, GPTConfig, batch_at, load_corpus, val_starts
+from oktopk_triton.bench.lm_loop import lm_lr, resolve_reduce
+from oktopk_triton.bench.loops import sparse_setup
+from oktopk_triton.bench.measure import params_checksum
+from oktopk_triton.bench.train import CONSERVATION_TOL, GPT_DEFAULTS, parse_option
+from oktopk_triton.comm.local import LocalCluster
+from tools.research.volume_at_scale import count_received
 
 
 def make_config(a) -> Dict[str, Any]:
@@ -71,7 +68,7 @@ def _rank_run(comm, cfg, algorithm: str, seed: int, model0, train,
     ledger = sar.audit()
     L = cfg["gpt"]["context"] + 1
     g = torch.Generator().manual_seed(1_000_003 * seed + 7919 * comm.rank + 17)
-    lr_at = _lm_lr(cfg)
+    lr_at = lm_lr(cfg)
     losses, counts = [], {key: [] for key in _COUNTS}
     for step in range(cfg["steps"]):
         x = batch_at(train, torch.randint(0, len(train) - L, (cfg["batch_size"],), generator=g), L)
@@ -182,7 +179,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=None, help="default: the --size preset's")
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--eval-sequences", type=int, default=256)
-    p.add_argument("--option", action="append", default=[], type=_parse_option,
+    p.add_argument("--option", action="append", default=[], type=parse_option,
                    metavar="KEY=VALUE", help="SparseAllreduce option (VALUE as JSON if it parses)")
     p.add_argument("--progress", type=int, default=0, metavar="N",
                    help="print rank 0's train loss every N steps (0: only the results)")

@@ -1,10 +1,10 @@
 """Merge ``oktopk-bench train --model gpt`` runs into one results file, and print its tables.
 
-    python tools/lm_results.py merge OUT.json PART.json [PART.json ...]
-    python tools/lm_results.py tables bench/results/lm/lm-cpu-2026-11-23.json
-    python tools/lm_results.py movement dense=A.json:dense oktopk=B.json:oktopk ...
-    python tools/lm_results.py ablation OUT.json LABEL=PART.json[:algorithm[:seed]] ...
-    python tools/lm_results.py plot OUT.png MERGED.json [LABEL=PART.json:algorithm ...]
+    python -m tools.research.lm_results merge OUT.json PART.json [PART.json ...]
+    python -m tools.research.lm_results tables bench/results/lm/lm-cpu-2026-11-23.json
+    python -m tools.research.lm_results movement dense=A.json:dense oktopk=B.json:oktopk ...
+    python -m tools.research.lm_results ablation OUT.json LABEL=PART.json[:algorithm[:seed]] ...
+    python -m tools.research.lm_results plot OUT.png MERGED.json [LABEL=PART.json:algorithm ...]
 
 A campaign is several launches (one per density and group of algorithms, so that a failure or
 the time budget only costs what it was running). Dense does not depend on the density, so its
@@ -27,9 +27,6 @@ from oktopk_triton.bench import records
 from oktopk_triton.bench.baselines import BASELINES
 from oktopk_triton.bench.report import summarize
 from oktopk_triton.planning import ratios_from_train
-
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, ROOT)
 
 # config keys that must agree between parts (density, algorithms, seeds may differ)
 SAME = ("model", "size", "gpt", "steps", "batch_size", "lr", "optimizer", "betas", "schedule",

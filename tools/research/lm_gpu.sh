@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The language model's GPU run: the 25m GPT preset, dense against Ok-Topk at density 1%, P ranks on the
 # GPUs at hand (ranks share a GPU when there are fewer GPUs than ranks: NCCL then runs one host
-# per rank over loopback, so MPS is started first; see docs/gpu-measurements.md).
+# per rank over loopback, so MPS is started first; see docs/research/gpu-measurements.md).
 #
-#   tools/lm_gpu.sh [OUT_DIR]            env: P=4 STEPS=1000 SIZE=25m SEEDS=0 DRY=1 (print only)
+#   tools/research/lm_gpu.sh [OUT_DIR]            env: P=4 STEPS=1000 SIZE=25m SEEDS=0 DRY=1 (print only)
 #
 # One launch per algorithm (each must fit the 10-minute command limit of a borrowed machine;
-# STEPS sets that), then tools/lm_results.py merges them into OUT_DIR/lm-gpu-SIZE.json.
+# STEPS sets that), then tools.research.lm_results merges them into OUT_DIR/lm-gpu-SIZE.json.
 # Needs: torch with CUDA, the project installed (pip install --no-deps --no-build-isolation -e .),
 # cupy optional (the communicator is CuPy NCCL when it imports, torch NCCL otherwise).
 set -u
@@ -36,4 +36,4 @@ for alg in dense oktopk; do
   parts+=("$j")
 done
 if [ "$mps" = 1 ]; then echo quit | nvidia-cuda-mps-control; fi
-run $PY tools/lm_results.py merge "$OUT/lm-gpu-$SIZE.json" "${parts[@]}"
+run $PY -m tools.research.lm_results merge "$OUT/lm-gpu-$SIZE.json" "${parts[@]}"

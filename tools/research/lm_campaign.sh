@@ -2,12 +2,12 @@
 # The CPU language-model campaign: 4 gloo ranks, the 1m GPT, 1200 steps, every algorithm at
 # density 1% and 0.1%, seeds 0-2, dense once (it does not depend on the density). Sequential, in
 # priority order (dense, Ok-Topk 1%, PowerSGD, bf16, gTop-k 1%, Ok-Topk 0.1%, the rest), one launch per group so a failure or a cut-off only
-# costs that group; merge the parts with tools/lm_results.py merge.
-#   nohup nice -n 15 tools/lm_campaign.sh OUT_DIR [python] [extra train args] > OUT_DIR/campaign.log 2>&1 &
+# costs that group; merge the parts with python -m tools.research.lm_results merge.
+#   nohup nice -n 15 tools/research/lm_campaign.sh OUT_DIR [python] [extra train args] > OUT_DIR/campaign.log 2>&1 &
 # The default --reduce auto makes the sparse algorithms reduce AdamW's updates
 # (SparseAllreduce.reduce_updates); pass "--reduce gradients" to rerun the stalled setup.
 set -u
-OUT=${1:?usage: tools/lm_campaign.sh OUT_DIR [python] [extra args]}
+OUT=${1:?usage: tools/research/lm_campaign.sh OUT_DIR [python] [extra args]}
 PY=${2:-python3}
 shift $(( $# < 2 ? $# : 2 ))
 EXTRA=("$@")

@@ -6,7 +6,7 @@ costs ``16 + 2B`` bits, so at the same bytes a sync it covers ``18B / (16 + 2B)`
 entries (3x at B = 4, 4.5x at B = 8, 6x at B = 16). Whether coverage bought that way is worth
 its weaker selection is what this probe measures, before any wire is built for it.
 
-    python tools/block_probe.py --world-size 16 --algorithms blockprobe --density 0.016 \\
+    python -m tools.research.block_probe --world-size 16 --algorithms blockprobe --density 0.016 \\
         --option block=8 --option exchange=sum --option sync_every=2 --steps 320 --json OUT
 
 It runs :mod:`quality_at_scale` (the same model, ranks, schedule, audit and record) with one
@@ -56,20 +56,13 @@ not delivered stays in a residual) and is audited as in every run.
 from __future__ import annotations
 
 import math
-import os
 import sys
-import types
 from typing import Optional
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from oktopk_triton import algorithms  # noqa: E402
-from oktopk_triton.algorithms.base import Algorithm  # noqa: E402
-
-import quality_at_scale  # noqa: E402
+from oktopk_triton.algorithms import Algorithm, register_algorithm
+from tools.research import quality_at_scale
 
 INDEX_BITS, VALUE_BITS = 16, 2      # a q2 entry: a chunk-relative index and a 2-bit code
 _EXCHANGES = ("sum", "union", "partial", "fill", "recheck", "watch")
@@ -236,9 +229,7 @@ class BlockProbe(Algorithm):
 
 def register() -> None:
     """Make ``algorithm="blockprobe"`` resolve to :class:`BlockProbe`."""
-    name = f"{algorithms.__name__}.blockprobe"
-    sys.modules[name] = types.SimpleNamespace(BlockProbe=BlockProbe)
-    algorithms.REGISTRY["blockprobe"] = "blockprobe:BlockProbe"
+    register_algorithm("blockprobe", BlockProbe)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """The local-steps campaign on the byte-level GPT: one row per run, then one per configuration
 (averaged over its seeds), against dense data-parallel AdamW.
 
-    python tools/local_steps_screen.py DIR [--dense DENSE.json] [--json OUT.json]
+    python -m tools.research.local_steps_screen DIR [--dense DENSE.json] [--json OUT.json]
 
 DIR holds one ``oktopk-bench train --model gpt`` JSON per run (the commands are in
-docs/techniques.md). Each run is compared with dense data-parallel AdamW of the same model
+docs/research/techniques.md). Each run is compared with dense data-parallel AdamW of the same model
 preset, seed and number of steps, found in ``--dense`` (default: the committed 1200-step campaign,
 dense on seeds 0-2) or among DIR's own per-step dense runs (a 4800-step dense run, say): final
 validation loss against dense's, bytes per step as a fraction of dense's fp32 bytes, and the

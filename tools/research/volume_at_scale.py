@@ -1,7 +1,7 @@
 """Volume at scale: the bytes each rank RECEIVES per sync of the local steps, Ok-Topk against
 TopkA (the allgather exchange SparseLoCo uses), P = 4 .. 64 ranks of a LocalCluster.
 
-    python tools/volume_at_scale.py [--world-sizes 4 8 16 32 64] [--numel 65536]
+    python -m tools.research.volume_at_scale [--world-sizes 4 8 16 32 64] [--numel 65536]
         [--densities 0.08 0.008] [--sync-every 4] [--syncs 3] [--wire-format fp32]
         [--json OUT.json] [--markdown]
 
@@ -21,25 +21,22 @@ schedule.py).
 At equal density TopkA delivers the union of the ranks' top-k (up to P·k entries), Ok-Topk the
 global top-k (k entries): not the same quality. The ``equal-output`` row runs Ok-Topk at
 k = the union size TopkA delivered, the comparison in TopkA's favour (see
-docs/volume-at-scale.md).
+docs/research/volume-at-scale.md).
 """
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from typing import Any, Dict, List, Optional
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from oktopk_triton import SparseAllreduce  # noqa: E402
-from oktopk_triton.algorithms.schedule import schedule_of  # noqa: E402
-from oktopk_triton.bench import records  # noqa: E402
-from oktopk_triton.comm.base import ring_allreduce_bytes, tensor_bytes  # noqa: E402
-from oktopk_triton.comm.local import LocalCluster  # noqa: E402
+from oktopk_triton import SparseAllreduce
+from oktopk_triton.algorithms.schedule import schedule_of
+from oktopk_triton.bench import records
+from oktopk_triton.comm.base import ring_allreduce_bytes, tensor_bytes
+from oktopk_triton.comm.local import LocalCluster
 
 ALGORITHMS = ("oktopk", "topka")
 
