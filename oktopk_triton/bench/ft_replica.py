@@ -2,31 +2,19 @@
 
     python -m oktopk_triton.bench.ft_replica '{"replica": 0, "lighthouse": "http://...", ...}'
 
-Config keys (defaults in :data:`DEFAULTS`): ``replica`` (its index: the data shard and the
-replica id), ``lighthouse``, ``mode`` (``sparse``: :class:`SparseDiLoCo`; ``dense``: torchft's
-``DiLoCo``; ``reference``: the same local steps on plain torch.distributed, ``world`` ranks at
-``master_port``, no torchft; ``fsdp``: :class:`SparseGradients` every step, with FSDP2 over the
-``group_world`` ranks of this replica group, ``group_rank`` of them, their store at
-``group_port``), ``model`` (``mlp``: a small MLP on a synthetic task; ``digits``:
-the digits CNN), ``syncs`` (the run ends when the Manager has committed that many), ``sync_every``,
-``density``, ``algorithm``, ``options``, ``seed``, ``lr``, ``outer_lr``, ``outer_momentum``,
-``audit``, ``width`` (another width is another model: a heal from it is refused), and faults:
-``die`` (``{"sync": k, "collective": i}``: SIGKILL itself at the i-th collective of its k-th
-sync attempt; ``{"step": s}``: before its inner step s), ``fail`` (``{"sync": k,
-"collective": i}``: that collective raises, as a failed one would), ``retry`` (sync again at
-once after a sync that did not commit), ``hold`` (a list of
-``{"at": k, "file": path}``: having committed k syncs, wait, bounded, until ``path`` exists, so a
-test can let a replica join at a known sync). It writes ``result.ready`` once its Manager is up,
-``result`` (JSON: history, losses, the Manager's step, the final weights' file) and, after every
-committed sync, ``result.progress``.
-
-The result also holds ``evals`` (``(committed syncs, test loss)``, after every ``eval_every``-th
-committed sync) with ``eval_steps`` (this process's inner steps at each), ``heals`` (how often
-the Manager loaded a peer's state into this replica) and ``bytes`` (sent by this replica). In
-``dense`` mode, where torchft's ``DiLoCo`` counts nothing, ``history`` has one record per sync
-attempt (every ``sync_every`` inner steps: ``step``, ``P``, ``committed``, ``healed``, ``bytes``)
-and the bytes are computed: each attempt in a quorum of P > 1 counted as a ring allreduce of
-every fp32 parameter, ``2(P-1)/P * 4n`` (a failed attempt counted whole).
+``mode``: ``sparse`` (:class:`SparseDiLoCo`), ``dense`` (torchft's ``DiLoCo``), ``reference``
+(the same local steps on plain torch.distributed: ``world`` ranks at ``master_port``, no
+torchft) or ``fsdp`` (:class:`SparseGradients` every step, FSDP2 over ``group_world`` ranks of
+one replica group, its store at ``group_port``). ``model``: ``mlp`` (a small MLP on a synthetic
+task) or ``digits`` (the digits CNN); ``width``: another width is another model, whose heal is
+refused. The run ends when the Manager has committed ``syncs`` syncs. Faults: ``die``
+(``{"sync": k, "collective": i}``: SIGKILL itself at the i-th collective of its k-th sync
+attempt; ``{"step": s}``: before inner step s), ``fail`` (that collective raises instead),
+``retry`` (sync again at once after a sync that did not commit), ``hold`` (``[{"at": k, "file":
+path}]``: having committed k syncs, wait, bounded, until ``path`` exists). Every key and its
+default: :data:`DEFAULTS`. It writes ``result.ready`` once its Manager is up, ``result`` (JSON:
+history, losses, evals, the Manager's step, the final weights' file) and, after every committed
+sync, ``result.progress``.
 """
 from __future__ import annotations
 
