@@ -13,8 +13,10 @@ attempt; ``{"step": s}``: before inner step s), ``fail`` (that collective raises
 ``retry`` (sync again at once after a sync that did not commit), ``hold`` (``[{"at": k, "file":
 path}]``: having committed k syncs, wait, bounded, until ``path`` exists). Every key and its
 default: :data:`DEFAULTS`. It writes ``result.ready`` once its Manager is up, ``result`` (JSON:
-history, losses, evals, the Manager's step, the final weights' file) and, after every committed
-sync, ``result.progress``.
+history, losses, evals ``(committed syncs, test loss)`` with ``eval_steps``, ``heals``, ``bytes``,
+the Manager's step, the final weights' file) and, after every committed sync,
+``result.progress``. In ``dense`` mode ``history`` has one record per sync attempt, its bytes
+computed as a ring allreduce of every fp32 parameter, ``2(P-1)/P * 4n`` (a failed one whole).
 """
 from __future__ import annotations
 
