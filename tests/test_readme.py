@@ -75,7 +75,9 @@ def test_readme_is_a_guide_in_order():
     assert len(text.splitlines()) <= 340, len(text.splitlines())
     heads = re.findall(r"^## (.+)$", text, re.M)
     assert heads == ["Install", "The two commands", "A first example", "Ways to use it",
-                     "Options", "Results", "Known gaps"], heads
+                     "Surviving failures", "Options", "Results", "Known gaps"], heads
+    survive = text[text.index("## Surviving failures"):text.index("## Options")]
+    assert len(survive.splitlines()) <= 25
     results = text[text.index("## Results"):text.index("## Known gaps")]
     for question in ("**How fast is a step?**", "**How good is the model?**",
                      "**Which algorithm?**"):
