@@ -22,7 +22,7 @@ import random
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 KINDS = ("kill-in-sync", "kill-in-sync-rejoin", "kill-between", "kill-between-rejoin",
          "fail-commit")
@@ -108,6 +108,7 @@ def _judge(s: Dict[str, Any], results: List[Dict[str, Any]]) -> Dict[str, Any]:
            "heals": sum(1 for h in hist if h["healed"]),
            "committed": max(sum(h["committed"] for h in r["history"]) for r in results)}
     newcomer = any(h["healed"] and h["newcomer"] for h in hist)
+    out["recovery_s"] = _recovery(results)
     why = None
     if not same:
         why = "the replicas' weights differ"
@@ -118,6 +119,18 @@ def _judge(s: Dict[str, Any], results: List[Dict[str, Any]]) -> Dict[str, Any]:
     elif s["kind"].endswith("rejoin") and not newcomer:
         why = "the restarted replica was not healed as a newcomer"
     return {**out, "ok": why is None, "why": why}
+
+
+def _recovery(results: List[Dict[str, Any]]) -> Optional[float]:
+    """Seconds from a sync that did not commit to the next one that did (the longest, over the
+    replicas): how long the survivors took to go on. None without a failed sync."""
+    worst = None
+    for r in results:
+        h = [x for x in r["history"] if x.get("time")]
+        for a, b in zip(h, h[1:]):
+            if not a["committed"] and b["committed"]:
+                worst = max(worst or 0.0, b["time"] - a["time"])
+    return None if worst is None else round(worst, 2)
 
 
 def run(seeds: List[int], jobs: int) -> List[Dict[str, Any]]:
@@ -157,12 +170,14 @@ def main(argv: List[str] = None) -> int:
         state = "ok  " if r["ok"] else "FAIL"
         print(f"{state} seed {r['seed']:2d} {r['kind']:<20} victim {r['victim']} "
               f"rolled back {r.get('rolled_back', '-')} heals {r.get('heals', '-')} "
-              f"max rel err {r.get('max_relative_error')} {r['seconds']:.1f} s"
+              f"max rel err {r.get('max_relative_error')} went on after "
+              f"{r.get('recovery_s')} s; {r['seconds']:.1f} s"
               + (f"  {r['why']}" if r["why"] else ""))
     passed = sum(r["ok"] for r in recs)
     worst = max((r.get("max_relative_error") or 0.0 for r in recs), default=0.0)
+    slowest = max((r.get("recovery_s") or 0.0 for r in recs), default=0.0)
     print(f"{passed} of {len(recs)} schedules passed; max relative error {worst:.3g}; "
-          f"{wall:.0f} s")
+          f"survivors went on within {slowest:.1f} s of a failed sync; {wall:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"schedules": recs, "passed": passed, "seconds": wall}, f, indent=1)

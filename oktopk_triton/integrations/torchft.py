@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -91,7 +92,7 @@ member that fell behind (its vote differed from its peers' on a sync): that one 
 owes, so nothing it computed is lost.
 
     ``history``: one dict per sync (``step``, ``P``, ``rank``, ``committed``, ``healed``,
-    ``reconfigured``, ``bytes``, ``relative_error`` with ``audit``, ``error``).
+    ``reconfigured``, ``bytes``, ``relative_error`` with ``audit``, ``error``, ``time``).
     """
 
     def __init__(self, manager: Any, params: Any, density: float, algorithm: str,
@@ -199,6 +200,7 @@ owes, so nothing it computed is lost.
             out = None
         ok = self.manager.should_commit()
         rec["committed"] = bool(ok and out is not None)
+        rec["time"] = time.time()                 # when the vote came back (wall clock)
         if rec["committed"]:
             self.committed += 1
             return out
