@@ -140,6 +140,23 @@ def _resume(comm, tmp):
     return _full(model)
 
 
+def _reshard(comm, tmp):
+    """The 2x2 run's files loaded by one replica of 2 shards: each unit's state as loaded."""
+    from oktopk_triton.kernels import _dispatch
+    _dispatch.INTERPRET = False
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 5))
+    fully_shard(model[0], mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    sparse = Recording(mesh["replicate"].get_group(), density=0.1).install(model)
+    sparse.load(tmp)
+    return sparse.state_dict()["reducers"]
+
+
 def test_fsdp2_sparse_replica_reduce_2x2(tmp_path):
     tmp = str(tmp_path)
     first = run_gloo(4, _first, tmp, timeout=300)
@@ -162,3 +179,14 @@ def test_fsdp2_sparse_replica_reduce_2x2(tmp_path):
         for k in (0, 1):
             assert torch.equal(a["state"]["reducers"][k]["residual"],
                                b["state"]["reducers"][k]["residual"])
+    # the 2 replicas' files loaded by 1 replica (elastic resume): what each shard owed is
+    # summed and rescaled by P'/P = 1/2, so the mass owed, (1/P) sum residual, is the same
+    one = run_gloo(2, _reshard, tmp, timeout=300)
+    for shard in range(2):
+        old = [torch.load(os.path.join(tmp, f"oktopk-rank{r}-of4.pt"), weights_only=True)
+               for r in (shard, 2 + shard)]
+        for k in (0, 1):
+            want = (old[0]["state"]["reducers"][k]["residual"]
+                    + old[1]["state"]["reducers"][k]["residual"]) / 2
+            got = one[shard][k]["residual"]
+            assert torch.allclose(got, want, rtol=1e-6, atol=1e-7), (got - want).abs().max()
