@@ -14,9 +14,10 @@ attempt; ``{"step": s}``: before inner step s), ``fail`` (that collective raises
 path}]``: having committed k syncs, wait, bounded, until ``path`` exists). Every key and its
 default: :data:`DEFAULTS`. It writes ``result.ready`` once its Manager is up, ``result`` (JSON:
 history, losses, evals ``(committed syncs, test loss)`` with ``eval_steps``, ``heals``, ``bytes``,
-the Manager's step, the final weights' file) and, after every committed sync,
-``result.progress``. In ``dense`` mode ``history`` has one record per sync attempt, its bytes
-computed as a ring allreduce of every fp32 parameter, ``2(P-1)/P * 4n`` (a failed one whole).
+the Manager's step, the final weights' file), after every committed sync ``result.progress``,
+and before each inner step that syncs ``result.syncing`` (its inner step count). In ``dense``
+mode ``history`` has one record per sync attempt, its bytes computed as a ring allreduce of every
+fp32 parameter, ``2(P-1)/P * 4n`` (a failed one whole).
 """
 from __future__ import annotations
 
@@ -170,6 +171,8 @@ def run_torchft(cfg: Dict[str, Any], out: Dict[str, Any]) -> None:
                 _hold(cfg, manager.current_step())
                 if cfg["die"] and cfg["die"].get("step") == step:      # between syncs
                     os.kill(os.getpid(), signal.SIGKILL)
+                if (step + 1) % cfg["sync_every"] == 0:       # its optimizer step syncs
+                    _write(cfg["result"] + ".syncing", str(step + 1))
                 x, y = batch(step)
                 loss = torch.nn.functional.cross_entropy(model(x), y)
                 loss.backward()
