@@ -9,6 +9,7 @@
     oktopk-bench demo         (what `make demo` runs)
     oktopk-bench project      --model bert-large --density 0.01 --net 100Gbps,5us [--plot PATH]
     oktopk-bench launches     [--algorithms oktopk] [--modes gradients sync] [--check] [--json PATH]
+    oktopk-bench faults       [--out out/faults] [--steps 512] [--sync-every 32] [--density 0.2]
 """
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ SUBCOMMANDS = {
                            "and a network"),
     "launches": ("launches", "count what one steady step dispatches, launches, sends and reads "
                              "on the host, per algorithm, wire format and mode (CPU trace)"),
+    "faults": ("faults", "4 torchft replicas train the digits CNN with SparseDiLoCo while one is "
+                         "killed and restarted, against torchft's dense DiLoCo (what `make "
+                         "faults` runs)"),
 }
 
 
