@@ -2,6 +2,7 @@
 # make lint : ruff (pyproject.toml's [tool.ruff]); make test runs it first
 # make demo : install and run the main job (4-rank training comparison)
 # make soak : install and run 20 seeded torchft fault schedules against a real lighthouse (< 3 min)
+# make faults : install and run the torchft fault demo (4 replicas, one killed and restarted; < 3 min)
 # make gpu-check [GPU_CHECK_OUT=DIR] : on a GPU machine, MPS + CUDA tests + every GPU benchmark (< 9 min)
 # make gpu-steps [GPU_CHECK_OUT=DIR] : on a GPU machine, eager/graphed steps on both wires + GPT (< 9 min)
 #
@@ -20,7 +21,7 @@ PYTEST_ARGS ?=
 # 444 s with one process, 239 s with two, on the 2-core machine (2026-11-25)
 PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
 
-.PHONY: install test lint demo soak bench gpu-check gpu-steps clean
+.PHONY: install test lint demo soak faults bench gpu-check gpu-steps clean
 
 $(PY):
 	python3 -m venv --system-site-packages .venv
@@ -41,6 +42,9 @@ demo: install
 
 soak: install
 	$(PY) -m oktopk_triton.bench.ft_soak --schedules 20
+
+faults: install
+	$(PY) -m oktopk_triton.cli faults
 
 bench: install
 	$(PY) -m oktopk_triton.cli kernels
