@@ -52,7 +52,8 @@ _PLACES = (("gpu-kernel-variants", "kernels", "kernel-variants"),
            ("gpu-check", "gpu-check", "gpu-check"), ("gpu-tests", "gpu-check", None),
            ("gpu-profile", "gpu-profile", "gpu-profile"), ("train", "train", "train"),
            ("techniques", "techniques", "train"), ("lm-", "lm", "lm-merge"),
-           ("project", "project", "project"), ("teardown", "teardown", "teardown-loop"))
+           ("project", "project", "project"), ("teardown", "teardown", "teardown-loop"),
+           ("faults", "faults", "faults"))
 
 
 def folder_of(name: str) -> str:
