@@ -7,6 +7,7 @@ import pytest
 
 from oktopk_triton.algorithms import available_algorithms
 from oktopk_triton.bench import ddp_bench as D
+from oktopk_triton.bench import ddp_hooks as H
 from oktopk_triton.bench import ranks as R
 
 W, LAYERS, BATCH, STEPS, WARMUP, P = 16, 2, 8, 3, 2, 2
@@ -158,7 +159,7 @@ def test_sparse_modes_follows_the_state_signature(monkeypatch):
     monkeypatch.setattr(hook_mod, "SparseAllreduceState", WithMode)
     assert D.sparse_modes() == ["bucket", "flat"]
     cfg = {"density": 0.01, "kernel_backend": "torch"}
-    st = D._make_sparse_state(cfg, None, _two_sparse()[0], "flat")
+    st = H._make_sparse_state(cfg, None, _two_sparse()[0], "flat")
     assert st.mode == "flat" and st.density == 0.01 and st.start_iter == D.SPARSE_START_ITER
 
 

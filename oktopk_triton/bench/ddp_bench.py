@@ -25,7 +25,6 @@ Measured why: docs/research/design-notes.md, ``oktopk_triton/bench/ddp_bench.py`
 from __future__ import annotations
 
 import datetime
-import inspect
 import os
 import platform
 import sys
@@ -36,19 +35,18 @@ from typing import Any, Callable, Dict, List, Optional
 from . import _args as A
 from ..comm.base import ring_allreduce_bytes
 from ..comm.select import _cupy_available
-from .baselines import count_hook_bytes, powersgd_module, powersgd_state
 from . import records
 from ._common import resolve_algorithms
-from .measure import params_checksum, step_stats
+from .ddp_hooks import HOOKS, SPARSE_START_ITER, _register_hook, sparse_modes
+from .ddp_report import _error_line, _summary, _write, format_markdown, format_table
+from .measure import params_checksum
 from .ranks import Ranks, detect_mps, init_rank, make_comm
 
 __all__ = ["add_arguments", "main", "run_benchmark", "format_markdown", "format_table",
            "HOOKS", "make_model", "sparse_modes", "default_json_path"]
 
-HOOKS = ("none", "allreduce", "fp16", "powersgd", "sparse")
 CPU_MODEL = {"width": 256, "layers": 4, "batch": 32}
 GPU_MODEL = {"width": 2048, "layers": 16, "batch": 64}
-SPARSE_START_ITER = 1   # SparseAllreduceState's dense iterations (DDP rebuilds buckets after one)
 STALL_AFTER_ERROR_S = 60.0  # after a hook failed somewhere, the ranks must report within this
 
 
@@ -124,17 +122,6 @@ def _load_avg() -> Optional[float]:
         return None
 
 
-def sparse_modes() -> List[Optional[str]]:
-    """The modes ``SparseAllreduceState`` accepts: ``["bucket", "flat"]`` when it has a ``mode``
-    argument, else ``[None]`` (its one, per-bucket behaviour)."""
-    from ..ddp import SparseAllreduceState
-    try:
-        params = inspect.signature(SparseAllreduceState.__init__).parameters
-    except (TypeError, ValueError):  # pragma: no cover
-        return [None]
-    return ["bucket", "flat"] if "mode" in params else [None]
-
-
 def default_json_path(backend: str, date: Optional[str] = None) -> str:
     date = date or datetime.date.today().isoformat()
     return records.results_path(f"ddp-{backend}-{date}.json")
@@ -178,41 +165,6 @@ def _plan(args) -> List[Dict[str, Any]]:
             for m in modes:
                 plan.append({"hook": "sparse", "algorithm": a, "mode": m})
     return plan
-
-
-def _none_hook(state, bucket):
-    """Communicates nothing: the bucket's local gradients, as they are."""
-    import torch
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(bucket.buffer())
-    return fut
-
-
-def _powersgd_one_bucket_at_a_time(state, bucket):
-    """PowerSGD for gloo: each bucket's reduction completes before the hook returns.
-
-    ``powerSGD_hook`` issues its second and third allreduce from future callbacks; with several
-    buckets in flight on gloo these interleave in a different order on different ranks and the
-    group deadlocks (seen here: 4 x Linear(64, 64) in 10 kB buckets, 2 ranks). Waiting keeps one
-    order; on gloo the sparse hook is synchronous too. NCCL runs the plain hook."""
-    fut = powersgd_module().powerSGD_hook(state, bucket)
-    fut.wait()
-    return fut
-
-
-def _make_sparse_state(cfg: Dict[str, Any], comm, algorithm: str, mode: Optional[str]):
-    """The hook point for the sparse hook's options: ``mode`` is passed only when the state
-    accepts it (``sparse_modes()``)."""
-    from ..algorithms import get_algorithm
-    from ..ddp import SparseAllreduceState
-    options: Dict[str, Any] = {}
-    kb = cfg["kernel_backend"]
-    if "backend" in getattr(get_algorithm(algorithm), "OPTIONS", {}):
-        options["backend"] = kb
-    if mode is not None:
-        options["mode"] = mode
-    return SparseAllreduceState(density=cfg["density"], algorithm=algorithm,
-                                start_iter=SPARSE_START_ITER, comm=comm, **options)
 
 
 def _run_one(spec: Dict[str, Any], cfg: Dict[str, Any], rank: int, dev,
@@ -274,32 +226,6 @@ def _run_one(spec: Dict[str, Any], cfg: Dict[str, Any], rank: int, dev,
     if cuda:
         torch.cuda.empty_cache()
     return rec
-
-
-def _register_hook(ddp, spec: Dict[str, Any], cfg: Dict[str, Any], cuda: bool, get_comm):
-    """Register ``spec``'s communication hook on ``ddp``; (communicator, hook state, counter of
-    torch's hooks' bytes), each None when the hook has none."""
-    hook, comm, state, counted = spec["hook"], None, None, None
-    if hook in ("fp16", "powersgd"):
-        counted = {"bytes_sent": 0}
-        count_hook_bytes(counted)
-    if hook == "none":
-        ddp.register_comm_hook(None, _none_hook)
-    elif hook == "fp16":
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
-        ddp.register_comm_hook(None, fp16_compress_hook)
-    elif hook == "powersgd":
-        state = powersgd_state(cfg["powersgd_rank"], cfg["powersgd_start_iter"], cfg["seed"])
-        ddp.register_comm_hook(state, powersgd_module().powerSGD_hook if cuda
-                               else _powersgd_one_bucket_at_a_time)
-    elif hook == "sparse":
-        comm = get_comm()
-        state = _make_sparse_state(cfg, comm, spec["algorithm"], spec["mode"])
-        from ..ddp import sparse_allreduce_hook
-        ddp.register_comm_hook(state, sparse_allreduce_hook)
-    elif hook != "allreduce":
-        raise ValueError(f"unknown hook {hook!r}")
-    return comm, state, counted
 
 
 def _rank_main(rank: int, P: int, port: int, send, cfg: Dict[str, Any],
@@ -382,39 +308,6 @@ def _label(spec: Dict[str, Any]) -> str:
     if spec["hook"] != "sparse":
         return spec["hook"]
     return f"sparse/{spec['algorithm']}" + (f"/{spec['mode']}" if spec["mode"] else "")
-
-
-def _summary(spec: Dict[str, Any], per_rank: List[Dict[str, Any]],
-             cfg: Dict[str, Any]) -> Dict[str, Any]:
-    steps = len(per_rank[0]["time_s"])
-    timed = list(range(cfg["warmup"], steps))
-    st = step_stats([r["time_s"] for r in per_rank], timed)
-    mb = sum(r["bytes"][t] for r in per_rank for t in timed) / (len(per_rank) * len(timed)) / 1e6
-    source = {"sparse": "comm.bytes_sent", "fp16": "dist.all_reduce calls, ring model",
-              "powersgd": "dist.all_reduce calls, ring model",
-              "allreduce": "ring model of all parameters", "none": "nothing sent"}[spec["hook"]]
-    out = {
-        "hook": spec["hook"],
-        "algorithm": spec["algorithm"],
-        "mode": (spec["mode"] or "bucket") if spec["hook"] == "sparse" else None,
-        "density": cfg["density"] if spec["hook"] == "sparse" else None,
-        "step_ms_mean": st["ms_mean"],
-        "step_ms_min": st["ms_min"],
-        "step_ms_per_step": [1e3 * s for s in st["step_s"]],
-        "mb_sent_per_rank_per_step": mb,
-        "bytes_source": source,
-        "ratio_to_allreduce": None,
-        "final_loss": sum(r["loss"][-1] for r in per_rank) / len(per_rank),
-        "loss_rank0": per_rank[0]["loss"],
-        "replicas_identical": len({r["param_digest"] for r in per_rank}) == 1,
-    }
-    if spec["hook"] == "powersgd":
-        out["one_bucket_at_a_time"] = cfg["backend"] == "gloo"
-        out["matrix_approximation_rank"] = cfg["powersgd_rank"]
-        out["start_powerSGD_iter"] = cfg["powersgd_start_iter"]
-    if "buckets" in per_rank[0]:
-        out["buckets"] = per_rank[0]["buckets"]
-    return out
 
 
 def _resolve_config(args) -> Dict[str, Any]:
@@ -517,111 +410,6 @@ def run_benchmark(args, log: Callable[..., None] = print) -> Dict[str, Any]:
         "load_avg_1m_before_after": [load_before, _load_avg()],   # other work on this machine
         "cpu_count": os.cpu_count(),
     }
-
-
-# -- output ----------------------------------------------------------------------------------------
-_HOOK_NAMES = {"none": "none (compute floor, no communication)",
-               "allreduce": "DDP default allreduce",
-               "fp16": "`fp16_compress_hook`",
-               "powersgd": "PowerSGD"}
-_ALG_NAMES = {"oktopk": "Ok-Topk", "topka": "TopkA", "gtopk": "gTop-k", "spardl": "SparDL",
-              "topkdsa": "TopkDSA", "gaussiank": "Gaussiank", "dense": "dense"}
-
-
-def _hook_label(r: Dict[str, Any]) -> str:
-    if r["hook"] == "sparse":
-        pct = f"{100 * r['density']:g}%"
-        mode = f", {r['mode']}" if r.get("mode") and r["mode"] != "bucket" else ""
-        name = _ALG_NAMES.get(r["algorithm"], r["algorithm"])
-        return f"`sparse_allreduce_hook`, {name} {pct}{mode}"
-    if r["hook"] == "powersgd":
-        return f"PowerSGD rank {r.get('matrix_approximation_rank', '?')} (error feedback)"
-    return _HOOK_NAMES.get(r["hook"], r["hook"])
-
-
-def _commit_text(report: Dict[str, Any]) -> str:
-    """The short commit of a record, ``-dirty`` when the tree differed from it."""
-    return str(report.get("commit") or "?")[:10] + ("-dirty" if report.get("dirty") else "")
-
-
-def _mps_on(mps: Any) -> bool:
-    """A record's ``mps``: detect_mps's answer, or a bool in files from before the header."""
-    return bool(mps.get("active") if isinstance(mps, dict) else mps)
-
-
-def _fmt_mb(mb: float) -> str:
-    return f"{mb:.1f}" if mb >= 10 else (f"{mb:.3g}" if mb > 0 else "0")
-
-
-def _error_line(text: Any) -> str:
-    """The line of a traceback that names the exception (the last line that says Error)."""
-    lines = [ln.strip() for ln in str(text or "").strip().splitlines() if ln.strip()]
-    named = [ln for ln in lines if "Error" in ln or "Exception" in ln or "timeout" in ln]
-    return (named or lines or [""])[-1]
-
-
-def _ratio(r: Dict[str, Any], digits: int) -> str:
-    return "-" if r.get("ratio_to_allreduce") is None else f"{r['ratio_to_allreduce']:.{digits}f}"
-
-
-def _failed(cell):
-    """A cell of a result row; an error row (no step times) gets an empty one."""
-    return lambda r: cell(r) if "step_ms_mean" in r else ""
-
-
-def _error_label(e: Dict[str, Any]) -> str:
-    return (e["hook"] or "run") + (f"/{e['algorithm']}" if e.get("algorithm") else "")
-
-
-# the README table: one row per hook, then one per error (its label, its message, empty cells)
-_MARKDOWN_COLUMNS = [
-    ("comm hook", lambda r: _hook_label(r) if "step_ms_mean" in r else _error_label(r)),
-    ("ms per step (mean)", lambda r: f"{r['step_ms_mean']:.1f}" if "step_ms_mean" in r
-     else f"failed: {_error_line(r['error'])[:80]}"),
-    ("min", _failed(lambda r: f"{r['step_ms_min']:.1f}")),
-    ("MB sent per rank per step", _failed(lambda r: _fmt_mb(r["mb_sent_per_rank_per_step"]))),
-    ("x allreduce", _failed(lambda r: _ratio(r, 2))),
-    ("final loss", _failed(lambda r: f"{r['final_loss']:.4g}")),
-    ("replicas identical", _failed(lambda r: "yes" if r["replicas_identical"] else "no")),
-]
-_TEXT_COLUMNS = [
-    ("hook", lambda r: r["hook"]), ("algorithm", lambda r: r["algorithm"] or "-"),
-    ("mode", lambda r: r["mode"] or "-"), ("ms mean", lambda r: f"{r['step_ms_mean']:.2f}"),
-    ("ms min", lambda r: f"{r['step_ms_min']:.2f}"),
-    ("MB/rank/step", lambda r: f"{r['mb_sent_per_rank_per_step']:.3f}"),
-    ("x allreduce", lambda r: _ratio(r, 2)), ("final loss", lambda r: f"{r['final_loss']:.5g}"),
-    ("replicas equal", lambda r: "yes" if r["replicas_identical"] else "no"),
-]
-
-
-def format_markdown(report: Dict[str, Any]) -> str:
-    """The README table of a report: one row per hook, with device, date and setup above it."""
-    cfg = report["config"]
-    date = str(report["date"])[:10]
-    if report["backend"] == "nccl":
-        where = (f"{report['device']}, P={cfg['P']} ranks on {report['gpus']} GPU(s)"
-                 + (f", MPS {'on' if _mps_on(report['mps']) else 'OFF (time-sliced)'}"
-                    if cfg.get("ranks_per_gpu", 1) > 1 else ""))
-    else:
-        where = f"CPU ({report['device']}), P={cfg['P']} gloo ranks"
-    rows = list(report["results"]) + list(report.get("errors", []))
-    return (f"DDP, {cfg['layers']} x Linear({cfg['W']}, {cfg['W']}) ({cfg['params'] / 1e6:.1f}M "
-            f"parameters), batch {cfg['batch']} per rank, {cfg['bucket_cap_mb']:g} MB buckets; "
-            f"{where}; mean of {cfg['steps']} steps after {cfg['warmup']}; {date}, "
-            f"commit {_commit_text(report)}.\n\n"
-            + records.table(rows, _MARKDOWN_COLUMNS, markdown=True))
-
-
-def format_table(report: Dict[str, Any]) -> str:
-    """A plain-text table for the terminal."""
-    return records.table(report["results"], _TEXT_COLUMNS, left=3)
-
-
-def _write(path: str, text: str) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    with open(path, "w") as f:
-        f.write(text)
 
 
 def main(args) -> int:
