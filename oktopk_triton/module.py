@@ -35,7 +35,9 @@ from .flat_params import FlatParams, ParamSlice, parse_params
 from .frozen_adam import FrozenAdam
 from .graph import GraphedStep
 from .ledger import ConservationLedger
-from .local_steps import LocalSteps
+from .config import AlgorithmConfig, LocalSteps, as_config
+from .deprecation import old_keywords
+from .local_steps import LocalStepper
 from .updates import UpdateReduction
 
 __all__ = ["SparseAllreduce", "ParamSlice"]
@@ -56,57 +58,48 @@ class SparseAllreduce(torch.nn.Module):
         comm: a :class:`~oktopk_triton.comm.Communicator`; ``None`` → ``default_communicator``
             (a world of one unless torch.distributed is initialised).
         density: fraction of entries selected, in (0, 1]; ``k = round(density * numel)``.
-        algorithm: a registered name (``"oktopk"``, ``"dense"``, ``"topka"``, ...).
+        algorithm: an algorithm object of :mod:`oktopk_triton.config` (``OkTopk(momentum=0.9,
+            wire_format="q2")``, ``TopkA()``, ``Dense()``, ...: the settings every algorithm
+            takes and its own, each with advice), or a registered name (its defaults).
+        local_steps: a :class:`~oktopk_triton.config.LocalSteps` for :meth:`reduce_updates`
+            (DiLoCo / SparseLoCo: each call steps the optimizer locally, every
+            ``sync_every``-th call reduces the change since the last sync and moves every
+            replica by the outer step; Adam's moments averaged or realigned); ``None`` (or its
+            defaults): every call syncs. Needs parameters; not with :meth:`reduce_gradients`,
+            :meth:`reduce_adam` or ``forward``; with ``cuda_graph=True`` every sync replays the
+            captured step (:class:`~oktopk_triton.local_steps.LocalStepper`).
         device: for an int ``numel``: where the gradients live (default: the communicator's
             device). For parameters it defaults to the first parameter's device.
         check_finite: ``"skip"`` (default: a NaN/Inf on any rank makes ``out`` NaN on every
             rank and leaves every residual unchanged), ``"raise"`` or ``"off"``.
-        **options: the algorithm's options (unknown names raise ``TypeError``), and three that
-            every algorithm takes: ``warmup_steps`` (the first steps are a dense allreduce),
-            ``momentum`` (momentum correction, recommended for the sparse algorithms: the
-            reducer keeps the velocity ``u = m·u + grad`` and sparsifies it; use the optimizer
-            without momentum then) and ``momentum_masking`` (default: on for sparse
-            algorithms, off for ``dense``; zeroes the velocity of the entries a step
-            delivered, as Deep Gradient Compression does).
         density_schedule, adam, cuda_graph: keyword-only options of ``SparseAllreduce`` itself:
             ``density_schedule`` (see :class:`~oktopk_triton.density_schedule.DensitySchedule`),
             ``adam="frozen"`` (for :meth:`reduce_adam`) and ``cuda_graph=True`` (CUDA, NCCL or
             one rank: steady steps are replayed from a captured CUDA graph,
             :class:`~oktopk_triton.graph.GraphedStep`; not with a density schedule, Adam mode or
             loss scale; an Ok-Topk step at n = 2^26 on an H100 went from 5.6 to 2.1 ms).
-        sync_every, outer_lr, outer_momentum, residual_decay: local steps for
-            :meth:`reduce_updates` (DiLoCo / SparseLoCo): each call steps the optimizer locally,
-            every ``sync_every``-th call reduces the change since the last sync and moves every
-            replica by the outer step. Defaults (1, 1.0, 0.0, 1.0): every call syncs, as plain
-            :meth:`reduce_updates`. Needs parameters; not with :meth:`reduce_gradients`,
-            :meth:`reduce_adam` or ``forward``; with ``cuda_graph=True`` every sync replays the
-            captured step. See
-            :class:`~oktopk_triton.local_steps.LocalSteps` (update rule, invariant, advice).
-        moment_sync_every, moment_sync, moment_dtype: with local steps, average the optimizer's
-            Adam moments over the ranks every ``moment_sync_every``-th sync (default 0: off;
-            ``moment_sync="both"`` or ``"second"``, ``moment_dtype="fp32"`` or ``"bf16"`` on the
-            wire; DES-LOC). See :class:`~oktopk_triton.moments.MomentSync`.
-        moment_realign: with local steps, after each sync move every rank's Adam first moment
-            towards the common step's direction, at no bytes (default 0: off; 1 replaces it on
-            the entries the step moved). See :class:`~oktopk_triton.realign.MomentRealign`.
+
+    The old keywords (``sync_every=``, ``momentum=``, ... an algorithm's settings and the local
+    steps') still work for one version, with a ``DeprecationWarning`` naming the new spelling
+    (:mod:`oktopk_triton.deprecation`).
     """
 
+    @old_keywords("SparseAllreduce")
     def __init__(self, numel_or_params: Union[int, Iterable[torch.Tensor], torch.nn.Module],
                  comm: Optional[Communicator] = None, density: float = 0.01,
-                 algorithm: str = "oktopk", *, device: Optional[Union[str, torch.device]] = None,
-                 check_finite: str = "skip", sync_every: int = 1, outer_lr: float = 1.0,
-                 outer_momentum: float = 0.0, residual_decay: float = 1.0,
-                 moment_sync_every: int = 0, moment_sync: str = "both",
-                 moment_dtype: str = "fp32", moment_realign: float = 0.0,
-                 density_schedule: Any = None,
-                 adam: Optional[str] = None, cuda_graph: bool = False, **options: Any) -> None:
+                 algorithm: Union[str, AlgorithmConfig] = "oktopk", *,
+                 local_steps: Optional[LocalSteps] = None,
+                 device: Optional[Union[str, torch.device]] = None, check_finite: str = "skip",
+                 density_schedule: Any = None, adam: Optional[str] = None,
+                 cuda_graph: bool = False) -> None:
         super().__init__()
-        # local_steps.LocalSteps: None with the defaults (every call syncs)
-        self.local_steps = LocalSteps.build(sync_every, outer_lr, outer_momentum, residual_decay,
-                                            moment_sync_every=moment_sync_every,
-                                            moment_sync=moment_sync, moment_dtype=moment_dtype,
-                                            moment_realign=moment_realign)
-        cls = get_algorithm(algorithm)  # clear ValueError for unknown names
+        self.config = as_config(algorithm)     # one validated object (clear unknown names)
+        if local_steps is not None and not isinstance(local_steps, LocalSteps):
+            raise TypeError(f"SparseAllreduce: local_steps must be a LocalSteps or None, got "
+                            f"{type(local_steps).__name__}")
+        # local_steps.LocalStepper: None with the defaults (every call syncs)
+        self.local_steps = LocalStepper.from_config(local_steps)
+        cls = get_algorithm(self.config.algorithm)
         numel, params, device = parse_params(numel_or_params, device)
         if comm is None:
             comm = _default_communicator(resolve_device(device) if device is not None
@@ -117,7 +110,7 @@ class SparseAllreduce(torch.nn.Module):
         self._schedule = DensitySchedule.build(density_schedule, density)
         self._cls = cls
         self._build = dict(device=resolve_device(device if device is not None else comm.device),
-                           check_finite=check_finite, **options)
+                           check_finite=check_finite, **self.config.options())
         first = self._schedule.density_at(0) if self._schedule else density
         self.algorithm: Algorithm = cls(numel, comm, first, **self._build)
         self.algorithm_name = self.algorithm.name
@@ -375,7 +368,7 @@ class SparseAllreduce(torch.nn.Module):
         return [] if self.flat_params is None else self.flat_params.slices()
 
 
-def _check_modes(local_steps: Optional[LocalSteps], params: Optional[List[torch.Tensor]],
+def _check_modes(local_steps: Optional[LocalStepper], params: Optional[List[torch.Tensor]],
                  density_schedule: Any, adam: Optional[str], cuda_graph: Any) -> None:
     """The combinations of modes SparseAllreduce refuses, each with a one-line reason."""
     if cuda_graph not in (True, False):
@@ -384,6 +377,6 @@ def _check_modes(local_steps: Optional[LocalSteps], params: Optional[List[torch.
         raise ValueError("SparseAllreduce: cuda_graph=True replays one fixed step; it cannot "
                          "follow a density_schedule or adam='frozen'")
     if local_steps is not None and (adam is not None or params is None):
-        raise ValueError("SparseAllreduce: local steps (sync_every, outer_lr, "
-                         "outer_momentum, residual_decay) need a reducer built from "
+        raise ValueError("SparseAllreduce: local steps (local_steps=LocalSteps(...)) need "
+                         "a reducer built from "
                          "parameters, used with reduce_updates; not with adam='frozen'")
