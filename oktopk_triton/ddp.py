@@ -15,7 +15,7 @@ Measured why: docs/research/design-notes.md, ``oktopk_triton/ddp.py``.
 """
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,10 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from .comm.base import Communicator
 
+from .checks import check_density
 from .comm.base import ring_allreduce_bytes
+from .config import AlgorithmConfig, as_config
+from .deprecation import old_keywords
 
 __all__ = ["SparseAllreduceState", "sparse_allreduce_hook"]
 
@@ -110,8 +113,8 @@ class SparseAllreduceState:
     Args:
         process_group: the group DDP reduces over (``None``: the default group).
         density: fraction of each bucket's entries each step keeps, in (0, 1].
-        algorithm: a registered algorithm name (``"oktopk"``, ``"topka"``, ``"gtopk"``,
-            ``"spardl"``, ``"topkdsa"``, ``"gaussiank"``, ``"dense"``).
+        algorithm: an algorithm object of :mod:`oktopk_triton.config` (``OkTopk(momentum=0.9)``,
+            ``TopkA()``, ..., ``Dense()``) or a registered name (its defaults).
         start_iter: iterations reduced densely before the sparse reducers start (at least 1,
             because DDP rebuilds its buckets after the first iteration).
         mode: ``"flat"`` (default: one reducer over the whole iteration's gradient, run when the
@@ -123,7 +126,10 @@ class SparseAllreduceState:
         scaler: a ``torch.amp.GradScaler`` whose scale the gradients carry (or ``None``); the
             residuals are kept in its current scale across its backoffs and growths, read from
             its device tensor (no host read). May also be set later (``state.scaler = ...``).
-        **options: passed to the algorithm (e.g. ``check_finite="raise"``, algorithm options).
+        check_finite: ``"skip"`` (default), ``"raise"`` or ``"off"`` (see ``SparseAllreduce``).
+
+    An algorithm's settings passed as keywords (``momentum=0.9``) still work for one version,
+    with a ``DeprecationWarning`` naming the new spelling (:mod:`oktopk_triton.deprecation`).
 
     Attributes:
         iter: completed iterations (counted on the last bucket).
@@ -135,7 +141,7 @@ class SparseAllreduceState:
         total_bytes_sent: bytes this rank sent since the state was created.
     """
 
-    __slots__ = ("process_group", "density", "algorithm", "start_iter", "options", "comm",
+    __slots__ = ("process_group", "density", "algorithm", "config", "start_iter", "options", "comm",
                  "iter", "reducers", "bytes_sent", "total_bytes_sent", "_iter_bytes",
                  "_pending_state", "mode", "_pending", "layout", "scaler", "_arrived",
                  "_reduced", "_new_groups", "_seen", "_used", "_watched", "_now",
@@ -144,31 +150,26 @@ class SparseAllreduceState:
     MODES = ("flat", "bucket")
     FLAT = -1   # the reducers key of the flat reducer
 
+    @old_keywords("SparseAllreduceState", refuse_local_steps=(
+        "SparseAllreduceState: the DDP hook cannot take local steps ({names}): it runs before "
+        "the optimizer step; use SparseAllreduce.reduce_updates"))
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, density: float = 0.01,
-                 algorithm: str = "oktopk", start_iter: int = 1,
+                 algorithm: Union[str, AlgorithmConfig] = "oktopk", start_iter: int = 1,
                  comm: Optional["Communicator"] = None, mode: str = "flat",
-                 scaler: Optional["torch.amp.GradScaler"] = None,
-                 **options: Any) -> None:
+                 scaler: Optional["torch.amp.GradScaler"] = None, *,
+                 check_finite: str = "skip") -> None:
         if mode not in self.MODES:
             raise ValueError(f"mode must be one of {self.MODES}, got {mode!r}")
-        from .algorithms import get_algorithm
-        get_algorithm(algorithm)  # a clear error now for an unknown name
-        if not (0.0 < float(density) <= 1.0):
-            raise ValueError(f"density must be in (0, 1], got {density!r}")
+        self.config = as_config(algorithm)      # a clear error now for an unknown name
         if int(start_iter) < 1:
             raise ValueError("start_iter must be >= 1: DDP rebuilds its buckets after the first "
                              "iteration, so sparse reducers built then would be built for the "
                              "wrong buckets")
         self.process_group = process_group
-        self.density = float(density)
-        self.algorithm = algorithm
+        self.density = check_density(density)
+        self.algorithm = self.config.algorithm       # the name (saved with the state)
         self.start_iter = int(start_iter)
-        from .local_steps import OPTIONS as LOCAL_STEPS
-        if set(options) & set(LOCAL_STEPS):
-            raise ValueError(f"SparseAllreduceState: the DDP hook cannot take local steps "
-                             f"({sorted(set(options) & set(LOCAL_STEPS))}): it runs before the "
-                             "optimizer step; use SparseAllreduce.reduce_updates")
-        self.options: Dict[str, Any] = dict(options)
+        self.options: Dict[str, Any] = {"check_finite": check_finite, **self.config.options()}
         self.comm = comm
         self.iter = 0
         self.reducers: Dict[int, Any] = {}

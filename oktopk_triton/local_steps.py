@@ -12,10 +12,9 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .flat_params import finite_or_zero, nonfinite_mask, optimizer_step, zero_if_flagged_
 from .checks import check_local_steps
 from .config import LocalSteps as LocalStepsConfig
-
+from .flat_params import finite_or_zero, nonfinite_mask, optimizer_step, zero_if_flagged_
 from .moments import OPTIONS as MOMENT_OPTIONS
 from .moments import MomentAverager
 from .realign import OPTIONS as REALIGN_OPTIONS

@@ -23,6 +23,7 @@ Measured why: docs/research/design-notes.md, ``oktopk_triton/module.py``.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Dict, Iterable, List, Optional, Union
 
 import torch
@@ -36,11 +37,11 @@ from .frozen_adam import FrozenAdam
 from .graph import GraphedStep
 from .ledger import ConservationLedger
 from .config import AlgorithmConfig, LocalSteps, as_config
-from .deprecation import old_keywords
+from .deprecation import old_keywords, split_options
 from .local_steps import LocalStepper
 from .updates import UpdateReduction
 
-__all__ = ["SparseAllreduce", "ParamSlice"]
+__all__ = ["SparseAllreduce", "ParamSlice", "keywords"]
 
 
 def _default_communicator(device: torch.device) -> Communicator:
@@ -366,6 +367,18 @@ class SparseAllreduce(torch.nn.Module):
         """The parameters in the order they are flattened, each with its slice of the flat
         gradient (read-only view; empty for a SparseAllreduce built from a length)."""
         return [] if self.flat_params is None else self.flat_params.slices()
+
+
+def keywords(algorithm: Union[str, AlgorithmConfig], options: Dict[str, Any]) -> Dict[str, Any]:
+    """``SparseAllreduce``'s keyword arguments from ``algorithm`` and one dict that mixes its
+    own keywords with the old spellings (an algorithm's settings, the local steps'), translated
+    without a warning (:func:`~oktopk_triton.deprecation.split_options`): for code that keeps
+    its options in one dict, e.g. the benchmarks' ``--option`` entries."""
+    front = set(inspect.signature(SparseAllreduce.__init__).parameters)
+    old = {k: v for k, v in options.items() if k not in front}
+    config, steps = split_options(algorithm, old, options.get("local_steps"))
+    return {**{k: v for k, v in options.items() if k in front}, "algorithm": config,
+            "local_steps": steps}
 
 
 def _check_modes(local_steps: Optional[LocalStepper], params: Optional[List[torch.Tensor]],
