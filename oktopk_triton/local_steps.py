@@ -95,6 +95,9 @@ class LocalStepper:
         """The component for a :class:`~oktopk_triton.config.LocalSteps`, or ``None`` for
         ``None`` and the defaults (plain ``reduce_updates``). ``moment_sync_every`` > 0 or
         ``moment_realign`` > 0 turn local steps on even at ``sync_every=1``."""
+        if config is not None and not isinstance(config, LocalStepsConfig):
+            raise TypeError(f"local_steps must be a LocalSteps or None, got "
+                            f"{type(config).__name__}")
         if config is None or not config.enabled:
             return None
         ls = cls(config.sync_every, config.outer_lr, config.outer_momentum,
