@@ -59,16 +59,19 @@ LOCAL = [("sync_every", 2), ("outer_lr", 0.5), ("outer_momentum", 0.5),
          ("moment_dtype", "bf16"), ("moment_realign", 0.3)]
 
 
+def _old_and_new(body, key, value, new_spelling, new_kwargs):
+    """The old spelling warns with its new one, and both give bitwise the same run."""
+    with pytest.warns(DeprecationWarning) as rec:
+        old = LocalCluster(2).run(body, {key: value, **BE})
+    want = f"SparseAllreduce(..., {key}={value!r}) is deprecated: use {new_spelling}"
+    assert want in [str(w.message) for w in rec]
+    _same(old, LocalCluster(2).run(body, new_kwargs))
+
+
 @pytest.mark.parametrize("key,value", LOCAL)
 def test_old_local_step_keyword_warns_and_matches(key, value):
-    with pytest.warns(DeprecationWarning) as rec:
-        old = LocalCluster(2).run(_updates_body, {key: value, **BE})
-    want = f"SparseAllreduce(..., {key}={value!r}) is deprecated: use " \
-           f"local_steps=LocalSteps({key}={value!r})"
-    assert want in [str(w.message) for w in rec]
-    new = LocalCluster(2).run(_updates_body, dict(local_steps=LocalSteps(**{key: value}),
-                                                  algorithm=OkTopk(**BE)))
-    _same(old, new)
+    _old_and_new(_updates_body, key, value, f"local_steps=LocalSteps({key}={value!r})",
+                 dict(local_steps=LocalSteps(**{key: value}), algorithm=OkTopk(**BE)))
 
 
 ALGORITHM = [("momentum", 0.9), ("wire_format", "compact"), ("volume_budget", 2.0),
@@ -77,13 +80,8 @@ ALGORITHM = [("momentum", 0.9), ("wire_format", "compact"), ("volume_budget", 2.
 
 @pytest.mark.parametrize("key,value", ALGORITHM)
 def test_old_algorithm_keyword_warns_and_matches(key, value):
-    with pytest.warns(DeprecationWarning) as rec:
-        old = LocalCluster(2).run(_flat_body, {key: value, **BE})
-    want = f"SparseAllreduce(..., {key}={value!r}) is deprecated: use " \
-           f"algorithm=OkTopk({key}={value!r})"
-    assert want in [str(w.message) for w in rec]
-    new = LocalCluster(2).run(_flat_body, dict(algorithm=OkTopk(**{key: value}, **BE)))
-    _same(old, new)
+    _old_and_new(_flat_body, key, value, f"algorithm=OkTopk({key}={value!r})",
+                 dict(algorithm=OkTopk(**{key: value}, **BE)))
 
 
 def test_old_options_of_another_algorithm_name_it():
