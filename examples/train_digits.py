@@ -16,6 +16,7 @@ from sklearn.datasets import load_digits
 
 import oktopk_triton
 from oktopk_triton import SparseAllreduce
+from oktopk_triton.config import as_config
 
 algorithm = sys.argv[1] if len(sys.argv) > 1 else "oktopk"
 density = float(sys.argv[2]) if len(sys.argv) > 2 else 0.01
@@ -40,7 +41,8 @@ model = nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(),
                       nn.Flatten(), nn.Linear(1024, 64), nn.ReLU(), nn.Linear(64, 10)).to(device)
 # momentum correction: the reducer applies the momentum before it sparsifies (an entry sent late
 # carries the momentum it would have had), so the optimizer itself runs without momentum
-sar = SparseAllreduce(model.parameters(), density=density, algorithm=algorithm, momentum=0.9)
+sar = SparseAllreduce(model.parameters(), density=density,
+                      algorithm=as_config(algorithm).replace(momentum=0.9))
 opt = torch.optim.SGD(model.parameters(), lr=0.05)
 
 for epoch in range(epochs):

@@ -3,6 +3,10 @@
     from oktopk_triton import SparseAllreduce
     sar = SparseAllreduce(model.parameters(), density=0.01)   # algorithm="oktopk"
     loss.backward(); sar.reduce_gradients(); opt.step()
+
+    # settings as objects (oktopk_triton.config): an algorithm's, the local steps'
+    sar = SparseAllreduce(model.parameters(), density=0.04, algorithm=OkTopk(momentum=0.9),
+                          local_steps=LocalSteps(sync_every=4))
 """
 import logging
 
@@ -12,7 +16,11 @@ __version__ = "0.2.0"
 # prints nothing; an application shows the messages with logging.basicConfig(level=logging.INFO)
 logging.getLogger("oktopk_triton").addHandler(logging.NullHandler())
 
-__all__ = ["SparseAllreduce", "LocalCluster", "TorchCommunicator", "NcclCommunicator",
+# the settings objects (oktopk_triton.config)
+_CONFIG = ("AlgorithmConfig", "OkTopk", "TopkA", "GTopk", "SparDL", "TopkDSA", "Gaussiank", "Dense",
+           "Registered", "LocalSteps")
+
+__all__ = [*_CONFIG, "SparseAllreduce", "LocalCluster", "TorchCommunicator", "NcclCommunicator",
            "Communicator", "GraphedStep", "get_algorithm", "shutdown", "__version__"]
 
 
@@ -23,6 +31,9 @@ def __getattr__(name):  # lazy: importing the package stays cheap and never need
     if name in ("LocalCluster", "TorchCommunicator", "NcclCommunicator", "Communicator"):
         from . import comm
         return getattr(comm, name)
+    if name in _CONFIG:
+        from . import config
+        return getattr(config, name)
     if name == "GraphedStep":
         from .graph import GraphedStep
         return GraphedStep

@@ -15,7 +15,7 @@ Measured why: docs/research/design-notes.md, ``oktopk_triton/ddp.py``.
 """
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Set, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -23,85 +23,15 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from .comm.base import Communicator
 
+from .checks import check_density
 from .comm.base import ring_allreduce_bytes
+from .config import AlgorithmConfig, as_config
+from .ddp_bucket import BucketMode
+from .ddp_flat import FLAT, FlatMode
+from .ddp_layout import Layout, bucket_views, numel_of
+from .deprecation import old_keywords
 
 __all__ = ["SparseAllreduceState", "sparse_allreduce_hook"]
-
-
-class _Layout:
-    """The hook's element order, fixed by parameters rather than by DDP's buckets.
-
-    DDP lays out a fresh instance's buckets in one order for its first iteration and rebuilds
-    them in gradient-ready order after it. A residual kept in bucket order would therefore, on a
-    resume whose first iteration runs before the rebuild, be applied to other parameters than
-    those it was computed for (same length, no error). Here every parameter gets a *canonical
-    index*: its position in the first iteration this state sees (a fresh DDP's first layout,
-    identical for an uninterrupted run and for a resumed one), and every reducer reads and writes
-    its vector in canonical order. ``groups`` (bucket mode) are the parameter sets of the
-    reducers, fixed by the first sparse iteration's buckets and saved with the state.
-    """
-
-    __slots__ = ("index", "shapes", "groups", "group_of", "group_index", "expected")
-
-    def __init__(self) -> None:
-        self.index: Dict[int, int] = {}            # id(parameter) -> canonical index
-        self.shapes: List[Tuple[int, ...]] = []     # canonical index -> shape
-        self.groups: Optional[List[Tuple[int, ...]]] = None
-        self.group_of: Dict[int, int] = {}
-        self.group_index: Dict[Tuple[int, ...], int] = {}
-        self.expected: Optional[List[Tuple[int, ...]]] = None   # shapes of a loaded state
-
-    def indices(self, params: List[torch.Tensor]) -> List[int]:
-        """Canonical indices of a bucket's parameters, assigning new ones on first sight."""
-        out = []
-        for p in params:
-            c = self.index.get(id(p))
-            if c is None:
-                c = len(self.shapes)
-                self.index[id(p)] = c
-                self.shapes.append(tuple(p.shape))
-                if self.expected is not None and (c >= len(self.expected)
-                                                  or self.expected[c] != self.shapes[c]):
-                    raise ValueError(
-                        "sparse_allreduce_hook: the loaded state was saved for other parameters "
-                        f"(parameter {c} has shape {self.shapes[c]}, the saved state expects "
-                        f"{self.expected[c] if c < len(self.expected) else 'no such parameter'}); "
-                        "load a state saved from this model")
-            out.append(c)
-        return out
-
-    def check_complete(self) -> None:
-        if self.expected is not None and len(self.shapes) != len(self.expected):
-            raise ValueError(f"sparse_allreduce_hook: the loaded state was saved for "
-                             f"{len(self.expected)} parameters, this model has {len(self.shapes)}")
-
-    def set_groups(self, groups: List[Tuple[int, ...]]) -> None:
-        self.groups = [tuple(g) for g in groups]
-        self.group_of = {c: gi for gi, g in enumerate(self.groups) for c in g}
-        self.group_index = {g: gi for gi, g in enumerate(self.groups)}
-
-    def known_shapes(self) -> List[Tuple[int, ...]]:
-        """The canonical shapes: those seen, else those of a loaded state (not yet seen)."""
-        return self.shapes if self.shapes or self.expected is None else self.expected
-
-    def state_dict(self) -> Dict[str, Any]:
-        return {"shapes": [list(s) for s in self.known_shapes()],
-                "groups": None if self.groups is None else [list(g) for g in self.groups]}
-
-    def load(self, sd: Dict[str, Any]) -> None:
-        # a state saved before the hook saw any parameter constrains none
-        self.expected = [tuple(s) for s in sd["shapes"]] or None
-        if self.expected is None:
-            return
-        if self.shapes:      # already seen: check now
-            for c, s in enumerate(self.shapes):
-                if c >= len(self.expected) or self.expected[c] != s:
-                    raise ValueError("SparseAllreduceState.load_state_dict: the state was saved "
-                                     f"for other parameters (parameter {c}: shape {s} here, "
-                                     f"{self.expected[c] if c < len(self.expected) else 'none'} "
-                                     "saved)")
-        if sd.get("groups") is not None:
-            self.set_groups([tuple(g) for g in sd["groups"]])
 
 
 class SparseAllreduceState:
@@ -110,8 +40,8 @@ class SparseAllreduceState:
     Args:
         process_group: the group DDP reduces over (``None``: the default group).
         density: fraction of each bucket's entries each step keeps, in (0, 1].
-        algorithm: a registered algorithm name (``"oktopk"``, ``"topka"``, ``"gtopk"``,
-            ``"spardl"``, ``"topkdsa"``, ``"gaussiank"``, ``"dense"``).
+        algorithm: an algorithm object of :mod:`oktopk_triton.config` (``OkTopk(momentum=0.9)``,
+            ``TopkA()``, ..., ``Dense()``) or a registered name (its defaults).
         start_iter: iterations reduced densely before the sparse reducers start (at least 1,
             because DDP rebuilds its buckets after the first iteration).
         mode: ``"flat"`` (default: one reducer over the whole iteration's gradient, run when the
@@ -123,7 +53,10 @@ class SparseAllreduceState:
         scaler: a ``torch.amp.GradScaler`` whose scale the gradients carry (or ``None``); the
             residuals are kept in its current scale across its backoffs and growths, read from
             its device tensor (no host read). May also be set later (``state.scaler = ...``).
-        **options: passed to the algorithm (e.g. ``check_finite="raise"``, algorithm options).
+        check_finite: ``"skip"`` (default), ``"raise"`` or ``"off"`` (see ``SparseAllreduce``).
+
+    An algorithm's settings passed as keywords (``momentum=0.9``) still work for one version,
+    with a ``DeprecationWarning`` naming the new spelling (:mod:`oktopk_triton.deprecation`).
 
     Attributes:
         iter: completed iterations (counted on the last bucket).
@@ -135,40 +68,34 @@ class SparseAllreduceState:
         total_bytes_sent: bytes this rank sent since the state was created.
     """
 
-    __slots__ = ("process_group", "density", "algorithm", "start_iter", "options", "comm",
-                 "iter", "reducers", "bytes_sent", "total_bytes_sent", "_iter_bytes",
-                 "_pending_state", "mode", "_pending", "layout", "scaler", "_arrived",
-                 "_reduced", "_new_groups", "_seen", "_used", "_watched", "_now",
-                 "_relayout", "held_out", "_iter_held", "_model", "_carried")
+    __slots__ = ("process_group", "density", "algorithm", "config", "start_iter", "options",
+                 "comm", "iter", "reducers", "bytes_sent", "total_bytes_sent", "_iter_bytes",
+                 "_pending_state", "mode", "_mode", "layout", "scaler", "_seen", "_used",
+                 "_watched", "held_out", "_iter_held", "_model", "_carried")
 
     MODES = ("flat", "bucket")
-    FLAT = -1   # the reducers key of the flat reducer
+    FLAT = FLAT   # the reducers key of the flat reducer
 
+    @old_keywords("SparseAllreduceState", refuse_local_steps=(
+        "SparseAllreduceState: the DDP hook cannot take local steps ({names}): it runs before "
+        "the optimizer step; use SparseAllreduce.reduce_updates"))
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, density: float = 0.01,
-                 algorithm: str = "oktopk", start_iter: int = 1,
+                 algorithm: Union[str, AlgorithmConfig] = "oktopk", start_iter: int = 1,
                  comm: Optional["Communicator"] = None, mode: str = "flat",
-                 scaler: Optional["torch.amp.GradScaler"] = None,
-                 **options: Any) -> None:
+                 scaler: Optional["torch.amp.GradScaler"] = None, *,
+                 check_finite: str = "skip") -> None:
         if mode not in self.MODES:
             raise ValueError(f"mode must be one of {self.MODES}, got {mode!r}")
-        from .algorithms import get_algorithm
-        get_algorithm(algorithm)  # a clear error now for an unknown name
-        if not (0.0 < float(density) <= 1.0):
-            raise ValueError(f"density must be in (0, 1], got {density!r}")
+        self.config = as_config(algorithm)      # a clear error now for an unknown name
         if int(start_iter) < 1:
             raise ValueError("start_iter must be >= 1: DDP rebuilds its buckets after the first "
                              "iteration, so sparse reducers built then would be built for the "
                              "wrong buckets")
         self.process_group = process_group
-        self.density = float(density)
-        self.algorithm = algorithm
+        self.density = check_density(density)
+        self.algorithm = self.config.algorithm       # the name (saved with the state)
         self.start_iter = int(start_iter)
-        from .local_steps import OPTIONS as LOCAL_STEPS
-        if set(options) & set(LOCAL_STEPS):
-            raise ValueError(f"SparseAllreduceState: the DDP hook cannot take local steps "
-                             f"({sorted(set(options) & set(LOCAL_STEPS))}): it runs before the "
-                             "optimizer step; use SparseAllreduce.reduce_updates")
-        self.options: Dict[str, Any] = dict(options)
+        self.options: Dict[str, Any] = {"check_finite": check_finite, **self.config.options()}
         self.comm = comm
         self.iter = 0
         self.reducers: Dict[int, Any] = {}
@@ -177,20 +104,15 @@ class SparseAllreduceState:
         self._iter_bytes = 0
         self._pending_state: Dict[int, Dict[str, Any]] = {}
         self.mode = mode
-        self._pending: List[Tuple[torch.Tensor, "torch.futures.Future[torch.Tensor]",
-                                  Dict[int, torch.Tensor]]] = []
-        self.layout = _Layout()
+        self.layout = Layout()
+        # the mode's component: ddp_flat.FlatMode or ddp_bucket.BucketMode
+        self._mode = FlatMode() if mode == "flat" else BucketMode()
         self.scaler = scaler
-        self._arrived: Dict[int, torch.Tensor] = {}    # bucket mode: this iteration's grads
-        self._reduced: set = set()                      # bucket mode: groups reduced this iter
-        self._new_groups = False
         self._seen = 0                                  # iterations this instance has seen
         # parameters used (gradient accumulated) since the last synchronised backward, by
         # canonical index; fed by one post-accumulate-grad hook per parameter (see _watch)
         self._used: Set[int] = set()
         self._watched: Dict[int, Any] = {}              # canonical index -> hook handle
-        self._now: List[Tuple[int, ...]] = []           # bucket mode: this iteration's buckets
-        self._relayout = False                          # bucket mode: DDP rebuilt its buckets
         self.held_out = 0                               # parameters held out, last iteration
         self._iter_held = 0
         self._model: Optional["weakref.ref"] = None     # the DDP model (see bind)
@@ -311,7 +233,7 @@ class SparseAllreduceState:
             return torch.zeros(param.shape, dtype=torch.float32, device=param.device)
         off = 0
         for m in members:
-            n = _numel(shapes[m])
+            n = numel_of(shapes[m])
             if m == c:
                 return vec[off:off + n].view(param.shape)
             off += n
@@ -445,20 +367,6 @@ def _completed(t: torch.Tensor) -> "torch.futures.Future[torch.Tensor]":
     return fut
 
 
-def _bucket_views(bucket: dist.GradBucket, buf: torch.Tensor) -> List[torch.Tensor]:
-    """The flat view of each parameter's gradient inside the bucket buffer (DDP packs them in
-    ``bucket.parameters()`` order, back to back)."""
-    views, off = [], 0
-    flat = buf.reshape(-1)
-    for p in bucket.parameters():
-        views.append(flat[off:off + p.numel()])
-        off += p.numel()
-    if off != flat.numel():
-        raise RuntimeError(f"sparse_allreduce_hook: bucket {bucket.index()} holds {flat.numel()} "
-                           f"elements but its parameters {off}")
-    return views
-
-
 def sparse_allreduce_hook(state: SparseAllreduceState,
                           bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: the bucket's gradients averaged over ranks with the sparse
@@ -487,9 +395,7 @@ def sparse_allreduce_hook(state: SparseAllreduceState,
         state._iter_bytes += ring_allreduce_bytes(t.numel() * t.element_size(), P)
         result = fut.then(lambda f: f.value()[0])
     else:
-        views = _bucket_views(bucket, buf)
-        step = _group_step if state.mode == "bucket" else _flat_step
-        result = step(state, buf, canon, views, last)
+        result = state._mode.step(state, buf, canon, bucket_views(bucket, buf), last)
     if last:
         state.bytes_sent = state._iter_bytes
         state.total_bytes_sent += state._iter_bytes
@@ -499,242 +405,3 @@ def sparse_allreduce_hook(state: SparseAllreduceState,
         state._used.clear()          # the next synchronised backward starts counting afresh
         state.held_out, state._iter_held = state._iter_held, 0
     return result
-
-
-def _unused(state: SparseAllreduceState, members: List[int],
-            grads: Dict[int, torch.Tensor]) -> List[int]:
-    """Positions in ``members`` of the parameters this rank did not use since the last
-    synchronised backward. Seen by the post-accumulate-grad hooks; in the first iteration an
-    instance sees (hooks registered during it), a gradient slot that is exactly zero counts as
-    unused (one host read, that iteration only: holding out a used parameter is always safe)."""
-    if state._seen > 0:
-        return [i for i, c in enumerate(members) if c not in state._used]
-    nonzero = torch.stack([grads[c].ne(0).any() for c in members]).tolist()
-    return [i for i, nz in enumerate(nonzero) if not nz]
-
-
-def _hold_out(red, flat: torch.Tensor, spans: List[Tuple[int, int]]):
-    """Set aside what ``red`` owes the entries ``spans`` ((offset, length) in ``flat``), and
-    their gradient slots, so the step offers nothing of them (acc = 0 there: never selected)."""
-    take = [(o, n, red.residual[o:o + n].clone(),
-             None if red.velocity is None else red.velocity[o:o + n].clone(),
-             flat[o:o + n].float()) for o, n in spans]
-    for o, n, *_ in take:
-        red.residual[o:o + n] = 0
-        if red.velocity is not None:
-            red.velocity[o:o + n] = 0
-    flat_held = flat.clone()
-    for o, n, *_ in take:
-        flat_held[o:o + n] = 0
-    scale = None if red.loss_scale is None else red.loss_scale.clone()
-    return take, scale, flat_held
-
-
-def _put_back(red, held) -> None:
-    """Return what :func:`_hold_out` set aside: the residual and velocity (in the loss scale the
-    step moved them to) plus the gradient slot (unless the step was non-finite, when every
-    residual stays as it was)."""
-    take, scale, _ = held
-    ratio = None
-    if scale is not None and red.loss_scale is not None:
-        ratio = red.loss_scale / scale
-    nonfinite = red.stats.get("nonfinite")
-    for o, n, res, vel, g in take:
-        if ratio is not None:
-            res = res * ratio
-            vel = None if vel is None else vel * ratio
-        if isinstance(nonfinite, torch.Tensor):
-            g = torch.where(nonfinite > 0, torch.zeros_like(g), g)
-        red.residual[o:o + n] += res + g
-        if vel is not None:
-            red.velocity[o:o + n] += vel
-
-
-def _reduce(state: SparseAllreduceState, key: int, members: List[int],
-            grads: Dict[int, torch.Tensor]) -> None:
-    """Reduce the parameters ``members`` (canonical indices) as one vector in canonical order
-    with reducer ``key``; the result is written back into each parameter's gradient view.
-    Parameters this rank did not use are held out (see the module docstring)."""
-    flat = torch.cat([grads[c] for c in members])
-    red = state.reducer(key, flat)
-    unused = _unused(state, members, grads)
-    held = None
-    if unused:
-        offs, off = [], 0
-        for c in members:
-            offs.append(off)
-            off += grads[c].numel()
-        held = _hold_out(red, flat, [(offs[i], grads[members[i]].numel()) for i in unused])
-        flat = held[2]
-        state._iter_held += len(unused)
-    out = red(flat, scale=state._scale())
-    if held is not None:
-        _put_back(red, held)
-    state._iter_bytes += int(red.stats.get("bytes_sent", 0))
-    off = 0
-    for c in members:
-        g = grads[c]
-        g.copy_(out[off:off + g.numel()])
-        off += g.numel()
-
-
-def _settle(pending: list, error: BaseException) -> None:
-    for _, f, _ in pending:
-        if not f.done():
-            f.set_exception(error)
-
-
-def _flat_step(state: SparseAllreduceState, buf: torch.Tensor, canon: List[int],
-               views: List[torch.Tensor], last: bool) -> "torch.futures.Future[torch.Tensor]":
-    """Flat mode: hold the buckets until the last one arrives, then reduce the whole gradient as
-    one vector in canonical order and complete every held future (each with its own buffer:
-    DDP re-points its views into the future's tensor with as_strided, which ignores a slice's
-    storage offset)."""
-    fut: torch.futures.Future = torch.futures.Future()
-    state._pending.append((buf, fut, dict(zip(canon, views))))
-    if not last:
-        return fut
-    pending, state._pending = state._pending, []
-    try:
-        grads: Dict[int, torch.Tensor] = {}
-        for _, _, g in pending:
-            grads.update(g)
-        _reduce(state, SparseAllreduceState.FLAT, list(range(len(state.layout.shapes))), grads)
-        for b, f, _ in pending:
-            f.set_result(b)
-    except BaseException as e:   # every held bucket fails, none is left waiting
-        _settle(pending, e)
-        raise
-    return fut
-
-
-def _group_step(state: SparseAllreduceState, buf: torch.Tensor, canon: List[int],
-                views: List[torch.Tensor], last: bool) -> "torch.futures.Future[torch.Tensor]":
-    """Bucket mode: one reducer per parameter group. The groups are the buckets of the first
-    sparse iteration (saved with the state); a group is reduced as soon as all its parameters
-    have arrived, and a bucket completes once all its parameters are reduced. In steady state
-    the groups are DDP's buckets, so each bucket is reduced as it arrives.
-
-    DDP's rebuild: groups seen in an instance's first two iterations are provisional (a fresh
-    DDP's layout before its rebuild, which comes after the first iteration, or the second with
-    ``static_graph``). From the third iteration on, a bucket that is not a group means DDP
-    rebuilt its buckets: the buckets that are groups are reduced as they come, the others wait
-    for the last bucket, where the groups become this iteration's buckets (:func:`_regroup`,
-    every residual moved by parameter) and the rest is reduced."""
-    lay = state.layout
-    key = tuple(canon)
-    if lay.groups is None:                    # the first sparse iteration: groups = its buckets
-        state._new_groups = True
-        lay.set_groups([])
-    if state._new_groups:
-        lay.set_groups(lay.groups + [key])
-    elif state._seen >= 2 and key not in lay.group_index:
-        state._relayout = True
-    state._now.append(key)
-    fut: torch.futures.Future = torch.futures.Future()
-    state._pending.append((buf, fut, dict(zip(canon, views))))
-    state._arrived.update(zip(canon, views))
-    try:
-        if state._relayout:                   # only buckets that are whole groups, as they come
-            gi = lay.group_index.get(key)
-            ready = [] if gi is None else [gi]
-        else:
-            ready = sorted({lay.group_of[c] for c in canon})
-        for gi in ready:
-            members = lay.groups[gi]
-            if gi not in state._reduced and all(c in state._arrived for c in members):
-                _reduce(state, gi, list(members), state._arrived)
-                state._reduced.add(gi)
-        if last and state._relayout:
-            _regroup(state, state._now)
-            for gi, members in enumerate(lay.groups):
-                if gi not in state._reduced:
-                    _reduce(state, gi, list(members), state._arrived)
-                    state._reduced.add(gi)
-        done = [p for p in state._pending if all(lay.group_of[c] in state._reduced for c in p[2])]
-        done_ids = {id(f) for _, f, _ in done}
-        state._pending = [p for p in state._pending if id(p[1]) not in done_ids]
-        for b, f, _ in done:
-            f.set_result(b)
-        if last:
-            if state._pending:
-                raise RuntimeError("sparse_allreduce_hook: parameter groups left unreduced at "
-                                   "the last bucket")
-            _end_group_iteration(state)
-    except BaseException as e:
-        pending, state._pending = state._pending, []
-        _end_group_iteration(state)
-        _settle(pending, e)
-        raise
-    return fut
-
-
-def _end_group_iteration(state: SparseAllreduceState) -> None:
-    state._arrived, state._reduced, state._new_groups = {}, set(), False
-    state._now, state._relayout = [], False
-
-
-def _regroup(state: SparseAllreduceState, buckets: List[Tuple[int, ...]]) -> None:
-    """Make ``buckets`` the groups. A group that was already one keeps its reducer (reduced
-    this iteration under its new index); every other parameter's residual and velocity move
-    from its old reducer into the reducer of its new group, which takes the step count and
-    loss scale over (its thresholds start afresh: its first step calibrates). Nothing owed is
-    lost; every rank regroups in the same iteration (DDP gives every rank the same buckets)."""
-    lay = state.layout
-    old_groups, old_reducers = lay.groups, state.reducers
-    sizes = [_numel(s) for s in lay.shapes]
-    res: Dict[int, torch.Tensor] = {}
-    vel: Dict[int, torch.Tensor] = {}
-    template = None
-    for gi, members in enumerate(old_groups):
-        red = old_reducers.get(gi)
-        if red is None and gi in state._pending_state:    # loaded, never built: build it now
-            first = state._arrived[members[0]]
-            red = state.reducer(gi, torch.empty(sum(sizes[c] for c in members),
-                                                device=first.device))
-        if red is None:
-            continue
-        template = template or red
-        off = 0
-        for c in members:
-            res[c] = red.residual[off:off + sizes[c]]
-            if red.velocity is not None:
-                vel[c] = red.velocity[off:off + sizes[c]]
-            off += sizes[c]
-    old_index = {g: gi for gi, g in enumerate(old_groups)}
-    reduced = state._reduced
-    new_reducers: Dict[int, Any] = {}
-    new_reduced = set()
-    for j, g in enumerate(buckets):
-        gi = old_index.get(g)
-        if gi is not None and gi in old_reducers:
-            new_reducers[j] = old_reducers[gi]
-            if gi in reduced:
-                new_reduced.add(j)
-            continue
-        if template is None:
-            continue                          # nothing built yet: reducers come on first use
-        red = state._build(sum(sizes[c] for c in g), template.device)
-        red.residual.copy_(torch.cat([res[c] if c in res else
-                                      torch.zeros(sizes[c], device=template.device)
-                                      for c in g]))
-        if red.velocity is not None and vel:
-            red.velocity.copy_(torch.cat([vel[c] if c in vel else
-                                          torch.zeros(sizes[c], device=template.device)
-                                          for c in g]))
-        red.step_count = template.step_count
-        if template.loss_scale is not None:
-            red.loss_scale = template.loss_scale.clone()
-            red._scale_host = template._scale_host
-        new_reducers[j] = red
-    state.reducers = new_reducers
-    state._pending_state = {}
-    lay.set_groups(list(buckets))
-    state._reduced = new_reduced
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n

@@ -8,7 +8,7 @@ taking over the last one's state.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 __all__ = ["DensitySchedule", "ScheduleSpec"]
 
@@ -76,3 +76,18 @@ class DensitySchedule:
             if step >= first:
                 d = x
         return d
+
+    def advance(self, sar: Any) -> None:
+        """At a stage's first step, a reducer at the stage's density takes over ``sar``'s
+        current one: its residual, velocity and step count (its capacities are the new
+        density's; Ok-Topk keeps its regions, and its first step calibrates on them)."""
+        d = self.density_at(sar.algorithm.step_count)
+        if d != sar.algorithm.density:
+            self.switch(sar, d)
+
+    @staticmethod
+    def switch(sar: Any, density: float) -> None:
+        """Replace ``sar``'s reducer by one at ``density`` that takes the current one over."""
+        new = sar._cls(sar.numel, sar.comm, density, **sar._build)
+        new.take_over(sar.algorithm)
+        sar.algorithm = new

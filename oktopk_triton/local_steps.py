@@ -2,31 +2,33 @@
 gradients, then the ranks reduce their accumulated weight change (the pseudo-gradient) with the
 sparse algorithm, error feedback included, and every replica restarts from the same weights.
 
-Used through ``SparseAllreduce(params, ..., sync_every=H).reduce_updates(optimizer)``; this
-module holds the state between syncs (:class:`LocalSteps`). See ``docs/research/techniques.md``.
+Used through ``SparseAllreduce(params, ..., local_steps=LocalSteps(sync_every=H))``
+and ``reduce_updates(optimizer)``; this module holds the state between syncs
+(:class:`LocalStepper`). See ``docs/research/techniques.md``.
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Dict, List, Optional
 
 import torch
 
+from .checks import check_local_steps
+from .config import LocalSteps as LocalStepsConfig
 from .flat_params import finite_or_zero, nonfinite_mask, optimizer_step, zero_if_flagged_
 from .moments import OPTIONS as MOMENT_OPTIONS
-from .moments import MomentSync
+from .moments import MomentAverager
 from .realign import OPTIONS as REALIGN_OPTIONS
 from .realign import MomentRealign
 
-__all__ = ["LocalSteps", "OPTIONS"]
+__all__ = ["LocalStepper", "LocalSteps", "OPTIONS"]
 
 # the SparseAllreduce keyword arguments this component owns (one home for the names), with
-# moments.MomentSync's (optimizer moments averaged every K syncs)
+# moments.MomentAverager's (optimizer moments averaged every K syncs)
+# (config.LocalSteps's fields, in order)
 OPTIONS = ("sync_every", "outer_lr", "outer_momentum", "residual_decay") + MOMENT_OPTIONS \
     + REALIGN_OPTIONS
 
-
-class LocalSteps:
+class LocalStepper:
     """What ``SparseAllreduce.reduce_updates`` keeps between syncs with local steps on.
 
     Every call steps the optimizer on this rank's own gradient (the weights move locally). Every
@@ -57,26 +59,8 @@ class LocalSteps:
     ``check_finite="raise"`` the sync raises on every rank with the residual as it was, and the
     next call syncs again.
 
-    Advice on the options (measured numbers: docs/research/design-notes.md, ``LocalSteps``):
-
-    1. ``sync_every`` (H, default 1: every call syncs, as plain ``reduce_updates``): raise the
-       density with H to keep the bytes per step (``density = H * per-step density``); H = 2
-       to 4 did best.
-    2. ``outer_lr`` (default 1.0: the replicas take the reduced change as it is): DiLoCo tunes
-       it with Nesterov momentum; plain local SGD averaging is 1.0.
-    3. ``outer_momentum`` (default 0): with ``algorithm="dense"`` a small one (0.7 at
-       ``outer_lr=0.36``) helped; with a sparse algorithm keep 0: its error feedback acts as a
-       momentum already.
-    4. ``residual_decay`` (default 1.0, no decay): SparseLoCo decays what is owed each sync, so
-       stale pseudo-gradient mass fades instead of arriving late; 0.9-0.95 are its values.
-    5. ``moment_sync_every`` (K, default 0: off), ``moment_sync``, ``moment_dtype``: every K-th
-       sync averages the optimizer's Adam moments over the ranks (DES-LOC;
-       :class:`~oktopk_triton.moments.MomentSync`); its bytes are in the sync's ``bytes_sent``.
-       Sync both moments; the second alone did not help.
-    6. ``moment_realign`` (a, default 0: off): after each sync every rank's Adam first moment
-       moves a fraction ``a`` of the way to the common step's direction, at no bytes
-       (:class:`~oktopk_triton.realign.MomentRealign`): use it near 0.3 with TopkA, at a few
-       percent a sync; not with Ok-Topk.
+    Its settings, with advice on each: :class:`oktopk_triton.config.LocalSteps` (measured
+    numbers: docs/research/design-notes.md, ``LocalSteps``).
 
     Costs: the anchor (one copy of the weights, their dtypes), and with ``outer_momentum`` an
     fp32 velocity of ``numel``. A local call: the optimizer step and a few Python lines, no
@@ -93,15 +77,8 @@ class LocalSteps:
 
     def __init__(self, sync_every: int = 1, outer_lr: float = 1.0, outer_momentum: float = 0.0,
                  residual_decay: float = 1.0) -> None:
-        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
-            raise ValueError(f"sync_every must be a positive int (optimizer steps per sync), "
-                             f"got {sync_every!r}")
-        if not _real(outer_lr) or not outer_lr > 0:
-            raise ValueError(f"outer_lr must be a finite number > 0, got {outer_lr!r}")
-        if not _real(outer_momentum) or not 0.0 <= outer_momentum < 1.0:
-            raise ValueError(f"outer_momentum must be a number in [0, 1), got {outer_momentum!r}")
-        if not _real(residual_decay) or not 0.0 < residual_decay <= 1.0:
-            raise ValueError(f"residual_decay must be a number in (0, 1], got {residual_decay!r}")
+        check_local_steps(sync_every=sync_every, outer_lr=outer_lr,
+                          outer_momentum=outer_momentum, residual_decay=residual_decay)
         self.sync_every = sync_every
         self.outer_lr = float(outer_lr)
         self.outer_momentum = float(outer_momentum)
@@ -109,26 +86,31 @@ class LocalSteps:
         self.position = 0                                 # calls since the last sync
         self.anchor: Optional[List[torch.Tensor]] = None  # the weights at the last sync
         self.velocity: Optional[torch.Tensor] = None      # the outer Nesterov momentum (fp32)
-        self.moments: Optional[MomentSync] = None         # moments.MomentSync (build sets it)
+        self.moments: Optional[MomentAverager] = None     # moments.MomentAverager (build sets it)
         self.realign: Optional[MomentRealign] = None      # realign.MomentRealign (build sets it)
         self.stats: Dict[str, Any] = {}
 
     @classmethod
-    def build(cls, sync_every: int = 1, outer_lr: float = 1.0, outer_momentum: float = 0.0,
-              residual_decay: float = 1.0, moment_realign: float = 0.0,
-              **moments: Any) -> Optional["LocalSteps"]:
-        """The validated component, or ``None`` for the defaults (plain ``reduce_updates``).
-        ``moments``: :class:`~oktopk_triton.moments.MomentSync`'s options (``moment_sync_every``
-        > 0 turns local steps on even at ``sync_every=1``); ``moment_realign``:
-        :class:`~oktopk_triton.realign.MomentRealign`'s."""
-        ls = cls(sync_every, outer_lr, outer_momentum, residual_decay)
-        ls.moments = MomentSync.build(**moments)
-        ls.realign = MomentRealign.build(moment_realign)
-        if (ls.sync_every, ls.outer_lr, ls.outer_momentum, ls.residual_decay) == (1, 1.0, 0.0,
-                                                                                   1.0) \
-                and ls.moments is None and ls.realign is None:
+    def from_config(cls, config: Optional[LocalStepsConfig]) -> Optional["LocalStepper"]:
+        """The component for a :class:`~oktopk_triton.config.LocalSteps`, or ``None`` for
+        ``None`` and the defaults (plain ``reduce_updates``). ``moment_sync_every`` > 0 or
+        ``moment_realign`` > 0 turn local steps on even at ``sync_every=1``."""
+        if config is not None and not isinstance(config, LocalStepsConfig):
+            raise TypeError(f"local_steps must be a LocalSteps or None, got "
+                            f"{type(config).__name__}")
+        if config is None or not config.enabled:
             return None
+        ls = cls(config.sync_every, config.outer_lr, config.outer_momentum,
+                 config.residual_decay)
+        ls.moments = MomentAverager.build(config.moment_sync_every, config.moment_sync,
+                                          config.moment_dtype)
+        ls.realign = MomentRealign.build(config.moment_realign)
         return ls
+
+    @classmethod
+    def build(cls, **options: Any) -> Optional["LocalStepper"]:
+        """:meth:`from_config` from the settings by name (checked)."""
+        return cls.from_config(LocalStepsConfig(**options))
 
     def describe(self) -> Dict[str, Any]:
         ms = {} if self.moments is None else self.moments.describe()
@@ -260,6 +242,5 @@ class LocalSteps:
         if self.realign is not None:
             self.realign.load_state_dict(sd.get("realign"))
 
-
-def _real(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+# the component's former name (oktopk_triton.LocalSteps is now the settings object)
+LocalSteps = LocalStepper

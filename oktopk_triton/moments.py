@@ -3,12 +3,12 @@
 With local steps (:mod:`oktopk_triton.local_steps`) every rank's Adam keeps its own ``exp_avg``
 and ``exp_avg_sq``, so each local step is normalised by one rank's small-batch noise and the
 replicas' optimizers drift apart. DES-LOC syncs the weights and Adam's moments on separate
-periods. :class:`MomentSync` averages the moments over the ranks every ``every``-th sync with
+periods. :class:`MomentAverager` averages the moments over the ranks every ``every``-th sync with
 one dense allreduce through the reducer's communicator (counted in ``bytes_sent``), optionally
 only the second moment and in bf16 (a quarter of "both" in fp32).
 
-Used through ``SparseAllreduce(params, ..., sync_every=H, moment_sync_every=K)``; options
-:data:`OPTIONS`.
+Used through ``SparseAllreduce(params, ..., local_steps=LocalSteps(sync_every=H,
+moment_sync_every=K))``; options :data:`OPTIONS`.
 """
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from .comm.base import ring_allreduce_bytes
+from .checks import check_local_steps
 
-__all__ = ["MomentSync", "OPTIONS", "MOMENTS", "MOMENT_DTYPES"]
+__all__ = ["MomentAverager", "MomentSync", "OPTIONS", "MOMENTS", "MOMENT_DTYPES"]
 
 # the SparseAllreduce keyword arguments this component owns (one home for the names)
 OPTIONS = ("moment_sync_every", "moment_sync", "moment_dtype")
@@ -27,7 +28,7 @@ MOMENTS = {"both": ("exp_avg", "exp_avg_sq"), "second": ("exp_avg_sq",)}
 MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-class MomentSync:
+class MomentAverager:
     """Every ``every``-th sync of the local steps, the optimizer's moments become their average
     over the ranks, bitwise identical on every rank.
 
@@ -51,14 +52,7 @@ class MomentSync:
     """
 
     def __init__(self, every: int, moments: str = "both", dtype: str = "fp32") -> None:
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"moment_sync_every must be an int >= 1 (syncs between moment "
-                             f"averagings; 0 turns it off), got {every!r}")
-        if moments not in MOMENTS:
-            raise ValueError(f"moment_sync must be one of {sorted(MOMENTS)}, got {moments!r}")
-        if dtype not in MOMENT_DTYPES:
-            raise ValueError(f"moment_dtype must be one of {sorted(MOMENT_DTYPES)}, "
-                             f"got {dtype!r}")
+        check_local_steps(moment_sync_every=every, moment_sync=moments, moment_dtype=dtype)
         self.every, self.moments, self.dtype = every, moments, dtype
         self.count = 0                                  # syncs since the last moment averaging
         self._flat: Optional[torch.Tensor] = None
@@ -66,11 +60,11 @@ class MomentSync:
 
     @classmethod
     def build(cls, moment_sync_every: int = 0, moment_sync: str = "both",
-              moment_dtype: str = "fp32") -> Optional["MomentSync"]:
+              moment_dtype: str = "fp32") -> Optional["MomentAverager"]:
         """The validated component, or ``None`` when ``moment_sync_every == 0`` (off)."""
-        if isinstance(moment_sync_every, int) and not isinstance(moment_sync_every, bool) \
-                and moment_sync_every == 0:
-            cls(1, moment_sync, moment_dtype)          # the other two are still checked
+        check_local_steps(moment_sync_every=moment_sync_every, moment_sync=moment_sync,
+                          moment_dtype=moment_dtype)
+        if moment_sync_every == 0:
             return None
         return cls(moment_sync_every, moment_sync, moment_dtype)
 
@@ -150,3 +144,7 @@ class MomentSync:
             raise ValueError(f"SparseAllreduce: the saved moment-sync position {count} does not "
                              f"fit moment_sync_every={self.every}")
         self.count = count
+
+
+# the component's former name
+MomentSync = MomentAverager

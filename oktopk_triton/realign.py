@@ -11,15 +11,16 @@ component writes that direction back into each rank's ``exp_avg``, measured in t
 bounded size, and sends nothing. A fraction 0.3 of the way took TopkA at 2% of dense's bytes on
 the 4m GPT from 1.24 to 1.16 of dense's steps (three seeds); the full way stalled Ok-Topk.
 
-Used through ``SparseAllreduce(params, ..., sync_every=H, moment_realign=a)``; see
-:class:`MomentRealign`.
+Used through ``SparseAllreduce(params, ..., local_steps=LocalSteps(sync_every=H,
+moment_realign=a))``; see :class:`MomentRealign`.
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Dict, List, Optional
 
 import torch
+
+from .checks import check_local_steps
 
 __all__ = ["MomentRealign", "OPTIONS", "CLIP"]
 
@@ -52,20 +53,15 @@ class MomentRealign:
     """
 
     def __init__(self, amount: float) -> None:
-        if isinstance(amount, bool) or not isinstance(amount, (int, float)) \
-                or not math.isfinite(amount) or not 0.0 < amount <= 1.0:
-            raise ValueError(f"moment_realign must be a number in (0, 1] (0 turns it off), "
-                             f"got {amount!r}")
+        check_local_steps(moment_realign=amount)      # (build() turns 0 off)
         self.amount = float(amount)
         self.lr_sums: List[Any] = []        # per param group: sum of lr over the interval
 
     @classmethod
     def build(cls, moment_realign: float = 0.0) -> Optional["MomentRealign"]:
         """The validated component, or ``None`` for 0 (off)."""
-        if isinstance(moment_realign, (int, float)) and not isinstance(moment_realign, bool) \
-                and moment_realign == 0:
-            return None
-        return cls(moment_realign)
+        check_local_steps(moment_realign=moment_realign)
+        return None if moment_realign == 0 else cls(moment_realign)
 
     def describe(self) -> Dict[str, Any]:
         return dict(moment_realign=self.amount)

@@ -20,6 +20,7 @@ import torch
 
 from .. import kernels as K
 from ..comm.base import Communicator, resolve_device
+from ..checks import check_backend, check_density, check_options, refuse_unknown
 from ._wire import check_wire_format
 
 __all__ = ["Algorithm", "FLOAT_DTYPES", "LossScale"]
@@ -71,25 +72,17 @@ class Algorithm(abc.ABC):
                  **options: Any) -> None:
         if not isinstance(numel, int) or numel < 1:
             raise ValueError(f"numel must be a positive int, got {numel!r}")
-        if not isinstance(density, (int, float)) or not (0.0 < float(density) <= 1.0):
-            raise ValueError(f"density must be in (0, 1], got {density!r}")
+        check_density(density)
         if check_finite is True:
             check_finite = "skip"
         elif check_finite is False or check_finite is None:
             check_finite = "off"
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
-        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or \
-                not 0.0 <= float(momentum) < 1.0:
-            raise ValueError(f"momentum must be a float in [0, 1), got {momentum!r}")
         if check_finite not in _CHECK_FINITE:
             raise ValueError(f"check_finite must be one of {_CHECK_FINITE}, got {check_finite!r}")
-        unknown = sorted(set(options) - set(self.OPTIONS))
-        if unknown:
-            common = ["check_finite", "density", "device", "momentum", "momentum_masking",
-                      "warmup_steps", "wire_format"]
-            raise TypeError(f"{self.name}: unknown option(s) {unknown}; its own options: "
-                            f"{sorted(self.OPTIONS) or 'none'}; every algorithm's: {common}")
+        refuse_unknown(self.name, options, self.OPTIONS)
+        # every setting's check: oktopk_triton.config (the algorithm objects' own)
+        check_options(self.name, {**self.OPTIONS, **options, "warmup_steps": warmup_steps,
+                                  "momentum": momentum, "wire_format": wire_format})
         # compact: sparse entries as one word (bf16 value, 16-bit chunk-relative index)
         self.wire_format = wire_format
         # (q2 / q4 too: packed like compact, the values quantized; see _wire)
@@ -374,8 +367,7 @@ class Algorithm(abc.ABC):
         run: ``auto`` | ``triton`` | ``torch``); a one-line error for anything else, or for
         ``triton`` without CUDA or the interpreter."""
         be = self.opts["backend"]
-        if be not in K.BACKENDS:
-            raise ValueError(f"{self.name}: backend must be one of {K.BACKENDS}, got {be!r}")
+        check_backend(self.name, be)
         K.choose(be, self.device)
         return be
 

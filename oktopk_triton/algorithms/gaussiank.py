@@ -76,14 +76,7 @@ class Gaussiank(Algorithm):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        o = self.opts
-        if not (float(o["slack"]) >= 1.0):
-            raise ValueError(f"gaussiank: slack must be >= 1, got {o['slack']!r}")
-        if not (isinstance(o["iters"], int) and o["iters"] >= 0):
-            raise ValueError(f"gaussiank: iters must be an int >= 0, got {o['iters']!r}")
-        if not (0.0 < float(o["lo"]) <= 1.0 <= float(o["hi"])):
-            raise ValueError(f"gaussiank: need 0 < lo <= 1 <= hi, "
-                             f"got lo={o['lo']!r}, hi={o['hi']!r}")
+        o = self.opts          # checked by the base (oktopk_triton.config.Gaussiank's rules)
         self.backend = self.kernel_backend()
         self.cap = self.capacity(self.k, self.numel, o["slack"])
         dens = min(self.density, 1.0 - 1e-12)

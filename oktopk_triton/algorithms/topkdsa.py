@@ -91,14 +91,7 @@ class TopkDSA(Algorithm):
     def __init__(self, numel, comm, density=0.01, **kw):
         super().__init__(numel, comm, density, **kw)
         P, n = self.P, self.numel
-        tau = self.opts["tau"]
-        if not isinstance(tau, int) or tau < 1:
-            raise ValueError(f"topkdsa: tau must be a positive int, got {tau!r}")
-        for key in ("slack", "gather_slack"):
-            if not (float(self.opts[key]) >= 1.0):
-                raise ValueError(f"topkdsa: {key} must be >= 1, got {self.opts[key]!r}")
-        if not (0.0 < float(self.opts["fill"]) <= 1.0):
-            raise ValueError(f"topkdsa: fill must be in (0, 1], got {self.opts['fill']!r}")
+        tau = self.opts["tau"]      # checked by the base (oktopk_triton.config.TopkDSA's rules)
         self.tau = tau
         self.L = L = -(-n // P)
         self.cap = max(1, min(L, math.ceil(float(self.opts["slack"]) * self.k / P)))

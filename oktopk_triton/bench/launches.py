@@ -169,7 +169,7 @@ def trace_call(call, n: int, comm) -> Dict[str, Any]:
 
 def _rank_body(comm, algorithm: str, wire: str, mode: str, n: int, density: float,
                warm: int, options: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-    from ..module import SparseAllreduce
+    from ..module import SparseAllreduce, keywords
     torch.manual_seed(1000 + comm.rank)
     gen = torch.Generator().manual_seed(7 + comm.rank)
 
@@ -181,7 +181,7 @@ def _rank_body(comm, algorithm: str, wire: str, mode: str, n: int, density: floa
     if wire != "fp32":
         opts["wire_format"] = wire
     if mode == "gradients":
-        sar = SparseAllreduce(n, comm, density, algorithm, **opts)
+        sar = SparseAllreduce(n, comm, density, **keywords(algorithm, opts))
         for t in range(warm):
             sar(grad(t))
         comm.barrier()
@@ -192,7 +192,7 @@ def _rank_body(comm, algorithm: str, wire: str, mode: str, n: int, density: floa
     w = torch.nn.Parameter(torch.zeros(n))
     if local:
         opts["sync_every"] = SYNC_EVERY
-    sar = SparseAllreduce([w], comm, density, algorithm, **opts)
+    sar = SparseAllreduce([w], comm, density, **keywords(algorithm, opts))
     opt = torch.optim.SGD([w], lr=0.1)
     calls = warm * (SYNC_EVERY if local else 1)
     for t in range(calls):

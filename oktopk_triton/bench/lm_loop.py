@@ -126,7 +126,7 @@ class _LMReducer:
     the gradients during backward. ``reduce()`` returns the flat vector applied this step."""
 
     def __init__(self, cfg, algorithm: str, model, params, comm, device) -> None:
-        from .. import SparseAllreduce
+        from ..module import SparseAllreduce, keywords
         from .baselines import BASELINES, HookBaseline, powersgd_rank_for
         self.params, self.model, self.hook = params, model, None
         self.numel = sum(p.numel() for p in params)
@@ -150,8 +150,8 @@ class _LMReducer:
             options.update(adam="frozen", momentum=float(cfg.get("betas", (0.9, 0.95))[0]))
             options.setdefault("warmup_steps", max(1, int(round(0.2 * cfg["steps"]))))
         self.mode = mode
-        self.sar = SparseAllreduce(params, comm=comm, density=self.density, algorithm=algorithm,
-                                   **options)
+        self.sar = SparseAllreduce(params, comm=comm, density=self.density,
+                                   **keywords(algorithm, options))
         self.numel, self.k = self.sar.numel, self.sar.k
 
     @property

@@ -215,15 +215,15 @@ def train_one(cfg, algorithm: str, seed: int, comm, device, data, log) -> Dict[s
     ``eval_every`` steps)."""
     import torch
     import torch.distributed as dist
-    from .. import SparseAllreduce
+    from ..module import SparseAllreduce, keywords
 
     Xtr, ytr, Xte, yte = data
     P, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(seed)  # the same init on every rank
     model = make_model(cfg["model"], cfg["width"]).to(device)
     opt, options, density = sparse_setup(cfg, algorithm, model)
-    sar = SparseAllreduce(model.parameters(), comm=comm, density=density, algorithm=algorithm,
-                          **options)
+    sar = SparseAllreduce(model.parameters(), comm=comm, density=density,
+                          **keywords(algorithm, options))
     ledger = sar.audit()       # conservation over the run, checked at the end
     numel = sum(p.numel() for p in model.parameters())
     init_identical = replicas_identical(model)

@@ -243,7 +243,7 @@ def check_options(options: Dict[str, Any], algos, density: float, baselines) -> 
     launched (a reducer of 1,024 entries built on a world of one, as each rank would build
     its own), or ``""``."""
     import torch
-    from .. import SparseAllreduce
+    from ..module import SparseAllreduce, keywords
     from ..comm import LocalCluster
     from .loops import local_step_options
     params = [torch.zeros(1024, requires_grad=True)]      # local steps need parameters
@@ -253,7 +253,7 @@ def check_options(options: Dict[str, Any], algos, density: float, baselines) -> 
         opts = local_step_options(options) if alg == "dense" else options
         try:
             SparseAllreduce(params, comm=LocalCluster(1).communicator(0),
-                            density=1.0 if alg == "dense" else density, algorithm=alg, **opts)
+                            density=1.0 if alg == "dense" else density, **keywords(alg, opts))
         except (TypeError, ValueError) as e:
             return str(e).splitlines()[0]
     return ""

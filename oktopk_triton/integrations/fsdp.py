@@ -24,13 +24,16 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from ..algorithms.base import Algorithm
+from ..checks import check_density
 from ..comm.base import Communicator
+from ..config import AlgorithmConfig, as_config
+from ..deprecation import old_keywords
 
 try:
     from torch.distributed.fsdp import FSDPModule
@@ -50,30 +53,34 @@ class SparseReplicaReduce:
         replicate_group: the process group of this rank's replicas (the ranks holding the same
             shard, e.g. ``mesh["replicate"].get_group()``).
         density: fraction of each shard's entries a step sends, in (0, 1].
-        algorithm: a registered algorithm name (``"oktopk"``, ``"topka"``, ... ``"dense"``).
+        algorithm: an algorithm object of :mod:`oktopk_triton.config` (``OkTopk(momentum=0.9)``,
+            ..., ``Dense()``) or a registered name (its defaults).
         comm: a :class:`~oktopk_triton.comm.Communicator` over ``replicate_group``; ``None``
             builds ``TorchCommunicator(replicate_group)``.
         scaler: a ``torch.amp.GradScaler`` whose scale the gradients carry (or ``None``).
-        **options: the algorithm's options (``momentum``, ``check_finite``, ...).
+        check_finite: ``"skip"`` (default), ``"raise"`` or ``"off"`` (see ``SparseAllreduce``).
+
+    An algorithm's settings passed as keywords (``momentum=0.9``) still work for one version,
+    with a ``DeprecationWarning`` naming the new spelling (:mod:`oktopk_triton.deprecation`).
 
     Attributes:
         reducers: ``{unit index: Algorithm}``, the units numbered in ``model.modules()`` order.
         total_bytes_sent: the bytes this rank sent across the replicas since creation.
     """
 
+    @old_keywords("SparseReplicaReduce")
     def __init__(self, replicate_group: Optional[dist.ProcessGroup], density: float = 0.01,
-                 algorithm: str = "oktopk", *, comm: Optional[Communicator] = None,
-                 scaler: Optional[torch.amp.GradScaler] = None, **options: Any) -> None:
-        from ..algorithms import get_algorithm
-        get_algorithm(algorithm)
-        if not 0.0 < float(density) <= 1.0:
-            raise ValueError(f"SparseReplicaReduce: density must be in (0, 1], got {density!r}")
+                 algorithm: Union[str, AlgorithmConfig] = "oktopk", *,
+                 comm: Optional[Communicator] = None,
+                 scaler: Optional[torch.amp.GradScaler] = None,
+                 check_finite: str = "skip") -> None:
+        self.config = as_config(algorithm)
         self.group = replicate_group
-        self.density = float(density)
-        self.algorithm = algorithm
+        self.density = check_density(density, "SparseReplicaReduce")
+        self.algorithm = self.config.algorithm       # the name (saved with the state)
         self.comm = comm
         self.scaler = scaler
-        self.options = dict(options)
+        self.options = {"check_finite": check_finite, **self.config.options()}
         self.reducers: Dict[int, Algorithm] = {}
         self.units = 0
         self.total_bytes_sent = 0

@@ -34,6 +34,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from oktopk_triton import SparseAllreduce
+from oktopk_triton.module import keywords
 from oktopk_triton.bench import records
 from oktopk_triton.bench.gpt import GPT, SIZES, GPTConfig, batch_at, load_corpus, val_starts
 from oktopk_triton.bench.lm_loop import lm_lr, resolve_reduce
@@ -64,7 +65,7 @@ def _rank_run(comm, cfg, algorithm: str, seed: int, model0, train,
     params = [p for p in model.parameters() if p.requires_grad]
     opt, options, density = sparse_setup(cfg, algorithm, model)
     mode = resolve_reduce(cfg, algorithm)
-    sar = SparseAllreduce(params, comm=comm, density=density, algorithm=algorithm, **options)
+    sar = SparseAllreduce(params, comm=comm, density=density, **keywords(algorithm, options))
     ledger = sar.audit()
     L = cfg["gpt"]["context"] + 1
     g = torch.Generator().manual_seed(1_000_003 * seed + 7919 * comm.rank + 17)

@@ -33,6 +33,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from oktopk_triton import SparseAllreduce
+from oktopk_triton.module import keywords
 from oktopk_triton.algorithms.schedule import schedule_of
 from oktopk_triton.bench import records
 from oktopk_triton.comm.base import ring_allreduce_bytes, tensor_bytes
@@ -99,8 +100,8 @@ def _rank_body(comm, algorithm: str, n: int, density: float, H: int, syncs: int,
     opts: Dict[str, Any] = {"backend": "torch"} if algorithm == "oktopk" else {}
     if wire_format != "fp32":
         opts["wire_format"] = wire_format
-    sar = SparseAllreduce([w], comm=comm, density=density, algorithm=algorithm,
-                          sync_every=H, **opts)
+    sar = SparseAllreduce([w], comm=comm, density=density,
+                          **keywords(algorithm, {**opts, "sync_every": H}))
     received, sent, delivered = [], [], []
     for call in range(H * syncs):
         w.grad = _gradient(n, comm.rank, call, noise)

@@ -1,0 +1,85 @@
+"""The old keyword spellings of the fronts, translated to the settings objects (one version).
+
+``SparseAllreduce(..., sync_every=4, momentum=0.9)`` was how local steps and an algorithm's
+options were passed; they are now ``local_steps=LocalSteps(sync_every=4)`` and
+``algorithm=OkTopk(momentum=0.9)`` (:mod:`oktopk_triton.config`). :func:`old_keywords` wraps a
+front's ``__init__``: the old keywords still work, each with a ``DeprecationWarning`` naming
+its new spelling, and ``inspect.signature`` shows the clean ``__init__``. :func:`split_options`
+is the translation itself (no warning), for code that builds a front from a dict of options.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import warnings
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
+
+from .config import AlgorithmConfig, LocalSteps, Registered, as_config
+
+__all__ = ["old_keywords", "split_options", "LOCAL_STEP_KEYWORDS"]
+
+LOCAL_STEP_KEYWORDS = tuple(f.name for f in dataclasses.fields(LocalSteps))
+
+
+def split_options(algorithm: Union[str, AlgorithmConfig], options: Mapping[str, Any],
+                  local_steps: Optional[LocalSteps] = None, owner: str = "SparseAllreduce"
+                  ) -> Tuple[AlgorithmConfig, Optional[LocalSteps]]:
+    """The algorithm object and the local steps that ``algorithm`` and the old keywords
+    ``options`` (an algorithm's settings and the local-step ones) spell; an unknown name raises
+    the algorithm's one-line ``TypeError``."""
+    steps = {k: v for k, v in options.items() if k in LOCAL_STEP_KEYWORDS}
+    rest = {k: v for k, v in options.items() if k not in LOCAL_STEP_KEYWORDS}
+    config = as_config(algorithm)
+    if rest:
+        config = config.replace(**rest)
+    if steps:
+        if local_steps is not None:
+            raise TypeError(f"{owner}: pass local_steps=LocalSteps(...) or the old keywords "
+                            f"{sorted(steps)}, not both")
+        local_steps = LocalSteps(**steps)
+    return config, local_steps
+
+
+def _new_spelling(key: str, value: Any, config: AlgorithmConfig) -> str:
+    if key in LOCAL_STEP_KEYWORDS:
+        return f"local_steps=LocalSteps({key}={value!r})"
+    if isinstance(config, Registered) and key in config.extra:
+        return f"algorithm=Registered(registered={config.registered!r}, extra={{{key!r}: " \
+               f"{value!r}}})"
+    return f"algorithm={type(config).__name__}({key}={value!r})"
+
+
+def old_keywords(owner: str, refuse_local_steps: Optional[str] = None) -> Callable:
+    """Decorate a front's clean ``__init__`` (which takes ``algorithm`` and, where local steps
+    apply, ``local_steps``): keywords it does not take are read as the old spellings, merged
+    into ``algorithm`` / ``local_steps`` (:func:`split_options`), each warned about, and the
+    clean ``__init__`` is called. ``refuse_local_steps``: the one-line ``ValueError`` of a
+    front that cannot take local steps (``{names}`` is filled in)."""
+    def decorate(init: Callable) -> Callable:
+        sig = inspect.signature(init)
+
+        @functools.wraps(init)
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+            old: Dict[str, Any] = {k: kwargs.pop(k) for k in list(kwargs)
+                                   if k not in sig.parameters}
+            if not old:
+                return init(self, *args, **kwargs)
+            steps = sorted(set(old) & set(LOCAL_STEP_KEYWORDS))
+            if steps and refuse_local_steps is not None:
+                raise ValueError(refuse_local_steps.format(names=steps))
+            bound = sig.bind_partial(self, *args, **kwargs)
+            given = bound.arguments
+            config, local_steps = split_options(
+                given.get("algorithm", sig.parameters["algorithm"].default), old,
+                given.get("local_steps"), owner)
+            for key, value in old.items():
+                warnings.warn(f"{owner}(..., {key}={value!r}) is deprecated: use "
+                              f"{_new_spelling(key, value, config)}", DeprecationWarning,
+                              stacklevel=2)
+            given["algorithm"] = config
+            if local_steps is not None:
+                given["local_steps"] = local_steps
+            return init(*bound.args, **bound.kwargs)
+        return wrapper
+    return decorate
