@@ -50,15 +50,15 @@ def _make_sparse_state(cfg: Dict[str, Any], comm, algorithm: str, mode: Optional
     """The hook point for the sparse hook's options: ``mode`` is passed only when the state
     accepts it (``sparse_modes()``)."""
     from ..algorithms import get_algorithm
+    from ..config import CONFIGS
     from ..ddp import SparseAllreduceState
-    options: Dict[str, Any] = {}
-    kb = cfg["kernel_backend"]
+    settings: Dict[str, Any] = {}
     if "backend" in getattr(get_algorithm(algorithm), "OPTIONS", {}):
-        options["backend"] = kb
-    if mode is not None:
-        options["mode"] = mode
-    return SparseAllreduceState(density=cfg["density"], algorithm=algorithm,
-                                start_iter=SPARSE_START_ITER, comm=comm, **options)
+        settings["backend"] = cfg["kernel_backend"]
+    extra = {} if mode is None else {"mode": mode}
+    return SparseAllreduceState(density=cfg["density"],
+                                algorithm=CONFIGS[algorithm](**settings),
+                                start_iter=SPARSE_START_ITER, comm=comm, **extra)
 
 
 def _register_hook(ddp, spec: Dict[str, Any], cfg: Dict[str, Any], cuda: bool, get_comm):

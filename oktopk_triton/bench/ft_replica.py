@@ -73,6 +73,12 @@ def make_task(cfg: Dict[str, Any]) -> Tuple[torch.nn.Module, Any, Any]:
     return model, batch, evaluate
 
 
+def algorithm(cfg: Dict[str, Any]) -> Any:
+    """The algorithm object: ``algorithm`` (a name) with ``options`` (its settings)."""
+    from ..config import CONFIGS
+    return CONFIGS[cfg["algorithm"]](**cfg["options"])
+
+
 def inner_optimizer(cfg: Dict[str, Any], model: torch.nn.Module) -> torch.optim.Optimizer:
     if cfg["inner"] == "adam":
         return torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0)
@@ -151,8 +157,8 @@ def run_torchft(cfg: Dict[str, Any], out: Dict[str, Any]) -> None:
     if cfg["mode"] == "sparse":
         from ..integrations.torchft import SparseDiLoCo
         diloco = SparseDiLoCo(manager, [model], opt, outer, sync_every=cfg["sync_every"],
-                              density=cfg["density"], algorithm=cfg["algorithm"],
-                              audit=cfg["audit"], **cfg["options"])
+                              density=cfg["density"], algorithm=algorithm(cfg),
+                              audit=cfg["audit"])
         inject(cfg, diloco.replica)
         history = diloco.history
     else:
@@ -209,14 +215,15 @@ def run_reference(cfg: Dict[str, Any], out: Dict[str, Any]) -> None:
     """The same local steps on plain torch.distributed (gloo, ``world`` ranks), no torchft."""
     import torch.distributed as dist
     from ..comm import TorchCommunicator
+    from ..config import LocalSteps
     from ..module import SparseAllreduce
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg['master_port']}",
                             rank=cfg["replica"], world_size=cfg["world"])
     model, batch, _ = make_task(cfg)
     opt = inner_optimizer(cfg, model)
     sar = SparseAllreduce(model, comm=TorchCommunicator(), density=cfg["density"],
-                          algorithm=cfg["algorithm"], sync_every=cfg["sync_every"],
-                          **cfg["options"])
+                          algorithm=algorithm(cfg),
+                          local_steps=LocalSteps(sync_every=cfg["sync_every"]))
     for step in range(cfg["syncs"] * cfg["sync_every"]):
         x, y = batch(step)
         torch.nn.functional.cross_entropy(model(x), y).backward()
@@ -258,8 +265,8 @@ def run_fsdp(cfg: Dict[str, Any], out: Dict[str, Any]) -> None:
                       hostname="127.0.0.1", timeout=t,
                       quorum_timeout=timedelta(seconds=cfg["quorum_timeout"]),
                       connect_timeout=timedelta(seconds=10), init_sync=False)
-    ft = SparseGradients(manager, model, density=cfg["density"], algorithm=cfg["algorithm"],
-                         audit=cfg["audit"], **cfg["options"])
+    ft = SparseGradients(manager, model, density=cfg["density"], algorithm=algorithm(cfg),
+                         audit=cfg["audit"])
     _write(cfg["result"] + ".ready", "1")
     step = 0
     try:

@@ -27,11 +27,12 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 
 from ..checkpoint import CheckpointError, param_fingerprint
+from ..config import AlgorithmConfig, as_config
 from ..comm.base import CommError
 from ..comm.torchft import ManagerCommunicator
 from ..module import SparseAllreduce
@@ -80,7 +81,8 @@ class ReplicaSync:
     Args:
         manager: a ``torchft.Manager`` with ``use_async_quorum=False``.
         params: the parameters whose ``.grad`` :meth:`reduce` reduces (a module or tensors).
-        density, algorithm, options: the :class:`~oktopk_triton.SparseAllreduce` to run.
+        density, algorithm: the :class:`~oktopk_triton.SparseAllreduce` to run (a name or an
+            algorithm object, e.g. ``OkTopk(wire_format="q2")``).
         audit: check conservation on every sync before it commits (an extra allreduce of
             ``2 numel`` fp64, not counted in the bytes; for tests and benchmarks).
         extra_state: called to save (``extra_state()``) this mode's replicated state for a
@@ -95,18 +97,17 @@ owes, so nothing it computed is lost.
     ``reconfigured``, ``bytes``, ``relative_error`` with ``audit``, ``error``, ``time``).
     """
 
-    def __init__(self, manager: Any, params: Any, density: float, algorithm: str,
-                 audit: bool = False, extra_state: Any = None, load_extra: Any = None,
-                 on_heal: Any = None, fingerprint: Optional[Dict[str, Any]] = None,
-                 **options: Any) -> None:
+    def __init__(self, manager: Any, params: Any, density: float,
+                 algorithm: Union[str, AlgorithmConfig], audit: bool = False,
+                 extra_state: Any = None, load_extra: Any = None, on_heal: Any = None,
+                 fingerprint: Optional[Dict[str, Any]] = None) -> None:
         self.comm = ManagerCommunicator(manager)
         if STATE_KEY in manager._load_state_dict_fns:
             raise ValueError("ReplicaSync: this Manager already has a sparse reducer (one per "
                              "Manager: its state is what a healing peer receives)")
         self.manager = manager
         # built at P = 1 (no collective); the first quorum reconfigures it to the group
-        self.sar = SparseAllreduce(params, comm=self.comm, density=density, algorithm=algorithm,
-                                   **options)
+        self.sar = SparseAllreduce(params, comm=self.comm, density=density, algorithm=algorithm)
         self.params: List[torch.Tensor] = [s[0] for s in self.sar.param_slices()]
         self.audit = bool(audit)
         self.history: List[Dict[str, Any]] = []
@@ -114,7 +115,8 @@ owes, so nothing it computed is lost.
         self.committed = 0                          # syncs this replica committed
         self._pending: Optional[Dict[str, Any]] = None
         self._fingerprint = fingerprint or {**param_fingerprint(self.params),
-                                            "algorithm": algorithm, "numel": self.sar.numel}
+                                            "algorithm": self.sar.algorithm_name,
+                                            "numel": self.sar.numel}
         manager.register_state_dict_fn(STATE_KEY, self._heal_load, self._heal_save)
         # ours first: a peer of another model is refused before the user's weights are loaded
         fns = manager._load_state_dict_fns
@@ -234,8 +236,8 @@ class SparseDiLoCo:
 
     Same arguments as ``torchft.local_sgd.DiLoCo`` (one model fragment), plus the sparse
     allreduce's: ``density`` (of each sync; raise it with ``sync_every`` to keep the bytes per
-    step), ``algorithm`` and its options (``wire_format``, ``momentum``, ...; see
-    :class:`~oktopk_triton.SparseAllreduce`), and ``audit`` (see :class:`ReplicaSync`).
+    step), ``algorithm`` (a name or an object with its settings, e.g. ``OkTopk(wire_format=
+    "q2")``; see :mod:`oktopk_triton.config`), and ``audit`` (see :class:`ReplicaSync`).
     ``backup_device``, ``pin_memory``, ``use_bucketization`` and ``bucket_cap_mb`` are accepted
     for a drop-in and change nothing (one flat vector is one bucket; the anchor stays on the
     parameters' device).
@@ -255,7 +257,7 @@ class SparseDiLoCo:
                  use_bucketization: bool = False, bucket_cap_mb: Optional[int] = None,
                  should_quantize: bool = False, fragment_sync_delay: int = 0,
                  fragment_update_alpha: float = 0.0, *, density: float = 0.05,
-                 algorithm: str = "oktopk", audit: bool = False, **options: Any) -> None:
+                 algorithm: Union[str, AlgorithmConfig] = "oktopk", audit: bool = False) -> None:
         _check_diloco_options(model_fragments, sync_every, should_quantize, fragment_sync_delay,
                               fragment_update_alpha)
         if not isinstance(outer_optimizer, torch.optim.Optimizer) or \
@@ -266,7 +268,7 @@ class SparseDiLoCo:
         self.inner_optimizer, self.outer_optimizer = inner_optimizer, outer_optimizer
         self.replica = ReplicaSync(manager, model_fragments[0], density, algorithm, audit,
                                    extra_state=self._state, load_extra=self._load,
-                                   on_heal=self._keep_change, **options)
+                                   on_heal=self._keep_change)
         self.params = self.replica.params
         with torch.no_grad():
             self.anchor = [p.detach().clone() for p in self.params]
@@ -368,7 +370,8 @@ class SparseGradients:
     """
 
     def __init__(self, manager: Any, params: Any, density: float = 0.01,
-                 algorithm: str = "oktopk", *, audit: bool = False, **options: Any) -> None:
+                 algorithm: Union[str, AlgorithmConfig] = "oktopk", *,
+                 audit: bool = False) -> None:
         plist = list(params.parameters()) if isinstance(params, torch.nn.Module) \
             else list(params)
         self.shards = [p for p in plist if p.requires_grad] if any(
@@ -377,9 +380,9 @@ class SparseGradients:
         if self.shards is not None:
             local = [p.to_local() for p in self.shards]
             target = sum(t.numel() for t in local)
-            fp = {**param_fingerprint(local), "algorithm": algorithm, "numel": target}
-        self.replica = ReplicaSync(manager, target, density, algorithm, audit, fingerprint=fp,
-                                   **options)
+            fp = {**param_fingerprint(local), "algorithm": as_config(algorithm).name,
+                  "numel": target}
+        self.replica = ReplicaSync(manager, target, density, algorithm, audit, fingerprint=fp)
 
     @property
     def history(self) -> List[Dict[str, Any]]:
