@@ -80,8 +80,14 @@ def test_the_png_is_written(tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
-def test_command_line():
+def test_command_line(tmp_path):
     p = cli.build_parser("faults")
+    done = tmp_path / "faults"            # a folder an earlier run left: written into again
+    done.mkdir()
+    assert p.parse_args(["faults", "--out", str(done)]).out == str(done)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit):
+        p.parse_args(["faults", "--out", str(tmp_path / "file")])
     args = p.parse_args(["faults", "--out", "somewhere", "--steps", "256", "--density", "0.1"])
     assert args.out == "somewhere" and args.steps == 256 and args.density == 0.1
     assert args.sync_every == faults.DEFAULTS["sync_every"] and args._module is faults

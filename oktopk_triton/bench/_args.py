@@ -72,6 +72,14 @@ def out_path(text: str) -> str:
     return text
 
 
+def out_dir(text: str) -> str:
+    """A folder the command will write into: a folder, or creatable (not a file)."""
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"expected a folder, got the file {text!r}")
+    out_path(os.path.join(text, "x"))        # its parents: folders, or creatable
+    return text
+
+
 def device(text: str) -> str:
     if text not in ("cpu", "cuda") and not text.startswith("cuda:"):
         raise argparse.ArgumentTypeError(f"expected cpu or cuda, got {text!r}")

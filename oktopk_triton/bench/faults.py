@@ -45,7 +45,7 @@ RUNS = ("sparse", "sparse+fault", "dense-same-bytes+fault", "dense-H4+fault")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", type=A.out_path, default=os.path.join("out", "faults"),
+    p.add_argument("--out", type=A.out_dir, default=os.path.join("out", "faults"),
                    help="folder of faults.json and faults.png (default out/faults)")
     p.add_argument("--json", type=A.out_path, default=None,
                    help="the record's path (default OUT/faults.json)")
