@@ -17,13 +17,13 @@ if not hasattr(fsdp, "fully_shard"):
 STEPS, SAVE_AT, R = 6, 3, 2
 
 
-def _setup(comm):
+def _setup(comm, replicas=R):
     from oktopk_triton.kernels import _dispatch
     _dispatch.INTERPRET = False
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (R, 2), mesh_dim_names=("replicate", "shard"))
+    mesh = init_device_mesh("cpu", (replicas, 2), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.ReLU(),
                                 torch.nn.Linear(32, 5))
@@ -142,17 +142,7 @@ def _resume(comm, tmp):
 
 def _reshard(comm, tmp):
     """The 2x2 run's files loaded by one replica of 2 shards: each unit's state as loaded."""
-    from oktopk_triton.kernels import _dispatch
-    _dispatch.INTERPRET = False
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))
-    torch.manual_seed(1)
-    model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.ReLU(),
-                                torch.nn.Linear(32, 5))
-    fully_shard(model[0], mesh=mesh["shard"])
-    fully_shard(model, mesh=mesh["shard"])
-    sparse = Recording(mesh["replicate"].get_group(), density=0.1).install(model)
+    _, _, sparse, _ = _setup(comm, replicas=1)
     sparse.load(tmp)
     return sparse.state_dict()["reducers"]
 

@@ -266,16 +266,8 @@ def _wait_syncing(replica: Any, timeout: float) -> None:
     ``result.syncing`` file). The survivors, held meanwhile, then find it waiting at the
     lighthouse: without this, torchft's fast quorum (every member of the last quorum present)
     may form without it, and it would join one sync later, or not, by a race."""
-    from .ft_cluster import ClusterError
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(replica.config["result"] + ".syncing"):
-        if replica.proc.poll() is not None:
-            raise ClusterError(f"replica {replica.config['replica']} exited early:\n"
-                               f"{replica.tail()}")
-        if time.monotonic() > deadline:
-            raise ClusterError(f"replica {replica.config['replica']} did not reach its first "
-                               f"sync within {timeout:.0f} s")
-        time.sleep(0.02)
+    from .ft_cluster import wait_file
+    wait_file(replica, ".syncing", "reach its first sync", timeout)
 
 
 def _weights_equal(results: Sequence[Optional[Dict[str, Any]]]) -> bool:

@@ -20,7 +20,8 @@ from typing import Any, Dict, List, Optional
 
 from .ranks import free_port
 
-__all__ = ["Lighthouse", "Replica", "lighthouse_binary", "ClusterError"]
+__all__ = ["Lighthouse", "Replica", "lighthouse_binary", "ClusterError", "wait_file",
+           "wait_ready", "wait_for"]
 
 
 class ClusterError(RuntimeError):
@@ -174,17 +175,23 @@ class Replica:
         return res
 
 
-def wait_ready(replica: Replica, timeout: float) -> None:
-    """Wait (bounded) until ``replica``'s Manager is up."""
+def wait_file(replica: Replica, suffix: str, what: str, timeout: float) -> None:
+    """Wait (bounded) until ``replica`` writes ``result + suffix`` (``what`` names the moment
+    in the error when it does not, or exits first)."""
     deadline = time.monotonic() + timeout
-    while not replica.ready():
+    while not os.path.exists(replica.config["result"] + suffix):
         if replica.proc.poll() is not None:
             raise ClusterError(f"replica {replica.config['replica']} exited early:\n"
                                f"{replica.tail()}")
         if time.monotonic() > deadline:
-            raise ClusterError(f"replica {replica.config['replica']} not up within "
+            raise ClusterError(f"replica {replica.config['replica']} did not {what} within "
                                f"{timeout:.0f} s")
-        time.sleep(0.05)
+        time.sleep(0.02)
+
+
+def wait_ready(replica: Replica, timeout: float) -> None:
+    """Wait (bounded) until ``replica``'s Manager is up."""
+    wait_file(replica, ".ready", "start its Manager", timeout)
 
 
 def wait_for(replicas: List[Replica], who: int, syncs: int, timeout: float) -> None:

@@ -179,6 +179,14 @@ class Communicator(abc.ABC):
         if self.rank == root and self.world_size > 1:
             self.bytes_sent += tensor_bytes(t)
 
+    def _broadcast_buffer(self, tensor: torch.Tensor, root: int):
+        """A broadcast's start: check ``root``; ``None`` when this is the only rank (nothing to
+        do), else a contiguous stand-in for ``tensor`` (itself when it is contiguous)."""
+        self._check_peer(root)
+        if self.world_size == 1:
+            return None
+        return tensor if tensor.is_contiguous() else tensor.contiguous()
+
     def _end_broadcast(self, tensor: torch.Tensor, buf: torch.Tensor, root: int) -> None:
         """Copy a broadcast's contiguous stand-in ``buf`` back into ``tensor``; count it."""
         if buf is not tensor:

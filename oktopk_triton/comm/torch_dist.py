@@ -241,10 +241,9 @@ class TorchCommunicator(Communicator):
         self._count_alltoall(input)
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0) -> None:
-        self._check_peer(root)
-        if self.world_size == 1:
+        buf = self._broadcast_buffer(tensor, root)
+        if buf is None:
             return
-        buf = tensor if tensor.is_contiguous() else tensor.contiguous()
         work = self._issue("broadcast", dist.broadcast, buf, src=self._global[root],
                            group=self.group, async_op=True)
         self._wait(work, "broadcast")

@@ -180,11 +180,10 @@ class ManagerCommunicator(Communicator):
         self._count_alltoall(input)
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0) -> None:
-        self._check_peer(root)
-        if self.world_size == 1:
+        buf = self._broadcast_buffer(tensor, root)
+        if buf is None:
             return
         from torch.distributed.distributed_c10d import BroadcastOptions
-        buf = tensor if tensor.is_contiguous() else tensor.contiguous()
         opts = BroadcastOptions()
         opts.rootRank = root
         self._run("broadcast", lambda: self.pg.broadcast([buf], opts))

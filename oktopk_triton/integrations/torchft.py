@@ -213,6 +213,22 @@ owes, so nothing it computed is lost.
         return None
 
 
+class _OnReplica:
+    """What the two shapes share: their :class:`ReplicaSync` (``self.replica``)."""
+
+    replica: ReplicaSync
+
+    @property
+    def history(self) -> List[Dict[str, Any]]:
+        """One record per sync attempt (see :class:`ReplicaSync`)."""
+        return self.replica.history
+
+    @property
+    def reducer(self) -> SparseAllreduce:
+        """The :class:`~oktopk_triton.SparseAllreduce` (``.residual``, ``.stats``, ...)."""
+        return self.replica.sar
+
+
 def _check_diloco_options(model_fragments: Any, sync_every: Any, should_quantize: bool,
                           fragment_sync_delay: int, fragment_update_alpha: float) -> None:
     """torchft DiLoCo's options that this sparse DiLoCo refuses, each with a one-line reason."""
@@ -231,7 +247,7 @@ def _check_diloco_options(model_fragments: Any, sync_every: Any, should_quantize
                          "allreduce; use wire_format='q2' or 'q4' for a quantized sparse wire")
 
 
-class SparseDiLoCo:
+class SparseDiLoCo(_OnReplica):
     """torchft's ``DiLoCo`` with a sparse pseudo-gradient reduce (error feedback included).
 
     Same arguments as ``torchft.local_sgd.DiLoCo`` (one model fragment), plus the sparse
@@ -275,14 +291,6 @@ class SparseDiLoCo:
         self.local_step = 0
         self._hooks: List[Any] = []
         self._unsynced: Optional[torch.Tensor] = None
-
-    @property
-    def history(self) -> List[Dict[str, Any]]:
-        return self.replica.history
-
-    @property
-    def reducer(self) -> SparseAllreduce:
-        return self.replica.sar
 
     def __enter__(self) -> "SparseDiLoCo":
         self._hooks.append(self.inner_optimizer.register_step_post_hook(self._after_step))
@@ -351,7 +359,7 @@ class SparseDiLoCo:
             p.grad = None
 
 
-class SparseGradients:
+class SparseGradients(_OnReplica):
     """Each step's gradient reduced sparsely over a torchft Manager (error feedback included)::
 
         ft = SparseGradients(manager, model, density=0.01)
@@ -383,14 +391,6 @@ class SparseGradients:
             fp = {**param_fingerprint(local), "algorithm": as_config(algorithm).name,
                   "numel": target}
         self.replica = ReplicaSync(manager, target, density, algorithm, audit, fingerprint=fp)
-
-    @property
-    def history(self) -> List[Dict[str, Any]]:
-        return self.replica.history
-
-    @property
-    def reducer(self) -> SparseAllreduce:
-        return self.replica.sar
 
     @torch.no_grad()
     def reduce(self) -> bool:
