@@ -90,6 +90,8 @@ def test_command_line(tmp_path):
         p.parse_args(["faults", "--out", str(tmp_path / "file")])
     args = p.parse_args(["faults", "--out", "somewhere", "--steps", "256", "--density", "0.1"])
     assert args.out == "somewhere" and args.steps == 256 and args.density == 0.1
+    assert args.wire_format == "fp32"
+    assert p.parse_args(["faults", "--wire-format", "q2"]).wire_format == "q2"
     assert args.sync_every == faults.DEFAULTS["sync_every"] and args._module is faults
     assert faults.check_args(args) == ""
     assert "--steps (100)" in faults.check_args(p.parse_args(["faults", "--steps", "100"]))
