@@ -336,7 +336,7 @@ def _present(name):
 def _gloo_all():
     distutil = pytest.importorskip("distutil")
     names = tuple(n for n in ALL if _present(n))
-    return distutil.run_gloo(3, _all_steps_body, names, *GLOO_ARGS, timeout=180)
+    return distutil.run_pooled(3, _all_steps_body, names, *GLOO_ARGS, timeout=180)
 
 
 @pytest.mark.parametrize("name", ALL)
