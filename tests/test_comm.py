@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from distutil import RemoteError, run_gloo, run_nccl
+from distutil import RemoteError, run_gloo, run_nccl, run_pooled
 from oktopk_triton.comm import (CommAborted, CommError, CommTimeout, LocalCluster,
                                 LocalCommunicator)
 from oktopk_triton.comm.local import SingleCommunicator
@@ -402,6 +402,48 @@ def test_run_gloo_reports_dead_process():
         run_gloo(2, exit_body, timeout=60)
     assert info.value.rank == 1 and "exited with code 3" in str(info.value)
     assert time.monotonic() - t0 < 60
+
+
+def pooled_body(comm, mode):
+    if comm.rank == 1 and mode == "raise":
+        raise ValueError("pooled boom on rank 1")
+    if comm.rank == 1 and mode == "exit":
+        os._exit(3)
+    if mode == "sleep":
+        time.sleep(60)
+    if mode == "env":
+        os.environ["OKTOPK_POOL_PROBE"] = "set"
+    t = torch.full((3,), float(comm.rank + 1))
+    comm.allreduce(t)
+    return t, os.getpid(), os.environ.get("OKTOPK_POOL_PROBE"), torch.rand(4)
+
+
+def test_run_pooled_reuses_ranks_and_replaces_a_broken_pool():
+    """The pool behind run_pooled: reused ranks see a fresh process's seed and the environment of
+    before the call; a rank that raises, dies or overruns the timeout fails the call (its
+    traceback in the message, within the bound) and the next call gets new ranks."""
+    a = run_pooled(2, pooled_body, "env")
+    b = run_pooled(2, pooled_body, "plain")
+    for r in range(2):
+        assert torch.equal(a[r][0], torch.full((3,), 3.0)) and torch.equal(b[r][0], a[r][0])
+        assert a[r][1] == b[r][1]                   # the same process
+        assert a[r][2] == "set" and b[r][2] is None  # the environment put back
+        assert torch.equal(a[r][3], b[r][3])        # the same seed every call
+    t0 = time.monotonic()
+    with pytest.raises(RemoteError) as info:
+        run_pooled(2, pooled_body, "raise", timeout=60)
+    assert info.value.rank == 1 and info.value.exc_type == "ValueError"
+    assert "pooled boom on rank 1" in str(info.value) and "Traceback" in str(info.value)
+    c = run_pooled(2, pooled_body, "plain")
+    assert {r[1] for r in c}.isdisjoint({r[1] for r in a})    # a new pool
+    assert torch.equal(c[0][0], torch.full((3,), 3.0))
+    with pytest.raises(RemoteError) as info:
+        run_pooled(2, pooled_body, "exit", timeout=60)
+    assert info.value.rank == 1 and info.value.exc_type == "ProcessDied"
+    run_pooled(2, pooled_body, "plain")                        # warm again
+    with pytest.raises(TimeoutError, match="did not finish within 2"):
+        run_pooled(2, pooled_body, "sleep", timeout=2)
+    assert time.monotonic() - t0 < 150
 
 
 def exit_body(comm):
