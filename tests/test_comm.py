@@ -373,7 +373,7 @@ def test_default_communicator_single():
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("P", [2, 3])
 def test_gloo_primitives(P):
-    res = run_gloo(P, gloo_all_checks, timeout=120)
+    res = run_pooled(P, gloo_all_checks, timeout=120)
     assert [tot for tot, _ in res] == [expected_total_bytes(P, r) for r in range(P)]
     outs = [t for _, t in res]
     for t in outs:
