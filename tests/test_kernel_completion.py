@@ -270,7 +270,7 @@ def test_bad_arguments_give_one_line_errors():
 
 # -- through Ok-Topk steps: the interpreted kernels give the CPU path's bits -------------------
 @needs_interp
-@pytest.mark.parametrize("P", [2, 3, 5])
+@pytest.mark.parametrize("P", [2, 3])       # even and odd P (P = 5 added minutes, nothing new)
 @pytest.mark.parametrize("wire", FORMATS)
 def test_oktopk_complete_sums_triton_matches_torch(P, wire):
     args = ("oktopk", P, 3000, 6, 0.02, mixed(P))
