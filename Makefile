@@ -1,4 +1,5 @@
 # make test : install (into the active environment, or a fresh .venv) and run the test suite
+# make test-fast : the suite without the tests marked slow (the inner loop; make test runs all)
 # make lint : ruff (pyproject.toml's [tool.ruff]); make test runs it first
 # make demo : install and run the main job (4-rank training comparison)
 # make gpu-check [GPU_CHECK_OUT=DIR] : on a GPU machine, MPS + CUDA tests + every GPU benchmark (< 9 min)
@@ -19,7 +20,7 @@ PYTEST_ARGS ?=
 # 444 s with one process, 239 s with two, on the 2-core machine (2026-11-25)
 PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
 
-.PHONY: install test lint demo bench gpu-check gpu-steps clean
+.PHONY: install test test-fast lint demo bench gpu-check gpu-steps clean
 
 $(PY):
 	python3 -m venv --system-site-packages .venv
@@ -31,6 +32,9 @@ install: $(PY)
 
 test: install lint
 	$(PY) -m pytest -q -ra -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -q -ra -n $(PYTEST_WORKERS) -m "not slow" $(PYTEST_ARGS)
 
 lint: install
 	$(PY) -m ruff check .

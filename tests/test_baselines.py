@@ -35,6 +35,7 @@ def _body(comm, cfg):
     return out
 
 
+@pytest.mark.slow
 def test_powersgd_and_bf16_train_and_send_what_they_should(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cfg = _config("--size", "tiny", "--steps", "12", "--eval-times", "2", "--lr", "1e-2",

@@ -88,6 +88,7 @@ def test_collectives_check_finite_off_dense_exact(tmp_path):
 
 @pytest.mark.parametrize("entry", [["oktopk_triton.cli", "collectives"],
                                    ["oktopk_triton.bench.collectives"]], ids=["cli", "module"])
+@pytest.mark.slow
 def test_collectives_cli_entry(tmp_path, entry):
     """``oktopk-bench collectives`` and ``python -m oktopk_triton.bench.collectives`` (which goes
     through the same checked parser) run and write the JSON."""
@@ -156,6 +157,7 @@ def test_collectives_local_schema(tmp_path):
     assert rep["device"] == "cpu"
 
 
+@pytest.mark.slow
 def test_collectives_gloo_schema_and_rank_env(tmp_path, monkeypatch):
     """P=2 gloo processes: the schema and values, and each rank's process environment set from
     rank_env before its communicator is built (here a stand-in NCCL_HOSTID per rank)."""
@@ -321,6 +323,7 @@ def test_out_checksum_is_bitwise():
     assert M.checksum(x.to(torch.bfloat16)) == M.checksum(x.to(torch.bfloat16))
 
 
+@pytest.mark.slow
 def test_run_group_failure_ends_the_group_and_names_the_rest():
     """An algorithm that fails on the ranks ends its process group at once (no hang, no process
     left) and the algorithms after it are handed back to be run in a new group."""

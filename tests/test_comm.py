@@ -382,6 +382,7 @@ def test_gloo_primitives(P):
     torch.testing.assert_close(outs[0], ref, rtol=1e-5, atol=1e-3)
 
 
+@pytest.mark.slow
 def test_gloo_failure_propagates(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(RemoteError) as info:
@@ -396,6 +397,7 @@ def test_gloo_failure_propagates(tmp_path):
     assert elapsed < 60, elapsed
 
 
+@pytest.mark.slow
 def test_run_gloo_reports_dead_process():
     t0 = time.monotonic()
     with pytest.raises(RemoteError) as info:
@@ -418,6 +420,7 @@ def pooled_body(comm, mode):
     return t, os.getpid(), os.environ.get("OKTOPK_POOL_PROBE"), torch.rand(4)
 
 
+@pytest.mark.slow
 def test_run_pooled_reuses_ranks_and_replaces_a_broken_pool():
     """The pool behind run_pooled: reused ranks see a fresh process's seed and the environment of
     before the call; a rank that raises, dies or overruns the timeout fails the call (its
@@ -482,6 +485,7 @@ def killed_mid_step_body(comm, outdir, victim):
         f.write('{"type": null}')
 
 
+@pytest.mark.slow
 def test_gloo_rank_killed_mid_step_names_the_lost_peer(tmp_path):
     """A rank killed with SIGKILL in the middle of an Ok-Topk step: both other ranks raise a
     communicator error naming rank 1 well within the 10 s process-group timeout; no process is

@@ -140,6 +140,7 @@ def _resume(comm, tmp):
     return _full(model)
 
 
+@pytest.mark.slow
 def test_fsdp2_sparse_replica_reduce_2x2(tmp_path):
     tmp = str(tmp_path)
     first = run_gloo(4, _first, tmp, timeout=300)
