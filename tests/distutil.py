@@ -14,6 +14,15 @@ directory has no ``__init__.py``, so ``distutil`` is importable as a top-level m
         results = run_gloo(3, _body, 10)    # list indexed by rank
         assert all(r[0] == 3.0 for r in results)
 
+``run_pooled(world_size, fn, *args, timeout=120) -> list``: the same contract as ``run_gloo``,
+but on a pool of ``world_size`` gloo ranks that this test process starts once and reuses (a
+spawn costs ~2-4 s). Each call gets a fresh communicator, the torch seed of a fresh process, the
+environment, working directory and kernel dispatch of before the call; a call that fails on any
+rank, dies or passes ``timeout`` raises as ``run_gloo`` does and the pool is stopped (the next
+call starts a new one); so is a pool whose body destroyed the default process group. For
+well-behaved bodies only: tests of failures, dead ranks and process-group timeouts, and bodies
+that tear down global state, keep ``run_gloo``.
+
 ``run_gloo(world_size, fn, *args, timeout=120, pg_timeout=None) -> list``:
 
 * spawns ``world_size`` processes (``torch.multiprocessing`` *spawn* context; children get
@@ -34,11 +43,12 @@ module under ``tests/``). Spawning costs ~2-4 s per call: put several checks in 
 """
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 import sys
 import time
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Tuple
 
 from oktopk_triton.bench.ranks import Ranks, free_port, init_rank, make_comm
 
@@ -46,7 +56,7 @@ _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 if _TESTS_DIR not in sys.path:  # so spawned children (and odd import modes) find test modules
     sys.path.insert(0, _TESTS_DIR)
 
-__all__ = ["run_gloo", "run_nccl", "RemoteError", "free_port"]
+__all__ = ["run_gloo", "run_pooled", "run_nccl", "RemoteError", "free_port"]
 
 
 class RemoteError(RuntimeError):
@@ -140,11 +150,145 @@ def _run(world_size: int, fn: Callable, args: tuple, timeout: float,
     finally:
         ranks.stop(2.0 if not errors else 0.5)
     if errors:
-        # report the origin: a rank's own error before the communication errors it caused
-        secondary = ("CommAborted", "CommTimeout")
-        errors.sort(key=lambda e: e[1] in secondary)  # stable: arrival order otherwise
-        rank, typ, tb = errors[0]
-        others = "".join(f"  rank {r}: {t}: {b.strip().splitlines()[-1] if b.strip() else ''}\n"
-                         for r, t, b in errors[1:])
-        raise RemoteError(rank, typ, tb, others)
+        raise _remote_error(errors)
+    return results
+
+
+def _remote_error(errors: list) -> RemoteError:
+    """The :class:`RemoteError` of ``errors`` ((rank, type, traceback) in arrival order): the
+    origin first, a rank's own error before the communication errors it caused."""
+    secondary = ("CommAborted", "CommTimeout")
+    errors = sorted(errors, key=lambda e: e[1] in secondary)  # stable: arrival order otherwise
+    rank, typ, tb = errors[0]
+    others = "".join(f"  rank {r}: {t}: {b.strip().splitlines()[-1] if b.strip() else ''}\n"
+                     for r, t, b in errors[1:])
+    return RemoteError(rank, typ, tb, others)
+
+
+# -- a pool of gloo ranks reused across calls (run_pooled) ---------------------------------------
+_POOL_PG_TIMEOUT = 60.0
+_POOLS_KEPT = 2          # live pools in this process (each rank ~0.4 GB)
+
+
+def _pool_worker(rank: int, world_size: int, port: int, send, jobs, pg_timeout: float) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from oktopk_triton.kernels import _dispatch
+    dev = init_rank(rank, world_size, port, gpu=False, group="gloo", timeout=pg_timeout)
+    seed, env, cwd = torch.initial_seed(), dict(os.environ), os.getcwd()
+    interpret, dtype = _dispatch.INTERPRET, torch.get_default_dtype()
+    while True:
+        job = jobs[rank].get()
+        if job is None:
+            return
+        job_id, fn, args = pickle.loads(job)
+        torch.manual_seed(seed)
+        torch.set_num_threads(1)
+        result = fn(make_comm("torch", dev), *args)   # raising ends the rank: "fatal"
+        healthy = dist.is_initialized()
+        send("result", (job_id, pickle.dumps(_to_cpu(result)), healthy))
+        # what the body may have changed, back as a fresh process has it
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(cwd)
+        _dispatch.INTERPRET = interpret
+        torch.set_default_dtype(dtype)
+        if not healthy:
+            return
+
+
+class _Pool:
+    def __init__(self, world_size: int) -> None:
+        import torch.multiprocessing as mp
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.jobs = [ctx.Queue() for _ in range(world_size)]
+        self.ranks = Ranks(world_size, _pool_worker, (self.jobs, _POOL_PG_TIMEOUT),
+                           name=f"pool{world_size}-rank",
+                           env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+        self.next_id = 0
+
+    def alive(self) -> bool:
+        return all(p.exitcode is None for p in self.ranks.procs)
+
+    def stop(self) -> None:
+        for q in self.jobs:
+            try:
+                q.put(None)
+            except Exception:  # noqa: BLE001
+                pass
+        self.ranks.stop(1.0)
+        for q in self.jobs:
+            q.close()
+            q.cancel_join_thread()
+
+    def run(self, fn: Callable, args: tuple, timeout: float) -> Tuple[List[Any], bool]:
+        """Results by rank and whether the pool may be reused; raises like :func:`run_gloo`."""
+        P = self.world_size
+        job_id, self.next_id = self.next_id, self.next_id + 1
+        job = pickle.dumps((job_id, fn, args))   # here, so that what does not pickle raises here
+        for q in self.jobs:
+            q.put(job)
+        results: List[Any] = [None] * P
+        got = [False] * P
+        healthy = True
+        errors = []
+        deadline = time.monotonic() + timeout
+        while not all(got):
+            rank, kind, payload = self.ranks.get(deadline, poll=0.2)
+            if kind == "timeout":
+                if errors:
+                    break
+                missing = [r for r in range(P) if not got[r]]
+                raise TimeoutError(f"run_pooled: ranks {missing} did not finish within "
+                                   f"{timeout}s")
+            if kind == "result" and payload[0] == job_id:
+                got[rank] = True
+                results[rank] = pickle.loads(payload[1])
+                healthy = healthy and payload[2]
+            elif kind in ("fatal", "died", "done") and not got[rank]:
+                got[rank] = True
+                errors.append((rank, *payload) if kind == "fatal"
+                              else (rank, "ProcessDied", f"rank {rank} left the pool\n"))
+                deadline = min(deadline, time.monotonic() + 5.0)
+        if errors:
+            raise _remote_error(errors)
+        return results, healthy
+
+
+_pools: "dict[tuple, _Pool]" = {}   # by (world size, environment), least recent first
+
+
+def _stop_pools() -> None:
+    while _pools:
+        _pools.popitem()[1].stop()
+
+
+atexit.register(_stop_pools)
+
+
+def run_pooled(world_size: int, fn: Callable, *args: Any, timeout: float = 120) -> List[Any]:
+    """Like :func:`run_gloo`, on this process's pool of ``world_size`` ranks (module doc) that
+    was started with the environment of now (e.g. a test that unset TRITON_INTERPRET gets ranks
+    that never had it)."""
+    key = (world_size, tuple(sorted((k, v) for k, v in os.environ.items()
+                                    if k != "PYTEST_CURRENT_TEST")))
+    pool = _pools.pop(key, None)
+    if pool is not None and not pool.alive():
+        pool.stop()
+        pool = None
+    while len(_pools) >= _POOLS_KEPT:            # the least recently used goes
+        _pools.pop(next(iter(_pools))).stop()
+    if pool is None:
+        pool = _Pool(world_size)
+    try:
+        results, healthy = pool.run(fn, args, timeout)
+    except BaseException:
+        pool.stop()
+        raise
+    if healthy:
+        _pools[key] = pool
+    else:
+        pool.stop()
     return results

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from distutil import run_gloo
+from distutil import run_gloo, run_pooled
 from oktopk_triton.checkpoint import CheckpointError, rank_file
 from oktopk_triton.comm.local import LocalCluster
 
@@ -118,7 +118,7 @@ def _ddp_second(comm, tmp):
 
 def test_ddp_state_save_load_per_rank(tmp_path):
     tmp = str(tmp_path)
-    first = run_gloo(2, _ddp_first, tmp)
+    first = run_pooled(2, _ddp_first, tmp)
     for r, (_, path, rank, world, fp, _, _) in enumerate(first):
         assert os.path.basename(path) == f"oktopk-rank{r}-of2.pt" and (rank, world) == (r, 2)
         assert fp["algorithm"] == "oktopk" and fp["group_size"] == 2 and fp["numel"] == 581

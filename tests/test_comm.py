@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from distutil import RemoteError, run_gloo, run_nccl
+from distutil import RemoteError, run_gloo, run_nccl, run_pooled
 from oktopk_triton.comm import (CommAborted, CommError, CommTimeout, LocalCluster,
                                 LocalCommunicator)
 from oktopk_triton.comm.local import SingleCommunicator
@@ -373,7 +373,7 @@ def test_default_communicator_single():
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("P", [2, 3])
 def test_gloo_primitives(P):
-    res = run_gloo(P, gloo_all_checks, timeout=120)
+    res = run_pooled(P, gloo_all_checks, timeout=120)
     assert [tot for tot, _ in res] == [expected_total_bytes(P, r) for r in range(P)]
     outs = [t for _, t in res]
     for t in outs:
@@ -382,6 +382,7 @@ def test_gloo_primitives(P):
     torch.testing.assert_close(outs[0], ref, rtol=1e-5, atol=1e-3)
 
 
+@pytest.mark.slow
 def test_gloo_failure_propagates(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(RemoteError) as info:
@@ -396,12 +397,56 @@ def test_gloo_failure_propagates(tmp_path):
     assert elapsed < 60, elapsed
 
 
+@pytest.mark.slow
 def test_run_gloo_reports_dead_process():
     t0 = time.monotonic()
     with pytest.raises(RemoteError) as info:
         run_gloo(2, exit_body, timeout=60)
     assert info.value.rank == 1 and "exited with code 3" in str(info.value)
     assert time.monotonic() - t0 < 60
+
+
+def pooled_body(comm, mode):
+    if comm.rank == 1 and mode == "raise":
+        raise ValueError("pooled boom on rank 1")
+    if comm.rank == 1 and mode == "exit":
+        os._exit(3)
+    if mode == "sleep":
+        time.sleep(60)
+    if mode == "env":
+        os.environ["OKTOPK_POOL_PROBE"] = "set"
+    t = torch.full((3,), float(comm.rank + 1))
+    comm.allreduce(t)
+    return t, os.getpid(), os.environ.get("OKTOPK_POOL_PROBE"), torch.rand(4)
+
+
+@pytest.mark.slow
+def test_run_pooled_reuses_ranks_and_replaces_a_broken_pool():
+    """The pool behind run_pooled: reused ranks see a fresh process's seed and the environment of
+    before the call; a rank that raises, dies or overruns the timeout fails the call (its
+    traceback in the message, within the bound) and the next call gets new ranks."""
+    a = run_pooled(2, pooled_body, "env")
+    b = run_pooled(2, pooled_body, "plain")
+    for r in range(2):
+        assert torch.equal(a[r][0], torch.full((3,), 3.0)) and torch.equal(b[r][0], a[r][0])
+        assert a[r][1] == b[r][1]                   # the same process
+        assert a[r][2] == "set" and b[r][2] is None  # the environment put back
+        assert torch.equal(a[r][3], b[r][3])        # the same seed every call
+    t0 = time.monotonic()
+    with pytest.raises(RemoteError) as info:
+        run_pooled(2, pooled_body, "raise", timeout=60)
+    assert info.value.rank == 1 and info.value.exc_type == "ValueError"
+    assert "pooled boom on rank 1" in str(info.value) and "Traceback" in str(info.value)
+    c = run_pooled(2, pooled_body, "plain")
+    assert {r[1] for r in c}.isdisjoint({r[1] for r in a})    # a new pool
+    assert torch.equal(c[0][0], torch.full((3,), 3.0))
+    with pytest.raises(RemoteError) as info:
+        run_pooled(2, pooled_body, "exit", timeout=60)
+    assert info.value.rank == 1 and info.value.exc_type == "ProcessDied"
+    run_pooled(2, pooled_body, "plain")                        # warm again
+    with pytest.raises(TimeoutError, match="did not finish within 2"):
+        run_pooled(2, pooled_body, "sleep", timeout=2)
+    assert time.monotonic() - t0 < 150
 
 
 def exit_body(comm):
@@ -440,6 +485,7 @@ def killed_mid_step_body(comm, outdir, victim):
         f.write('{"type": null}')
 
 
+@pytest.mark.slow
 def test_gloo_rank_killed_mid_step_names_the_lost_peer(tmp_path):
     """A rank killed with SIGKILL in the middle of an Ok-Topk step: both other ranks raise a
     communicator error naming rank 1 well within the 10 s process-group timeout; no process is
@@ -458,7 +504,8 @@ def test_gloo_rank_killed_mid_step_names_the_lost_peer(tmp_path):
         assert 1 in rec["lost_ranks"], rec
     assert not (tmp_path / "rank1.json").exists()
     assert "rank 1" in str(info.value) and "code -9" in str(info.value)
-    assert not multiprocessing.active_children()
+    # no rank of this run left (the pooled ranks of run_pooled stay up between tests)
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("run_gloo-rank")]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -57,6 +57,7 @@ for v in cc.variants():
 """
 
 
+@pytest.mark.slow
 def test_launch_options_keep_the_spill_bounds_and_the_old_ones_break_them():
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

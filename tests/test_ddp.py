@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from distutil import run_gloo
+from distutil import run_pooled
 
 from oktopk_triton.algorithms import available_algorithms
 
@@ -77,7 +77,7 @@ def _body(comm, algorithm, density, steps, bucket_cap_mb, mode="flat"):
 @pytest.mark.parametrize("mode", ["bucket", "flat"])
 def test_hook_density_one_equals_ddp(mode):
     alg = _sparse_name()
-    res = run_gloo(2, _body, alg, 1.0, 6, 0.01, mode)
+    res = run_pooled(2, _body, alg, 1.0, 6, 0.01, mode)
     for r in res:
         assert r["iter"] == 6
         if mode == "bucket":
@@ -100,7 +100,7 @@ def test_hook_sparse_trains(alg, mode):
         if alg is None:
             pytest.skip("no other sparse algorithm implemented yet")
     steps = 40
-    res = run_gloo(2, _body, alg, 0.01, steps, 0.01, mode)
+    res = run_pooled(2, _body, alg, 0.01, steps, 0.01, mode)
     for r in res:
         first = sum(r["losses"][:4]) / 4
         last = sum(r["losses"][-4:]) / 4

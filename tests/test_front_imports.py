@@ -7,6 +7,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # the source folders of the installed packages (pyproject's package-dir: kernels/ is
 # oktopk_triton.kernels)
@@ -155,6 +157,7 @@ print("\n".join(failed))
 """
 
 
+@pytest.mark.slow
 def test_every_module_imports_first_in_a_fresh_interpreter():
     """Each module of the package as the first one of the package loaded (the integrations
     with their frameworks blocked: those are slow to import; tests/test_integration_*.py import

@@ -29,6 +29,7 @@ def _flag(argv, name):
     return argv[argv.index(name) + 1]
 
 
+@pytest.mark.slow
 def test_dry_run_command_list(gc, tmp_path, capsys):
     rc = gc.main(["--dry-run", "--out", str(tmp_path), "--date", "2026-11-23"])
     text = capsys.readouterr().out
@@ -164,6 +165,7 @@ def test_runner_limits_mps_and_summary(gc, tmp_path, monkeypatch, capsys):
     assert "timeout" in table and "mps-stop" in table
 
 
+@pytest.mark.slow
 def test_steps_plan_dry_run(gc, tmp_path, capsys):
     """``--plan steps``: its own stages under the same budget, the collectives variants and the
     GPT runs accepted by this checkout's parsers and option checks."""

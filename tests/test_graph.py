@@ -18,6 +18,16 @@ from oktopk_triton.graph import GraphedStep
 N = 3000
 
 
+@pytest.fixture(autouse=True)
+def _torch_kernels(monkeypatch):
+    """The CPU tests here check capture and replay bookkeeping, which is the same over either
+    kernel path: they run the kernels' torch references (the interpreter cost minutes here; the
+    interpreted kernels are compared with the references bit for bit in tests/test_kernel_*.py
+    and tests/test_oktopk.py). One steady-step case keeps the interpreted kernels."""
+    from oktopk_triton.kernels import _dispatch
+    monkeypatch.setattr(_dispatch, "INTERPRET", False)
+
+
 def _state(alg):
     return {k: v for k, v in vars(alg).items() if isinstance(v, torch.Tensor)}
 
@@ -39,6 +49,15 @@ def test_steady_step_updates_state_in_place(name):
     in a steady step (Ok-Topk's thresholds and regions once were) would freeze on replay."""
     for P in (1, 3):
         assert LocalCluster(P).run(_storage_body, name) == [[]] * P
+
+
+@pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs TRITON_INTERPRET=1 (the interpreter runs Triton on CPU tensors)")
+def test_steady_step_updates_state_in_place_interpreted(monkeypatch):
+    """The same through the interpreted Triton kernels (Ok-Topk, one rank)."""
+    from oktopk_triton.kernels import _dispatch
+    monkeypatch.setattr(_dispatch, "INTERPRET", True)
+    assert LocalCluster(1).run(_storage_body, "oktopk") == [[]]
 
 
 class _RerunGraph:

@@ -56,6 +56,7 @@ def _run(comm, tmp, resume):
     return U.flat(model.module), state.iter, owed
 
 
+@pytest.mark.slow
 def test_accelerate_register_trains_and_resumes_bit_for_bit(tmp_path):
     tmp = str(tmp_path)
     first = run_gloo(2, _run, tmp, False, timeout=300)

@@ -147,6 +147,7 @@ def _reshard(comm, tmp):
     return sparse.state_dict()["reducers"]
 
 
+@pytest.mark.slow
 def test_fsdp2_sparse_replica_reduce_2x2(tmp_path):
     tmp = str(tmp_path)
     first = run_gloo(4, _first, tmp, timeout=300)

@@ -78,6 +78,7 @@ def _resume(comm, tmp):
     return U.flat(m), t.strategy.sparse_state.iter
 
 
+@pytest.mark.slow
 def test_lightning_strategy_trains_and_resumes_bit_for_bit(tmp_path):
     tmp = str(tmp_path)
     first = run_gloo(2, _first, tmp, timeout=300)

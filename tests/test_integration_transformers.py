@@ -72,6 +72,7 @@ def _owed(directory):
                        weights_only=True)["state"]["reducers"][-1]["residual"] for r in (0, 1)]
 
 
+@pytest.mark.slow
 def test_trainer_callback_trains_and_resumes_bit_for_bit(tmp_path):
     tmp = str(tmp_path)
     first = run_gloo(2, _run, tmp, False, timeout=300)

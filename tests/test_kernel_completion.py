@@ -270,8 +270,9 @@ def test_bad_arguments_give_one_line_errors():
 
 # -- through Ok-Topk steps: the interpreted kernels give the CPU path's bits -------------------
 @needs_interp
-@pytest.mark.parametrize("P", [2, 3, 5])
-@pytest.mark.parametrize("wire", FORMATS)
+# each wire once, one at an even and one at an odd P (the full grid, with P = 5, took ~10 min
+# of interpreter time; tests/test_oktopk.py runs complete sums at P = 2, 3, 5 on both wires)
+@pytest.mark.parametrize("wire,P", [("fp32", 3), ("q2", 2)])
 def test_oktopk_complete_sums_triton_matches_torch(P, wire):
     args = ("oktopk", P, 3000, 6, 0.02, mixed(P))
     tri = run_steps(*args, backend="triton", wire_format=wire, complete_sums=True,

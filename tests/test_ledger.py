@@ -12,6 +12,15 @@ from oktopk_triton.ledger import ConservationLedger
 ALL = ("dense",) + tuple(SPARSE_ALGORITHMS)
 
 
+@pytest.fixture(autouse=True)
+def _torch_kernels(monkeypatch):
+    """The ledger's accounting does not depend on the kernel path: the kernels' torch references
+    (interpreted, Ok-Topk's run alone took over a minute; the interpreted kernels are compared
+    with the references bit for bit in tests/test_oktopk.py and tests/test_kernel_*.py)."""
+    from oktopk_triton.kernels import _dispatch
+    monkeypatch.setattr(_dispatch, "INTERPRET", False)
+
+
 def _model():
     g = torch.Generator().manual_seed(3)
     m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))

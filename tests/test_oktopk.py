@@ -232,7 +232,7 @@ def test_gloo_matches_local_cluster():
     distutil = pytest.importorskip("distutil")
     n, steps = 3000, 12
     local = LocalCluster(3).run(_gloo_body, n, steps)
-    gloo = distutil.run_gloo(3, _gloo_body, n, steps)
+    gloo = distutil.run_pooled(3, _gloo_body, n, steps)
     for p in range(3):
         assert torch.equal(local[p][0], gloo[p][0]), f"rank {p}: outs differ"
         assert torch.equal(local[p][1], gloo[p][1]), f"rank {p}: residuals differ"

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from oktopk_triton.bench import gpt, lm_loop, report, train
-from distutil import run_gloo
+from distutil import run_pooled
 
 
 def _config(*argv):
@@ -46,7 +46,7 @@ def test_tiny_lm_learns_on_two_ranks_with_identical_replicas(monkeypatch):
                   "--lr", "1e-2", "--option", "backend=\"torch\"")
     assert cfg["options"] == {"backend": "torch"} and cfg["optimizer"] == "adamw"
     assert cfg["momentum_correction"] is False
-    res = run_gloo(2, _lm_body, cfg, timeout=120)
+    res = run_pooled(2, _lm_body, cfg, timeout=120)
     for rank_res in res:
         assert rank_res["world"] == 2
         for alg in ("dense", "oktopk"):
@@ -93,7 +93,7 @@ def test_tiny_lm_with_local_steps(monkeypatch):
     cfg = _config("--size", "tiny", "--steps", "12", "--eval-times", "1", "--density", "0.2",
                   "--lr", "1e-2", "--option", "backend=\"torch\"", "--option", "sync_every=4",
                   "--option", "outer_lr=0.8")
-    res = run_gloo(2, _local_steps_body, cfg, timeout=120)
+    res = run_pooled(2, _local_steps_body, cfg, timeout=120)
     for alg in ("dense", "oktopk"):
         r = res[0][alg]
         assert r["replicas_identical"] and r["reduce"] == "updates", alg

@@ -183,7 +183,7 @@ def test_train_gpt_local_steps_q2(monkeypatch):
     sync_every=4`` on 2 gloo ranks, Ok-Topk and TopkA: replicas identical, bytes only on the
     syncs, the loss falls."""
     import argparse
-    from distutil import run_gloo
+    from distutil import run_pooled
     from oktopk_triton.bench import train
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     p = argparse.ArgumentParser()
@@ -193,7 +193,7 @@ def test_train_gpt_local_steps_q2(monkeypatch):
                       "--option", "sync_every=4"])
     cfg = train.build_config(a, ["oktopk", "topka"])
     assert cfg["options"]["wire_format"] == "q2"
-    res = run_gloo(2, _train_body, cfg, timeout=180)
+    res = run_pooled(2, _train_body, cfg, timeout=180)
     for alg in ("oktopk", "topka"):
         r = res[0][alg]
         assert r["replicas_identical"], alg
