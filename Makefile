@@ -19,9 +19,8 @@ endif
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 # test workers (pytest-xdist): one per core, at most 4 (gloo tests share a pool of ranks per
-# worker, tests/distutil.py run_pooled); on the 2-core machine shared with other jobs (load 3-8),
-# with coverage on: make test 17 min 7 s, pytest 16 min 45 s, 1,776 passed, 36 skipped; the same
-# suite before this change took 59 min 17 s there (load 7-17), 18 min 44 s alone (2026-12-01)
+# worker, tests/distutil.py run_pooled); a fresh clone of f8a0c5b on the 2-core machine: make test
+# 14 min 37 s, pytest 13 min 5 s, 1,834 passed, 36 skipped (2026-12-01; 20 min 35 s at 2a42f95)
 PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
 
 .PHONY: install test test-fast lint demo soak faults bench gpu-check gpu-steps clean

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import json
 import multiprocessing as mp
 import os
 import random
@@ -179,8 +178,12 @@ def main(argv: List[str] = None) -> int:
     print(f"{passed} of {len(recs)} schedules passed; max relative error {worst:.3g}; "
           f"survivors went on within {slowest:.1f} s of a failed sync; {wall:.0f} s")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"schedules": recs, "passed": passed, "seconds": wall}, f, indent=1)
+        from . import records
+        records.write(args.json, {**records.header("faults-soak", vars(args)),
+                                  "summary": {"passed": passed, "schedules": len(recs),
+                                              "max_relative_error": worst,
+                                              "max_recovery_s": slowest},
+                                  "wall_s": wall, "schedules": recs})
     return 0 if passed == len(recs) else 1
 
 
