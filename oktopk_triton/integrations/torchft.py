@@ -25,7 +25,6 @@ before it, so the retry owes exactly what was owed and nothing is sent twice. Se
 from __future__ import annotations
 
 import copy
-import logging
 import time
 from typing import Any, Dict, List, Optional, Union
 
@@ -38,8 +37,6 @@ from ..comm.torchft import ManagerCommunicator
 from ..module import SparseAllreduce
 
 __all__ = ["SparseDiLoCo", "SparseGradients", "ReplicaSync", "STATE_KEY"]
-
-log = logging.getLogger(__name__)
 
 # the key of this library's state among the Manager's state-dict functions (healing)
 STATE_KEY = "oktopk"
