@@ -179,16 +179,21 @@ def test_model_shapes_tying_and_presets():
     # the presets' sizes: the formula is checked against built models (tiny, 1m), then trusted
     # for the GPU presets (building 100M parameters on CPU costs seconds)
     assert cfg.num_parameters() == gpt.num_parameters(m)
-    for name in ("tiny", "1m", "4m"):
+    for name in ("tiny", "1m", "4m", "480k"):
         built = gpt.num_parameters(gpt.GPT(gpt.SIZES[name][0]))
         assert gpt.SIZES[name][0].num_parameters() == built
-    expect = {"1m": (0.8e6, 1.3e6), "4m": (3.5e6, 4.5e6), "25m": (20e6, 30e6),
+    expect = {"480k": (0.4e6, 0.55e6), "1m": (0.8e6, 1.3e6), "4m": (3.5e6, 4.5e6), "25m": (20e6, 30e6),
               "100m": (85e6, 115e6)}
     for name, (lo, hi) in expect.items():
         assert lo <= gpt.SIZES[name][0].num_parameters() <= hi, name
     # 4m is 1m's recipe at about 4x the parameters (a campaign's size trend): same tokens and lr
     assert gpt.SIZES["4m"][1] == gpt.SIZES["1m"][1]
     assert gpt.SIZES["4m"][0].context == gpt.SIZES["1m"][0].context
+    # 480k, the presets' check, shares none of the tuned recipe: width, depth, context, lr, betas
+    b, tuned = gpt.SIZES["480k"], gpt.SIZES["1m"]
+    for field in ("d_model", "n_layer", "context"):
+        assert getattr(b[0], field) != getattr(tuned[0], field), field
+    assert b[1]["lr"] != tuned[1]["lr"] and tuple(b[1]["betas"]) != (0.9, 0.95)
 
 
 def test_gpu_config_path_builds_on_cpu():

@@ -27,7 +27,7 @@ import math
 import os
 import sysconfig
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -64,7 +64,7 @@ _1M_TRAINING = dict(batch_size=8, steps=150, eval_sequences=256, lr=3e-3)
 
 # name -> (model, training defaults). The training defaults are what ``--size`` sets unless the
 # command line overrides them (batch per rank, steps, eval sequences, lr).
-SIZES: Dict[str, Tuple[GPTConfig, Dict[str, float]]] = {
+SIZES: Dict[str, Tuple[GPTConfig, Dict[str, Any]]] = {
     # tests: a few thousand parameters, a few ms per step
     "tiny": (GPTConfig(d_model=32, n_layer=1, n_head=2, context=32),
              dict(batch_size=4, steps=20, eval_sequences=16, lr=3e-3)),
@@ -77,6 +77,10 @@ SIZES: Dict[str, Tuple[GPTConfig, Dict[str, float]]] = {
     # the 1m recipe at twice the width, 4.0M parameters (3.9x): the model-size trend of a
     # campaign compares dense and sparse on it at 1m's tokens (same batch, steps and lr)
     "4m": (GPTConfig(d_model=256, n_layer=5, n_head=4, context=128), dict(_1M_TRAINING)),
+    # a second family that no campaign tuned, 0.48M parameters: another width, depth, context,
+    # lr and betas. The presets (oktopk_triton.presets) are checked on it beside the 4m GPT
+    "480k": (GPTConfig(d_model=96, n_layer=4, n_head=3, context=64),
+             dict(batch_size=8, steps=400, eval_sequences=256, lr=1e-3, betas=(0.9, 0.99))),
     # GPU presets (--device cuda): GPT-2-like shapes
     "25m": (GPTConfig(d_model=512, n_layer=8, n_head=8, context=512),
             dict(batch_size=32, steps=3000, eval_sequences=512, lr=1e-3)),
