@@ -182,8 +182,8 @@ def test_model_shapes_tying_and_presets():
     for name in ("tiny", "1m", "4m", "480k"):
         built = gpt.num_parameters(gpt.GPT(gpt.SIZES[name][0]))
         assert gpt.SIZES[name][0].num_parameters() == built
-    expect = {"480k": (0.4e6, 0.55e6), "1m": (0.8e6, 1.3e6), "4m": (3.5e6, 4.5e6), "25m": (20e6, 30e6),
-              "100m": (85e6, 115e6)}
+    expect = {"480k": (0.4e6, 0.55e6), "1m": (0.8e6, 1.3e6), "4m": (3.5e6, 4.5e6),
+              "25m": (20e6, 30e6), "100m": (85e6, 115e6)}
     for name, (lo, hi) in expect.items():
         assert lo <= gpt.SIZES[name][0].num_parameters() <= hi, name
     # 4m is 1m's recipe at about 4x the parameters (a campaign's size trend): same tokens and lr

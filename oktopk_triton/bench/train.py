@@ -356,6 +356,6 @@ def build_config(args, algos) -> Dict[str, Any]:
                    val_fraction=getattr(args, "val_fraction", GPT_DEFAULTS["val_fraction"]),
                    reduce=getattr(args, "reduce", "auto"),
                    powersgd_start=getattr(args, "powersgd_start", None),
-                   betas=list(train_defaults.get("betas", GPT_DEFAULTS["betas"])), epochs=None, width=None, test_fraction=None,
-                   train_subset=None)
+                   betas=list(train_defaults.get("betas", GPT_DEFAULTS["betas"])), epochs=None,
+                   width=None, test_fraction=None, train_subset=None)
     return cfg
