@@ -51,7 +51,8 @@ def make_config(a) -> Dict[str, Any]:
     return dict(size=a.size, gpt=gcfg.as_dict(), density=a.density, world_size=a.world_size,
                 steps=a.steps, batch_size=a.batch_size or int(defaults["batch_size"]),
                 lr=a.lr or float(defaults["lr"]), optimizer="adamw",
-                betas=tuple(GPT_DEFAULTS["betas"]), weight_decay=a.weight_decay,
+                betas=tuple(defaults.get("betas", GPT_DEFAULTS["betas"])),
+                weight_decay=a.weight_decay,
                 warmup_fraction=GPT_DEFAULTS["warmup_fraction"], schedule="cosine",
                 momentum_correction=False, momentum=0.0, reduce="auto",
                 eval_sequences=a.eval_sequences, options=dict(a.option))
