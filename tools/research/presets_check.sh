@@ -28,4 +28,22 @@ run oktopk-480k-H4-d0.08-compact oktopk 0.08 sync_every=4 wire_format=compact
 # transformer at 0.2% of dense's bytes
 run topka-480k-H2-d0.0034-q2 topka 0.0034 sync_every=2 wire_format=q2
 run oktopk-480k-H4-d0.0138-q2 oktopk 0.0138 sync_every=4 wire_format=q2
+# many ranks: 64 thread ranks of one process (quality_at_scale), batch 1 per rank, 320 steps,
+# seed 0: the preset, the same without consistency, and TopkA's best at 64 ranks (5x the bytes)
+if [ "${MANY:-1}" = 1 ]; then
+  many() {  # tag, algorithm, density, options...
+    local tag=$1 algo=$2 d=$3; shift 3
+    local opts=()
+    for o in "$@"; do opts+=(--option "$o"); done
+    echo "=== $(date +%T) $tag"
+    "$PY" -m tools.research.quality_at_scale --world-size 64 --size 480k --steps 320 \
+        --batch-size 1 --seeds 0 --algorithms "$algo" --density "$d" --progress 0 \
+        --json "$OUT/$tag.json" ${opts[@]+"${opts[@]}"} || echo "!!! $tag exited with $?"
+  }
+  many p64-480k-oktopk-H2-d0.0142-complete-cons0.9 oktopk 0.0142 sync_every=2 wire_format=q2 \
+      complete_sums=true consistency=0.9
+  many p64-480k-oktopk-H2-d0.0142-complete oktopk 0.0142 sync_every=2 wire_format=q2 \
+      complete_sums=true
+  many p64-480k-topka-H2-d0.0025 topka 0.0025 sync_every=2 wire_format=q2
+fi
 echo "=== $(date +%T) done"
