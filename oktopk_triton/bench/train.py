@@ -78,6 +78,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"per rank (default {DEFAULTS['batch_size']}; gpt: the --size preset's)")
     p.add_argument("--lr", type=A.positive_float, default=None,
                    help=f"peak learning rate (default {DEFAULTS['lr']}; gpt: the --size preset's)")
+    p.add_argument("--betas", type=A.fraction, nargs=2, default=None, metavar=("B1", "B2"),
+                   help="AdamW's betas (gpt: default the --size preset's, else 0.9 0.95)")
     p.add_argument("--momentum", type=A.fraction, default=DEFAULTS["momentum"])
     p.add_argument("--momentum-correction", action=argparse.BooleanOptionalAction,
                    default=None,
@@ -356,6 +358,7 @@ def build_config(args, algos) -> Dict[str, Any]:
                    val_fraction=getattr(args, "val_fraction", GPT_DEFAULTS["val_fraction"]),
                    reduce=getattr(args, "reduce", "auto"),
                    powersgd_start=getattr(args, "powersgd_start", None),
-                   betas=list(train_defaults.get("betas", GPT_DEFAULTS["betas"])), epochs=None,
+                   betas=list(getattr(args, "betas", None)
+                              or train_defaults.get("betas", GPT_DEFAULTS["betas"])), epochs=None,
                    width=None, test_fraction=None, train_subset=None)
     return cfg

@@ -17,9 +17,18 @@ run() {  # tag, algorithm, density, options...
   for o in "$@"; do opts+=(--option "$o"); done
   echo "=== $(date +%T) $tag"
   "$PY" -m oktopk_triton.cli train --model gpt --size 480k --steps "$STEPS" --eval-times 10 \
-      --seeds $SEEDS --algorithms "$algo" --density "$d" --no-plot --quiet \
+      --seeds $SEEDS --algorithms "$algo" --density "$d" --no-plot --quiet ${TRAIN_ARGS:-} \
       --json "$OUT/$tag.json" ${opts[@]+"${opts[@]}"} || echo "!!! $tag exited with $?"
 }
+if [ "${ONLY:-}" = variant ]; then
+  # the realignment once more, on the 480k GPT trained as plain AdamW is often set (lr 3e-3,
+  # betas 0.9/0.999) and for 300 steps: OUT should be a folder of its own (another recipe)
+  STEPS=300 TRAIN_ARGS="--lr 3e-3 --betas 0.9 0.999"
+  run dense-480k dense 0.01
+  run topka-480k-H4-d0.071-q2 topka 0.071 sync_every=4 wire_format=q2
+  run topka-480k-H4-d0.071-q2-ra0.3 topka 0.071 sync_every=4 wire_format=q2 moment_realign=0.3
+  exit 0
+fi
 run dense-480k dense 0.01
 # transformer at 2% of dense's bytes (4 ranks): the preset, then the realignment it leaves out
 run topka-480k-H4-d0.071-q2 topka 0.071 sync_every=4 wire_format=q2
