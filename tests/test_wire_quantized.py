@@ -181,14 +181,13 @@ def _train_body(comm, cfg):
             for alg in ("oktopk", "topka")}
 
 
-def test_train_gpt_local_steps_q2(monkeypatch):
+def test_train_gpt_local_steps_q2():
     """``oktopk-bench train --model gpt --size tiny --option wire_format=q2 --option
     sync_every=4`` on 2 gloo ranks, Ok-Topk and TopkA: replicas identical, bytes only on the
     syncs, the loss falls."""
     import argparse
-    from distutil import run_pooled
+    from distutil import run_pooled_torch
     from oktopk_triton.bench import train
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     p = argparse.ArgumentParser()
     train.add_arguments(p)
     a = p.parse_args(["--model", "gpt", "--size", "tiny", "--steps", "8", "--eval-times", "1",
@@ -196,7 +195,7 @@ def test_train_gpt_local_steps_q2(monkeypatch):
                       "--option", "sync_every=4"])
     cfg = train.build_config(a, ["oktopk", "topka"])
     assert cfg["options"]["wire_format"] == "q2"
-    res = run_pooled(2, _train_body, cfg, timeout=180)
+    res = run_pooled_torch(2, _train_body, cfg, timeout=180)
     for alg in ("oktopk", "topka"):
         r = res[0][alg]
         assert r["replicas_identical"], alg
