@@ -23,6 +23,12 @@ call starts a new one); so is a pool whose body destroyed the default process gr
 well-behaved bodies only: tests of failures, dead ranks and process-group timeouts, and bodies
 that tear down global state, keep ``run_gloo``.
 
+``run_pooled_torch(world_size, fn, *args, timeout=120) -> list``: ``run_pooled`` with the
+kernels on their torch references in the ranks (``_dispatch.INTERPRET = False`` for the call;
+the pool puts it back): what a test that unsets ``TRITON_INTERPRET`` before ``run_pooled`` gets,
+on the same pool as the other tests instead of a pool of its own (a start-up, and another pool
+pushed out).
+
 ``run_gloo(world_size, fn, *args, timeout=120, pg_timeout=None) -> list``:
 
 * spawns ``world_size`` processes (``torch.multiprocessing`` *spawn* context; children get
@@ -56,7 +62,8 @@ _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 if _TESTS_DIR not in sys.path:  # so spawned children (and odd import modes) find test modules
     sys.path.insert(0, _TESTS_DIR)
 
-__all__ = ["run_gloo", "run_pooled", "run_nccl", "RemoteError", "free_port"]
+__all__ = ["run_gloo", "run_pooled", "run_pooled_torch", "run_nccl", "RemoteError",
+           "free_port"]
 
 
 class RemoteError(RuntimeError):
@@ -292,3 +299,15 @@ def run_pooled(world_size: int, fn: Callable, *args: Any, timeout: float = 120) 
     else:
         pool.stop()
     return results
+
+
+def _on_torch_references(comm, fn: Callable, args: tuple) -> Any:
+    from oktopk_triton.kernels import _dispatch
+    _dispatch.INTERPRET = False       # the pool worker restores it after the call
+    return fn(comm, *args)
+
+
+def run_pooled_torch(world_size: int, fn: Callable, *args: Any, timeout: float = 120
+                     ) -> List[Any]:
+    """:func:`run_pooled` with the kernels on their torch references (module doc)."""
+    return run_pooled(world_size, _on_torch_references, fn, args, timeout=timeout)

@@ -343,6 +343,9 @@ def _gloo_all():
     return distutil.run_pooled(3, _all_steps_body, names, *GLOO_ARGS, timeout=180)
 
 
+# one worker runs every case (make test: --dist loadgroup), so _gloo_all runs once, not once
+# per worker that got a case
+@pytest.mark.xdist_group("gloo_all")
 @pytest.mark.parametrize("name", ALL)
 def test_gloo_equals_local_cluster(name):
     gloo = [r[name] for r in _gloo_all()]

@@ -13,7 +13,7 @@ import torch
 
 from oktopk_triton.bench import baselines as B
 from oktopk_triton.bench import train
-from distutil import run_pooled
+from distutil import run_pooled_torch
 
 
 def _config(*argv):
@@ -36,11 +36,10 @@ def _body(comm, cfg):
 
 
 @pytest.mark.slow
-def test_powersgd_and_bf16_train_and_send_what_they_should(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+def test_powersgd_and_bf16_train_and_send_what_they_should():
     cfg = _config("--size", "tiny", "--steps", "12", "--eval-times", "2", "--lr", "1e-2",
                   "--powersgd-start", "4")
-    res = run_pooled(2, _body, cfg, timeout=180)[0]
+    res = run_pooled_torch(2, _body, cfg, timeout=180)[0]
     dense = res["dense"]["bytes_curve"]
     assert len(set(dense)) == 1 and dense[0] > 0
     for alg in ("dense", "powersgd", "bf16"):

@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_leaves
 from conservation import flat as _flat
 from conservation import host_syncs_raise, toy_calls, whole_and_resumed
 from conservation import toy_model as _model
-from distutil import run_pooled
+from distutil import run_pooled_torch
 from oktopk_triton import SparseAllreduce
 from oktopk_triton.algorithms import SPARSE_ALGORITHMS
 from oktopk_triton.comm.local import LocalCluster
@@ -154,10 +154,9 @@ def _resume_body(comm, calls, cut):
             whole[2].algorithm.density, w)
 
 
-def test_resume_mid_interval_continues_bit_for_bit(monkeypatch):
+def test_resume_mid_interval_continues_bit_for_bit():
     # the ranks run the torch kernels (not the Triton interpreter conftest turns on: ~10x slower)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    res = run_pooled(3, _resume_body, 16, 6)      # cut after 6 calls: 2 into the 2nd interval
+    res = run_pooled_torch(3, _resume_body, 16, 6)      # cut after 6 calls: 2 into the 2nd interval
     for mid, same_w, same_r, density, _ in res:
         assert mid == 2 and same_w and same_r
         assert density == 0.1                       # the schedule reached its last stage

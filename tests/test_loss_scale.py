@@ -7,7 +7,7 @@ a run at a constant scale delivers: the scales are powers of two, so exactly, bi
 import pytest
 import torch
 
-from conservation import mixed
+from conservation import mixed, torch_kernels
 
 from oktopk_triton.algorithms import get_algorithm
 from oktopk_triton.comm import LocalCluster
@@ -37,11 +37,15 @@ def _run(alg, P, n, scales, as_tensor, **opts):
                          + [("oktopk", 4), ("spardl", 4)])
 def test_scale_changes_deliver_what_a_constant_scale_does(alg, P):
     n = 3000
-    # Ok-Topk at P=3 runs its Triton kernels (interpreted here), at P=4 the torch path: the scale
-    # is applied around the kernels, and the interpreter costs seconds per step
-    opts = {"backend": "torch"} if (alg, P) == ("oktopk", 4) else {}
-    const = _run(alg, P, n, [2.0 ** 10] * STEPS, False, **opts)
+    # the algorithms with Triton kernels run them (interpreted here) in the run whose scale is a
+    # tensor, the torch references in the other two (bit for bit the same: test_oktopk.py
+    # test_triton_kernels_match_torch_path; the equalities below check it again over these 12
+    # steps); Ok-Topk at P=4 the torch path throughout: the scale is applied around the kernels,
+    # and the interpreter costs seconds per step
+    ref = torch_kernels(alg)
+    const = _run(alg, P, n, [2.0 ** 10] * STEPS, False, **ref)
     for as_tensor in (False, True):
+        opts = {} if as_tensor and (alg, P) != ("oktopk", 4) else ref
         moving = _run(alg, P, n, SCALES, as_tensor, **opts)
         for r in range(P):
             assert torch.equal(moving[r][0], const[r][0]), (alg, r, as_tensor)

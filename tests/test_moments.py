@@ -12,7 +12,7 @@ import torch
 from conservation import flat as _flat
 from conservation import toy_calls, whole_and_resumed
 from conservation import toy_model as _model
-from distutil import run_pooled
+from distutil import run_pooled_torch
 from oktopk_triton import SparseAllreduce
 from oktopk_triton.bench import loops, train
 from oktopk_triton.comm.base import ring_allreduce_bytes
@@ -110,9 +110,8 @@ def _gloo_body(comm):
     return _moments(opt, "exp_avg"), _moments(opt, "exp_avg_sq"), _flat(m.parameters())
 
 
-def test_moments_bitwise_identical_on_gloo_ranks(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    res = run_pooled(3, _gloo_body, timeout=120)
+def test_moments_bitwise_identical_on_gloo_ranks():
+    res = run_pooled_torch(3, _gloo_body, timeout=120)
     for i in range(3):
         assert all(torch.equal(res[0][i], r[i]) for r in res[1:]), i
     assert res[0][1].abs().sum() > 0
@@ -246,17 +245,16 @@ def _lm_body(comm, cfg):
                           (corpus.train, corpus.val), log=False)
 
 
-def test_tiny_lm_run_with_moment_sync(monkeypatch):
+def test_tiny_lm_run_with_moment_sync():
     """``train --model gpt --option sync_every=2 --option moment_sync_every=2``: the moments'
     bytes land on every 2nd sync, replicas stay identical, the run records the options."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     p = argparse.ArgumentParser()
     train.add_arguments(p)
     a = p.parse_args(["--model", "gpt", "--size", "tiny", "--steps", "8", "--eval-times", "1",
                       "--lr", "1e-2", "--option", "sync_every=2",
                       "--option", "moment_sync_every=2"])
     cfg = train.build_config(a, ["dense"])
-    r = run_pooled(2, _lm_body, cfg, timeout=120)[0]
+    r = run_pooled_torch(2, _lm_body, cfg, timeout=120)[0]
     assert r["replicas_identical"] and r["reduce"] == "updates"
     assert r["local_steps"]["moment_sync_every"] == 2 and r["local_steps"]["moment_sync"] == "both"
     n, b = r["numel"], r["bytes_curve"]

@@ -6,6 +6,7 @@ import torch
 from conservation import mixed, run_steps
 from oktopk_triton import SparseAllreduce
 from oktopk_triton.comm.local import LocalCluster
+from oktopk_triton.kernels import _dispatch
 
 
 def test_removed_techniques_are_unknown_options():
@@ -78,7 +79,10 @@ def test_frozen_adam_dense_warmup_is_adamw():
     torch.testing.assert_close(res[0][0], ref, rtol=1e-4, atol=1e-5)
 
 
-def test_frozen_adam_replicas_identical_and_resume_bit_exact():
+def test_frozen_adam_replicas_identical_and_resume_bit_exact(monkeypatch):
+    # the kernels' torch references (bit for bit the interpreted Triton kernels: test_oktopk.py
+    # test_triton_kernels_match_torch_path): what is checked is the optimizer's state
+    monkeypatch.setattr(_dispatch, "INTERPRET", False)
     P, steps, warmup, cut = 3, 10, 3, 6
     full = LocalCluster(P).run(_adam_body, steps, warmup, cut)
     for r in range(1, P):
@@ -170,8 +174,12 @@ def test_density_schedule_conserves_and_switches(algorithm):
 
 
 @pytest.mark.parametrize("cut", [3, 5])
-def test_density_schedule_resumes_bit_for_bit(cut):
+def test_density_schedule_resumes_bit_for_bit(cut, monkeypatch):
     """Saved at a stage boundary (3) and inside a stage (5), restored into a fresh reducer."""
+    # the kernels' torch references (bit for bit the interpreted Triton kernels: test_oktopk.py
+    # test_triton_kernels_match_torch_path; the schedule's switches on the interpreted kernels:
+    # test_density_schedule_conserves_and_switches[oktopk])
+    monkeypatch.setattr(_dispatch, "INTERPRET", False)
     P, steps = 3, 9
     full = LocalCluster(P).run(_schedule_body, "oktopk", steps)
     saved = LocalCluster(P).run(_schedule_body, "oktopk", steps, cut)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from oktopk_triton.bench import gpt, lm_loop, report, train
-from distutil import run_pooled
+from distutil import run_pooled_torch
 
 
 def _config(*argv):
@@ -37,16 +37,15 @@ def _lm_body(comm, cfg):
     return out
 
 
-def test_tiny_lm_learns_on_two_ranks_with_identical_replicas(monkeypatch):
+def test_tiny_lm_learns_on_two_ranks_with_identical_replicas():
     # the ranks run the CPU kernels as `oktopk-bench train` does: the torch references, not the
     # Triton interpreter that conftest turns on (~100x slower); most of this test's ~10 s is the
     # two interpreters importing torch and torch._dynamo (which any torch optimizer imports)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cfg = _config("--size", "tiny", "--steps", "16", "--eval-times", "2", "--density", "0.05",
                   "--lr", "1e-2", "--option", "backend=\"torch\"")
     assert cfg["options"] == {"backend": "torch"} and cfg["optimizer"] == "adamw"
     assert cfg["momentum_correction"] is False
-    res = run_pooled(2, _lm_body, cfg, timeout=120)
+    res = run_pooled_torch(2, _lm_body, cfg, timeout=120)
     for rank_res in res:
         assert rank_res["world"] == 2
         for alg in ("dense", "oktopk"):
@@ -85,15 +84,14 @@ def _local_steps_body(comm, cfg):
             for alg in ("dense", "oktopk")}
 
 
-def test_tiny_lm_with_local_steps(monkeypatch):
+def test_tiny_lm_with_local_steps():
     """--option sync_every=4: dense and Ok-Topk reduce their pseudo-gradients every 4th step
     (--reduce auto picks updates), bytes only on those steps, the per-layer counts only there,
     identical replicas at the end (12 steps end on a sync)."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cfg = _config("--size", "tiny", "--steps", "12", "--eval-times", "1", "--density", "0.2",
                   "--lr", "1e-2", "--option", "backend=\"torch\"", "--option", "sync_every=4",
                   "--option", "outer_lr=0.8")
-    res = run_pooled(2, _local_steps_body, cfg, timeout=120)
+    res = run_pooled_torch(2, _local_steps_body, cfg, timeout=120)
     for alg in ("dense", "oktopk"):
         r = res[0][alg]
         assert r["replicas_identical"] and r["reduce"] == "updates", alg
