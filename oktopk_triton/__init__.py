@@ -4,6 +4,9 @@
     sar = SparseAllreduce(model.parameters(), density=0.01)   # algorithm="oktopk"
     loss.backward(); sar.reduce_gradients(); opt.step()
 
+    # a measured preset (oktopk_triton.presets): the algorithm, density and sync interval
+    sar = SparseAllreduce(model.parameters(), preset=recommend(optimizer=opt))
+
     # settings as objects (oktopk_triton.config): an algorithm's, the local steps'
     sar = SparseAllreduce(model.parameters(), density=0.04, algorithm=OkTopk(momentum=0.9),
                           local_steps=LocalSteps(sync_every=4))
@@ -20,8 +23,11 @@ logging.getLogger("oktopk_triton").addHandler(logging.NullHandler())
 _CONFIG = ("AlgorithmConfig", "OkTopk", "TopkA", "GTopk", "SparDL", "TopkDSA", "Gaussiank", "Dense",
            "Registered", "LocalSteps")
 
-__all__ = [*_CONFIG, "SparseAllreduce", "LocalCluster", "TorchCommunicator", "NcclCommunicator",
-           "Communicator", "GraphedStep", "get_algorithm", "shutdown", "__version__"]
+_PRESETS = ("Preset", "PRESETS", "recommend")
+
+__all__ = [*_CONFIG, *_PRESETS, "SparseAllreduce", "LocalCluster", "TorchCommunicator",
+           "NcclCommunicator", "Communicator", "GraphedStep", "get_algorithm", "shutdown",
+           "__version__"]
 
 
 def __getattr__(name):  # lazy: importing the package stays cheap and never needs cupy
@@ -34,6 +40,9 @@ def __getattr__(name):  # lazy: importing the package stays cheap and never need
     if name in _CONFIG:
         from . import config
         return getattr(config, name)
+    if name in _PRESETS:
+        from . import presets
+        return getattr(presets, name)
     if name == "GraphedStep":
         from .graph import GraphedStep
         return GraphedStep

@@ -272,7 +272,8 @@ class LocalSteps:
        :class:`~oktopk_triton.moments.MomentAverager`); sync both moments.
     6. ``moment_realign`` (a, default 0: off): after each sync every rank's Adam first moment
        moves a fraction ``a`` of the way to the common step's direction, at no bytes
-       (:class:`~oktopk_triton.realign.MomentRealign`): near 0.3 with TopkA; not with Ok-Topk.
+       (:class:`~oktopk_triton.realign.MomentRealign`). Leave it off: it helped one model
+       and hurt another, so no preset uses it (docs/usage.md#presets).
     """
 
     sync_every: int = 1

@@ -30,6 +30,7 @@ from .ddp_bucket import BucketMode
 from .ddp_flat import FLAT, FlatMode
 from .ddp_layout import Layout, bucket_views, numel_of
 from .deprecation import old_keywords
+from .presets import Preset, for_hook, group_size as _world_size
 
 __all__ = ["SparseAllreduceState", "sparse_allreduce_hook"]
 
@@ -79,14 +80,20 @@ class SparseAllreduceState:
     @old_keywords("SparseAllreduceState", refuse_local_steps=(
         "SparseAllreduceState: the DDP hook cannot take local steps ({names}): it runs before "
         "the optimizer step; use SparseAllreduce.reduce_updates"))
-    def __init__(self, process_group: Optional[dist.ProcessGroup] = None, density: float = 0.01,
-                 algorithm: Union[str, AlgorithmConfig] = "oktopk", start_iter: int = 1,
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None,
+                 density: Optional[float] = None,
+                 algorithm: Union[str, AlgorithmConfig, None] = None, start_iter: int = 1,
                  comm: Optional["Communicator"] = None, mode: str = "flat",
                  scaler: Optional["torch.amp.GradScaler"] = None, *,
-                 check_finite: str = "skip") -> None:
+                 check_finite: str = "skip", preset: Union[str, "Preset", None] = None) -> None:
         if mode not in self.MODES:
             raise ValueError(f"mode must be one of {self.MODES}, got {mode!r}")
-        self.config = as_config(algorithm)      # a clear error now for an unknown name
+        if preset is not None:      # a per-step gradient preset (oktopk_triton.presets)
+            density, algorithm = for_hook(preset, _world_size(process_group, comm),
+                                          "SparseAllreduceState", density=density,
+                                          algorithm=algorithm)
+        density = 0.01 if density is None else density
+        self.config = as_config(algorithm or "oktopk")   # a clear error now for an unknown name
         if int(start_iter) < 1:
             raise ValueError("start_iter must be >= 1: DDP rebuilds its buckets after the first "
                              "iteration, so sparse reducers built then would be built for the "

@@ -71,7 +71,7 @@ def old_keywords(owner: str, refuse_local_steps: Optional[str] = None) -> Callab
             bound = sig.bind_partial(self, *args, **kwargs)
             given = bound.arguments
             config, local_steps = split_options(
-                given.get("algorithm", sig.parameters["algorithm"].default), old,
+                given.get("algorithm", sig.parameters["algorithm"].default) or "oktopk", old,
                 given.get("local_steps"), owner)
             for key, value in old.items():
                 warnings.warn(f"{owner}(..., {key}={value!r}) is deprecated: use "

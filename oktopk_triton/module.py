@@ -39,6 +39,7 @@ from .ledger import ConservationLedger
 from .config import AlgorithmConfig, LocalSteps, as_config
 from .deprecation import old_keywords, split_options
 from .local_steps import LocalStepper
+from .presets import Preset, from_preset
 from .updates import UpdateReduction
 
 __all__ = ["SparseAllreduce", "ParamSlice", "keywords"]
@@ -56,13 +57,18 @@ class SparseAllreduce(torch.nn.Module):
         numel_or_params: the flat gradient length, or the parameters whose ``.grad``
             :meth:`reduce_gradients` reduces (tensors or an ``nn.Module``; ``requires_grad``).
         comm: a :class:`~oktopk_triton.comm.Communicator`; ``None``: ``default_communicator``.
-        density: fraction of entries selected, in (0, 1]; ``k = round(density * numel)``.
+        density: fraction of entries selected, in (0, 1]; ``k = round(density * numel)``
+            (default 0.01).
         algorithm: an algorithm object of :mod:`oktopk_triton.config` (``OkTopk(momentum=0.9,
             wire_format="q2")``, ``TopkA()``, ..., ``Dense()``: its settings, with advice on
-            each) or a registered name (its defaults).
+            each) or a registered name (its defaults); default ``"oktopk"``.
         local_steps: a :class:`~oktopk_triton.config.LocalSteps` for :meth:`reduce_updates`
             (DiLoCo / SparseLoCo; :class:`~oktopk_triton.local_steps.LocalStepper`); ``None``:
             every call syncs. Needs parameters; only with :meth:`reduce_updates`.
+        preset: a name of :data:`~oktopk_triton.presets.PRESETS` (``"sgd"``,
+            ``"transformer"``, ...) or a :class:`~oktopk_triton.presets.Preset`
+            (:func:`~oktopk_triton.presets.recommend`): sets ``density``, ``algorithm`` and
+            ``local_steps`` (give none of them) and logs one line saying what it chose.
         device: where an int ``numel``'s gradients live (default: the communicator's device).
         check_finite: ``"skip"`` (default: a NaN/Inf on any rank makes ``out`` NaN on every
             rank and leaves every residual unchanged), ``"raise"`` or ``"off"``.
@@ -77,22 +83,28 @@ class SparseAllreduce(torch.nn.Module):
 
     @old_keywords("SparseAllreduce")
     def __init__(self, numel_or_params: Union[int, Iterable[torch.Tensor], torch.nn.Module],
-                 comm: Optional[Communicator] = None, density: float = 0.01,
-                 algorithm: Union[str, AlgorithmConfig] = "oktopk", *,
+                 comm: Optional[Communicator] = None, density: Optional[float] = None,
+                 algorithm: Union[str, AlgorithmConfig, None] = None, *,
                  local_steps: Optional[LocalSteps] = None,
+                 preset: Union[str, Preset, None] = None,
                  device: Optional[Union[str, torch.device]] = None, check_finite: str = "skip",
                  density_schedule: Any = None, adam: Optional[str] = None,
                  cuda_graph: bool = False) -> None:
         super().__init__()
-        self.config = as_config(algorithm)     # one validated object (clear unknown names)
-        # local_steps.LocalStepper: None with the defaults (every call syncs)
-        self.local_steps = LocalStepper.from_config(local_steps)
-        cls = get_algorithm(self.config.algorithm)
+        if preset is None:
+            self._configure(algorithm, local_steps)     # a clear error before anything is built
         numel, params, device = parse_params(numel_or_params, device)
         if comm is None:
             comm = _default_communicator(resolve_device(device) if device is not None
                                          else torch.device("cpu"))
         self.comm = comm
+        if preset is not None:     # density, algorithm and local steps from a measured preset
+            density, algorithm, local_steps = from_preset(
+                preset, numel, comm.world_size, density=density, algorithm=algorithm,
+                local_steps=local_steps)
+            self._configure(algorithm, local_steps)
+        density = 0.01 if density is None else density
+        cls = get_algorithm(self.config.algorithm)
         _check_modes(self.local_steps, params, density_schedule, adam, cuda_graph)
         # density_schedule.DensitySchedule: one reducer per stage, each taking over the last's
         self._schedule = DensitySchedule.build(density_schedule, density)
@@ -114,6 +126,12 @@ class SparseAllreduce(torch.nn.Module):
         self._adam = FrozenAdam.build(adam, self.algorithm, params)
         self._graphed: Optional[GraphedStep] = GraphedStep(self.algorithm) if cuda_graph else None
         self._ledger: Optional[ConservationLedger] = None
+
+    def _configure(self, algorithm: Union[str, AlgorithmConfig, None],
+                   local_steps: Optional[LocalSteps]) -> None:
+        self.config = as_config(algorithm or "oktopk")     # one validated object
+        # local_steps.LocalStepper: None with the defaults (every call syncs)
+        self.local_steps = LocalStepper.from_config(local_steps)
 
     # -- the reduction ---------------------------------------------------------------------------
     def forward(self, flat_grad: torch.Tensor, scale: LossScale = None) -> torch.Tensor:

@@ -34,6 +34,7 @@ from ..checks import check_density
 from ..comm.base import Communicator
 from ..config import AlgorithmConfig, as_config
 from ..deprecation import old_keywords
+from ..presets import Preset, for_hook, group_size as _world_size
 
 try:
     from torch.distributed.fsdp import FSDPModule
@@ -69,12 +70,18 @@ class SparseReplicaReduce:
     """
 
     @old_keywords("SparseReplicaReduce")
-    def __init__(self, replicate_group: Optional[dist.ProcessGroup], density: float = 0.01,
-                 algorithm: Union[str, AlgorithmConfig] = "oktopk", *,
+    def __init__(self, replicate_group: Optional[dist.ProcessGroup],
+                 density: Optional[float] = None,
+                 algorithm: Union[str, AlgorithmConfig, None] = None, *,
                  comm: Optional[Communicator] = None,
                  scaler: Optional[torch.amp.GradScaler] = None,
-                 check_finite: str = "skip") -> None:
-        self.config = as_config(algorithm)
+                 check_finite: str = "skip", preset: Union[str, Preset, None] = None) -> None:
+        if preset is not None:      # a per-step gradient preset (oktopk_triton.presets)
+            density, algorithm = for_hook(preset, _world_size(replicate_group, comm),
+                                          "SparseReplicaReduce", density=density,
+                                          algorithm=algorithm)
+        density = 0.01 if density is None else density
+        self.config = as_config(algorithm or "oktopk")
         self.group = replicate_group
         self.density = check_density(density, "SparseReplicaReduce")
         self.algorithm = self.config.algorithm       # the name (saved with the state)
