@@ -74,8 +74,14 @@ def test_readme_is_a_guide_in_order():
     text = _readme()
     assert len(text.splitlines()) <= 340, len(text.splitlines())
     heads = re.findall(r"^## (.+)$", text, re.M)
-    assert heads == ["Install", "The two commands", "A first example", "Ways to use it",
-                     "Surviving failures", "Options", "Results", "Known gaps"], heads
+    assert heads == ["Install", "The two commands", "Presets", "A first example",
+                     "Ways to use it", "Surviving failures", "Options", "Results",
+                     "Known gaps"], heads
+    presets = text[text.index("## Presets"):text.index("## A first example")]
+    from oktopk_triton.presets import PRESETS
+    assert all(f"| `{name}` |" in presets for name in PRESETS)      # the table names each one
+    advice = [line for line in presets.splitlines() if line.startswith("**Transformers")]
+    assert len(advice) == 1 and "recommend(" in advice[0]            # the advice: one line
     survive = text[text.index("## Surviving failures"):text.index("## Options")]
     assert len(survive.splitlines()) <= 25
     results = text[text.index("## Results"):text.index("## Known gaps")]
@@ -83,7 +89,7 @@ def test_readme_is_a_guide_in_order():
                      "**Which algorithm?**"):
         assert question in results
         assert "\n| " in results[results.index(question):]        # each answered by a table
-    assert "**Local steps for transformers: recommended configuration.**" in results
+    assert "recommended configuration" not in text and "moment_realign" not in text
 
 
 def _strip(line: str) -> str:
