@@ -4,7 +4,7 @@ another group (:func:`reconfigure`). The front's methods of the same names call 
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 __all__ = ["extra_state", "load_extra_state", "fingerprint", "save", "load", "reconfigure"]
 
@@ -105,3 +105,15 @@ def reconfigure(sar: Any, comm: Any, *, joined: bool = False) -> None:
         sar.local_steps.regroup()
     if sar._ledger is not None:
         sar._ledger.rebase()
+
+
+def extra_repr(sar: Any) -> str:
+    return (f"numel={sar.numel}, density={sar.density:g}, algorithm={sar.algorithm_name!r}, "
+            f"world_size={sar.comm.world_size}, rank={sar.comm.rank}, device={sar.device}")
+
+
+def param_slices(sar: Any) -> List[Any]:
+    """The parameters in the order they are flattened, each with its slice of the flat
+    gradient (a ``ParamSlice``, read-only view; empty for a SparseAllreduce built from a
+    length)."""
+    return [] if sar.flat_params is None else sar.flat_params.slices()

@@ -65,10 +65,9 @@ class SparseAllreduce(torch.nn.Module):
         local_steps: a :class:`~oktopk_triton.config.LocalSteps` for :meth:`reduce_updates`
             (DiLoCo / SparseLoCo; :class:`~oktopk_triton.local_steps.LocalStepper`); ``None``:
             every call syncs. Needs parameters; only with :meth:`reduce_updates`.
-        preset: a name of :data:`~oktopk_triton.presets.PRESETS` (``"sgd"``,
-            ``"transformer"``, ...) or a :class:`~oktopk_triton.presets.Preset`
-            (:func:`~oktopk_triton.presets.recommend`): sets ``density``, ``algorithm`` and
-            ``local_steps`` (give none of them) and logs one line saying what it chose.
+        preset: a name of :data:`~oktopk_triton.presets.PRESETS` or a ``Preset`` (``recommend``
+            returns one): sets ``density``, ``algorithm`` and ``local_steps`` (give none of
+            them) and logs one line saying what it chose.
         device: where an int ``numel``'s gradients live (default: the communicator's device).
         check_finite: ``"skip"`` (default: a NaN/Inf on any rank makes ``out`` NaN on every
             rank and leaves every residual unchanged), ``"raise"`` or ``"off"``.
@@ -129,16 +128,14 @@ class SparseAllreduce(torch.nn.Module):
 
     def _configure(self, algorithm: Union[str, AlgorithmConfig, None],
                    local_steps: Optional[LocalSteps]) -> None:
-        self.config = as_config(algorithm or "oktopk")     # one validated object
-        # local_steps.LocalStepper: None with the defaults (every call syncs)
-        self.local_steps = LocalStepper.from_config(local_steps)
+        self.config = as_config(algorithm or "oktopk")               # one validated object
+        self.local_steps = LocalStepper.from_config(local_steps)     # None: every call syncs
 
     # -- the reduction ---------------------------------------------------------------------------
     def forward(self, flat_grad: torch.Tensor, scale: LossScale = None) -> torch.Tensor:
-        """Reduce ``flat_grad`` (``numel`` elements, any shape); returns ``out`` of the same shape,
-        dtype and device, bitwise identical on every rank. ``scale``: the loss scale the
-        gradient carries (a ``torch.amp.GradScaler``, a tensor or a number; see
-        :meth:`Algorithm.__call__`)."""
+        """Reduce ``flat_grad`` (``numel`` elements, any shape) to ``out`` (its shape, dtype and
+        device; bitwise identical on every rank). ``scale``: the loss scale the gradient carries
+        (a ``torch.amp.GradScaler``, a tensor or a number; :meth:`Algorithm.__call__`)."""
         self._refuse_local_steps("forward")
         self._advance()
         return self._reduce(flat_grad, scale)
@@ -163,14 +160,13 @@ class SparseAllreduce(torch.nn.Module):
 
     def audit(self) -> ConservationLedger:
         """Start a run-long conservation audit (:class:`~oktopk_triton.ledger.ConservationLedger`,
-        12 bytes an element, nothing sent): ``sar.audit().check()`` at the end, on every rank,
-        returns ``{"checked", "calls", "relative_error", "unchecked"}``. Again: afresh."""
+        12 bytes an element, nothing sent; again: afresh): ``sar.audit().check()`` at the end,
+        on every rank, returns ``{"checked", "calls", "relative_error", "unchecked"}``."""
         self._ledger = ConservationLedger(self)
         return self._ledger
 
     def _advance(self) -> None:
-        """With a density schedule: at a stage's first step, a reducer at the stage's density
-        takes over the current one's state (:meth:`DensitySchedule.advance`)."""
+        """With a density schedule: :meth:`DensitySchedule.advance` (a stage's first step)."""
         if self._schedule is not None:
             self._schedule.advance(self)
 
@@ -219,9 +215,8 @@ class SparseAllreduce(torch.nn.Module):
 
     def reduce_adam(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """AdamW with a dense warm-up, then frozen variance and the preconditioned gradient
-        reduced sparsely (build with ``adam="frozen"``; see :class:`~oktopk_triton.frozen_adam.
-        FrozenAdam`). Replaces ``optimizer.step()``, whose hyper-parameters (lr, betas, eps,
-        weight_decay) it reads; the optimizer's own state is unused."""
+        reduced sparsely (``adam="frozen"``; :class:`~oktopk_triton.frozen_adam.FrozenAdam`).
+        Replaces ``optimizer.step()``, reading its lr, betas, eps, weight_decay, not its state."""
         self._refuse_local_steps("reduce_adam")
         if self._adam is None:
             raise RuntimeError("reduce_adam needs a SparseAllreduce built with adam='frozen'")
@@ -236,9 +231,8 @@ class SparseAllreduce(torch.nn.Module):
 
     @property
     def stats(self) -> Dict[str, Any]:
-        """The last step's: the algorithm's stats; with local steps also ``synced`` (whether the
-        call synced) and ``bytes_per_step`` (a sync's ``bytes_sent / sync_every``; a local call
-        reports 0 for both, its bytes are paid by the sync)."""
+        """The last step's: the algorithm's stats; with local steps also ``synced`` and
+        ``bytes_per_step`` (a sync's ``bytes_sent / sync_every``; 0 on a local call)."""
         if self.local_steps is not None:
             return self.local_steps.stats
         return self.algorithm.stats
@@ -254,15 +248,8 @@ class SparseAllreduce(torch.nn.Module):
     save = front_state.save
     load = front_state.load
     reconfigure = front_state.reconfigure
-
-    def extra_repr(self) -> str:
-        return (f"numel={self.numel}, density={self.density:g}, algorithm={self.algorithm_name!r}, "
-                f"world_size={self.comm.world_size}, rank={self.comm.rank}, device={self.device}")
-
-    def param_slices(self) -> List[ParamSlice]:
-        """The parameters in the order they are flattened, each with its slice of the flat
-        gradient (read-only view; empty for a SparseAllreduce built from a length)."""
-        return [] if self.flat_params is None else self.flat_params.slices()
+    extra_repr = front_state.extra_repr
+    param_slices = front_state.param_slices
 
 
 def keywords(algorithm: Union[str, AlgorithmConfig], options: Dict[str, Any]) -> Dict[str, Any]:

@@ -134,3 +134,21 @@ def test_the_objects_defaults_are_the_algorithms():
     for name, cls in CONFIGS.items():
         cfg = cls()
         assert {k: cfg.options()[k] for k in cfg.own_options()} == get_algorithm(name).OPTIONS
+
+
+def test_the_rooms_are_small():
+    """The front's class is at most 200 lines and no module of the package over 600; module
+    docstrings say what a thing does in at most 25 lines (the why lives in docs/research)."""
+    import ast
+    import glob
+    import os
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "oktopk_triton")
+    tree = ast.parse(open(os.path.join(root, "module.py")).read())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "SparseAllreduce")
+    assert cls.end_lineno - cls.lineno + 1 <= 200
+    for path in glob.glob(os.path.join(root, "**", "*.py"), recursive=True):
+        text = open(path).read()
+        assert len(text.splitlines()) <= 600, path
+        doc = ast.get_docstring(ast.parse(text), clean=False) or ""
+        assert doc.count("\n") + 1 <= 25, path

@@ -17,8 +17,7 @@ Why a strategy rather than ``DDPStrategy(ddp_comm_hook=...)``:
    ``<checkpoint>.oktopk/oktopk-rank{r}-of{P}.pt`` (see :mod:`oktopk_triton.checkpoint`), and
    reads it back when ``fit(ckpt_path=...)`` resumes (files saved at another world size are
    resharded, docs/checkpointing.md); a missing file or another model is an error on every
-   rank. A state loaded and saved again before any step (a ``fit`` with
-   nothing left to train, then ``trainer.save_checkpoint``) is saved as it was loaded.
+   rank. A state loaded and saved again before any step is saved as it was loaded.
    Deleting a checkpoint (``ModelCheckpoint(save_top_k=...)``) deletes the rank files with it.
    Local paths only (the rank files are written with ``torch.save``).
 3. With ``precision="16-mixed"`` the precision plugin's ``GradScaler`` is handed to the state,
