@@ -13,6 +13,8 @@ tests/test_torchft_integration.py's; here the logic is checked fast and exactly:
   its unsynced change as owed;
 * ``SparseGradients`` at density 1 gives every replica the average gradient.
 """
+import threading
+
 import pytest
 import torch
 
@@ -31,9 +33,16 @@ def _torch_kernels(monkeypatch):
     monkeypatch.setattr(_dispatch, "INTERPRET", False)
 
 
+_INIT = threading.Lock()
+
+
 def _model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3))
+    """The same initial weights on every replica: the ranks are threads sharing torch's global
+    generator, so one builds at a time."""
+    with _INIT:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.Tanh(),
+                                   torch.nn.Linear(12, 3))
 
 
 def _batch(rank, step):
