@@ -23,6 +23,11 @@ PYTEST_ARGS ?=
 # 14 min 37 s, pytest 13 min 5 s, 1,834 passed, 36 skipped (2026-12-01; 20 min 35 s at 2a42f95)
 PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
 
+# the build backend (setuptools >= 64) where it is installed already: pip then builds the
+# editable install without fetching it into a throwaway environment first
+NO_ISOLATION = $(shell $(PY) -c "import setuptools, sys; \
+	sys.exit(int(setuptools.__version__.split('.')[0]) < 64)" 2>/dev/null && echo --no-build-isolation)
+
 .PHONY: install test test-fast lint demo soak faults bench gpu-check gpu-steps clean
 
 $(PY):
@@ -30,7 +35,7 @@ $(PY):
 
 install: $(PY)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test,integrations,torchft]"
+	$(PY) -m pip install -q $(NO_ISOLATION) -e ".[test,integrations,torchft]"
 	@$(PY) -c "import torch, triton, oktopk_triton; print('oktopk-triton', oktopk_triton.__version__, '| torch', torch.__version__, '| triton', triton.__version__, '| cuda', torch.cuda.is_available())"
 
 test: install lint

@@ -15,3 +15,18 @@ if not HAS_CUDA:
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 
 
+
+
+# The tests that start processes (torchrun, the frameworks, the torchft lighthouse and replicas)
+# or compile kernels, by measured duration: run first, so that the workers do not end the run
+# waiting on one long test started last (pytest-xdist hands tests out in this order).
+_LONG_FIRST = ("test_torchft_integration.py", "test_torchft_soak.py", "test_examples.py",
+               "test_integration_lightning.py", "test_integration_fsdp.py",
+               "test_integration_transformers.py", "test_ddp_resume.py",
+               "test_elastic_resume.py", "test_kernel_dispatch.py", "test_train.py",
+               "test_compile_check_spills.py", "test_integration_accelerate.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(_LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))    # stable: else as found

@@ -21,15 +21,16 @@ def test_the_schedules_are_seeded_and_cover_every_kind():
 
 
 @pytest.mark.slow
-def test_three_soak_schedules(tmp_path):
+def test_a_soak_schedule_end_to_end(tmp_path):
+    """The soak's command line on the one kind no other test runs against the real lighthouse:
+    a replica SIGKILLed between syncs (a kill inside a sync with a rejoin, and a failed commit,
+    run in tests/test_torchft_integration.py; every kind's judging in
+    tests/test_ft_harness_inprocess.py; all 20 in make soak)."""
     out = tmp_path / "soak.json"
-    proc = subprocess.run([sys.executable, "-m", "oktopk_triton.bench.ft_soak", "--seeds", "1",
-                           "2", "4", "--jobs", "3", "--json", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "oktopk_triton.bench.ft_soak", "--seeds", "2",
+                           "--jobs", "1", "--json", str(out)],
                           capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     recs = json.loads(out.read_text())["schedules"]
-    assert [r["kind"] for r in recs] == ["kill-in-sync-rejoin", "kill-between", "fail-commit"]
-    for r in recs:
-        assert r["ok"] and r["max_relative_error"] <= 1e-6, r
-    assert recs[0]["heals"] >= 1 and recs[0]["rolled_back"] == 1
-    assert recs[2]["rolled_back"] == 1
+    assert [r["kind"] for r in recs] == ["kill-between"]
+    assert recs[0]["ok"] and recs[0]["max_relative_error"] <= 1e-6, recs[0]
