@@ -113,6 +113,14 @@ def _settings(config: AlgorithmConfig) -> str:
 
 _LS = "bench/results/lm/local-steps/"
 _CHECK = "bench/results/lm/presets/"
+
+
+def _checked(stem: str, rival: str) -> Tuple[str, ...]:
+    """A transformer preset's records: its three seeds on the 4m GPT, its run on the untuned
+    480k GPT beside dense's, and the rival (Ok-Topk at the same bytes) on both models."""
+    seeds = (_LS + stem.format("4m") + s + ".json" for s in ("", "-s1", "-s2"))
+    return (*seeds, _CHECK + stem.format("480k") + ".json", _CHECK + "dense-480k.json",
+            _CHECK + rival.format("480k") + ".json", _LS + rival.format("4m") + ".json")
 PRESETS = {
     "sgd": Preset(
         "sgd", OkTopk(momentum=0.9), 1, 0.02, "gradients",
@@ -123,18 +131,12 @@ PRESETS = {
         "transformer", TopkA(wire_format="q2"), 4, 0.02, "updates",
         "AdamW, 4 ranks, 3 seeds: 1.24x dense's steps on the 4m GPT (1200 steps), 1.81x on the "
         "untuned 480k GPT (600 steps); Ok-Topk at the same bytes 1.29x and 1.92x",
-        (_LS + "topka-4m-H4-d0.071-q2.json", _LS + "topka-4m-H4-d0.071-q2-s1.json",
-         _LS + "topka-4m-H4-d0.071-q2-s2.json", _CHECK + "topka-480k-H4-d0.071-q2.json",
-         _CHECK + "dense-480k.json", _CHECK + "oktopk-480k-H4-d0.08-compact.json",
-         _LS + "oktopk-4m-H4-d0.08-compact.json")),
+        _checked("topka-{}-H4-d0.071-q2", "oktopk-{}-H4-d0.08-compact")),
     "transformer-lean": Preset(
         "transformer-lean", TopkA(wire_format="q2"), 2, 0.002, "updates",
         "AdamW, 4 ranks, 3 seeds: 1.46x dense's steps on the 4m GPT (1200 steps), 2.49x on the "
         "untuned 480k GPT (600 steps); Ok-Topk at the same bytes 1.91x and 2.66x",
-        (_LS + "topka-4m-H2-d0.0034-q2.json", _LS + "topka-4m-H2-d0.0034-q2-s1.json",
-         _LS + "topka-4m-H2-d0.0034-q2-s2.json", _CHECK + "topka-480k-H2-d0.0034-q2.json",
-         _CHECK + "dense-480k.json", _CHECK + "oktopk-480k-H4-d0.0138-q2.json",
-         _LS + "oktopk-4m-H4-d0.0138-q2.json")),
+        _checked("topka-{}-H2-d0.0034-q2", "oktopk-{}-H4-d0.0138-q2")),
     "many-ranks": Preset(
         "many-ranks", OkTopk(wire_format="q2", complete_sums=True, consistency=0.9), 2, 0.0045,
         "updates",

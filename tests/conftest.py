@@ -15,6 +15,21 @@ if not HAS_CUDA:
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 
 
+@pytest.fixture
+def gloo1(monkeypatch):
+    """A default gloo group of one rank in this process (an in-memory store), destroyed after
+    the test; the kernels' torch references (fast on CPU)."""
+    import torch.distributed as dist
+    from oktopk_triton.kernels import _dispatch
+    monkeypatch.setattr(_dispatch, "INTERPRET", False)
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 
 
 # The tests that start processes (torchrun, the frameworks, the torchft lighthouse and replicas)

@@ -16,60 +16,26 @@ The group is created and destroyed around each test (``gloo1``).
 """
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from oktopk_triton.ddp import SparseAllreduceState, sparse_allreduce_hook
+from test_ddp_modes import _Branchy as _ModesBranchy
+from test_ddp_modes import _Recorder
 
 
-@pytest.fixture
-def gloo1(monkeypatch):
-    """A default gloo group of one rank (an in-memory store), destroyed after the test; the
-    kernels' torch references (fast on CPU)."""
-    from oktopk_triton.kernels import _dispatch
-    monkeypatch.setattr(_dispatch, "INTERPRET", False)
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
-class _Branchy(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.trunk = torch.nn.Linear(12, 24)
-        self.a = torch.nn.Linear(24, 6)
-        self.b = torch.nn.Linear(24, 6)
-        self.never = torch.nn.Linear(5, 5)
+class _Branchy(_ModesBranchy):
+    """test_ddp_modes' model with unused branches, as rank 0 runs it."""
 
     def forward(self, x, step: int, alternate: bool = True):
-        h = torch.relu(self.trunk(x))
-        if not alternate:
-            return self.a(h)
-        return (self.a if step % 2 == 0 else self.b)(h)
+        return super().forward(x, step, 0, alternate)
 
 
 def _data(step, micro=0):
     g = torch.Generator().manual_seed(10 * step + micro)
     return torch.randn(8, 12, generator=g), torch.randint(0, 6, (8,), generator=g)
-
-
-class _Recorder:
-    """Wraps the hook: sums what DDP feeds it per parameter; the last iteration's buckets."""
-
-    def __init__(self) -> None:
-        self.fed, self.buckets, self._now = {}, [], []
-
-    def hook(self, state, bucket):
-        for p, g in zip(bucket.parameters(), bucket.gradients()):
-            self.fed[id(p)] = self.fed.get(id(p), 0) + g.detach().double().clone()
-        self._now.append(tuple(id(p) for p in bucket.parameters()))
-        if bucket.is_last():
-            self.buckets, self._now = self._now, []
-        return sparse_allreduce_hook(state, bucket)
 
 
 def _run(case, mode, alg="oktopk", density=0.1, steps=4):

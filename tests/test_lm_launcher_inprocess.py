@@ -11,24 +11,11 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from oktopk_triton.bench import launcher, lm_loop, train
 from oktopk_triton.comm import TorchCommunicator
 
 
-@pytest.fixture
-def gloo1(monkeypatch):
-    """A default gloo group of one rank, destroyed after the test; the kernels' torch
-    references."""
-    from oktopk_triton.kernels import _dispatch
-    monkeypatch.setattr(_dispatch, "INTERPRET", False)
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _config(*argv):

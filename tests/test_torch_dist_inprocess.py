@@ -23,17 +23,6 @@ from oktopk_triton.comm.peers import StorePeerTable, describe_lost, lost_peers
 from oktopk_triton.comm.torch_dist import TorchCommunicator, _wrap_error
 
 
-@pytest.fixture
-def gloo1(monkeypatch):
-    """A default gloo group of one rank (an in-memory store), destroyed after the test."""
-    from oktopk_triton.kernels import _dispatch
-    monkeypatch.setattr(_dispatch, "INTERPRET", False)
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_it_refuses_to_build_without_a_process_group():
