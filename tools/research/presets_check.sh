@@ -46,7 +46,7 @@ if [ "${MANY:-1}" = 1 ]; then
     for o in "$@"; do opts+=(--option "$o"); done
     echo "=== $(date +%T) $tag"
     "$PY" -m tools.research.quality_at_scale --world-size 64 --size 480k --steps 320 \
-        --batch-size 1 --seeds 0 --algorithms "$algo" --density "$d" --progress 0 \
+        --batch-size 1 --seeds 0 --algorithms "$algo" --density "$d" --progress 0 --timeout 7200 \
         --json "$OUT/$tag.json" ${opts[@]+"${opts[@]}"} || echo "!!! $tag exited with $?"
   }
   many p64-480k-oktopk-H2-d0.0142-complete-cons0.9 oktopk 0.0142 sync_every=2 wire_format=q2 \
