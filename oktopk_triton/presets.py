@@ -72,7 +72,7 @@ class Preset:
 
     def with_bytes(self, fraction: float) -> "Preset":
         """The same preset at another budget (fraction of dense's bytes per step)."""
-        return dataclasses.replace(self, bytes=fraction, measured_bytes=self.measured_bytes)
+        return dataclasses.replace(self, bytes=fraction)       # measured_bytes is kept
 
     def local_steps(self) -> Optional[LocalSteps]:
         """The :class:`LocalSteps` the preset syncs with (``None``: every step)."""
@@ -91,9 +91,10 @@ class Preset:
         return density_for_bytes(self.algorithm.algorithm, int(numel), P, budget, wire,
                                  self.sync_every, **options)
 
-    def describe(self, numel: int, world_size: int) -> str:
-        """The one line logged when a reducer is built from this preset."""
-        d = self.density(numel, world_size)
+    def describe(self, numel: int, world_size: int, density: Optional[float] = None) -> str:
+        """The one line logged when a reducer is built from this preset (``density``: the
+        one :meth:`density` gives, where the caller has it already)."""
+        d = self.density(numel, world_size) if density is None else density
         sync = "every step" if self.sync_every == 1 else f"every {self.sync_every} steps"
         off = ("" if abs(self.bytes - self.measured_bytes) <= 1e-12 else
                f" (measured at {100 * self.measured_bytes:g}%: this budget is outside it)")
@@ -215,8 +216,9 @@ def from_preset(preset: Union[str, Preset], numel: int, world_size: int, *,
     if given:
         raise ValueError(f"{owner}: preset={p.name!r} sets density, algorithm and local_steps; "
                          f"also got {', '.join(given)}: pass one or the other")
-    log.info("%s", p.describe(numel, world_size))
-    return p.density(numel, world_size), p.algorithm, p.local_steps()
+    d = p.density(numel, world_size)          # a bisection over k: solved once
+    log.info("%s", p.describe(numel, world_size, d))
+    return d, p.algorithm, p.local_steps()
 
 
 def for_hook(preset: Union[str, Preset], world_size: int, owner: str, *,
