@@ -5,6 +5,8 @@
 # against dense data parallel AdamW of the same seeds. One launch per configuration.
 #   nohup nice -n 15 tools/research/presets_check.sh OUT_DIR [python] > OUT_DIR/check.log 2>&1 &
 #   python -m tools.research.local_steps_screen OUT_DIR --dense ''
+# ONLY=variant: the second recipe alone; ONLY=many: the 64-rank runs alone (those already
+# recorded in OUT_DIR are kept, not run again)
 set -u
 OUT=${1:?usage: tools/research/presets_check.sh OUT_DIR [python]}
 PY=${2:-python3}
@@ -29,6 +31,7 @@ if [ "${ONLY:-}" = variant ]; then
   run topka-480k-H4-d0.071-q2-ra0.3 topka 0.071 sync_every=4 wire_format=q2 moment_realign=0.3
   exit 0
 fi
+[ "${ONLY:-}" = many ] || {
 run dense-480k dense 0.01
 # transformer at 2% of dense's bytes (4 ranks): the preset, then the realignment it leaves out
 run topka-480k-H4-d0.071-q2 topka 0.071 sync_every=4 wire_format=q2
@@ -37,6 +40,7 @@ run oktopk-480k-H4-d0.08-compact oktopk 0.08 sync_every=4 wire_format=compact
 # transformer at 0.2% of dense's bytes
 run topka-480k-H2-d0.0034-q2 topka 0.0034 sync_every=2 wire_format=q2
 run oktopk-480k-H4-d0.0138-q2 oktopk 0.0138 sync_every=4 wire_format=q2
+}
 # many ranks: 64 thread ranks of one process (quality_at_scale), batch 1 per rank, 320 steps,
 # seed 0: the preset, the same without consistency, and TopkA's best at 64 ranks (5x the bytes)
 if [ "${MANY:-1}" = 1 ]; then
@@ -44,6 +48,7 @@ if [ "${MANY:-1}" = 1 ]; then
     local tag=$1 algo=$2 d=$3; shift 3
     local opts=()
     for o in "$@"; do opts+=(--option "$o"); done
+    if [ -e "$OUT/$tag.json" ]; then echo "--- $tag recorded already"; return; fi
     echo "=== $(date +%T) $tag"
     "$PY" -m tools.research.quality_at_scale --world-size 64 --size 480k --steps 320 \
         --batch-size 1 --seeds 0 --algorithms "$algo" --density "$d" --progress 0 --timeout 7200 \
