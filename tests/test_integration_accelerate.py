@@ -1,7 +1,9 @@
 """Accelerate: register(accelerator, model) on 2 CPU gloo ranks against the real Accelerator.
-The replicas stay bitwise equal, save_state writes one file per rank, and load_state in fresh
-processes continues bit for bit (against the same run, which saved after its first epoch), also
-after a save straight after the load (the state saved as loaded) and a load of that save."""
+The replicas stay bitwise equal, save_state writes one file per rank, and load_state into a fresh
+Accelerator and model continues bit for bit (against the same run, which saved after its first
+epoch), also after a save straight after the load (the state saved as loaded) and a load of that
+save. Both runs share one launch of the ranks (a launch imports the framework: ~10 s of CPU);
+tests/test_examples.py resumes in fresh processes."""
 import os
 
 import pytest
@@ -56,18 +58,27 @@ def _run(comm, tmp, resume):
     return U.flat(model.module), state.iter, owed
 
 
+def _both(comm, tmp):
+    """The first run, the files it saved (as listed then), and the resumed run."""
+    import torch.distributed as dist
+    first = _run(comm, tmp, False)
+    dist.barrier()
+    saved = sorted(os.listdir(os.path.join(tmp, "ckpt", "oktopk")))
+    dist.barrier()
+    return first, saved, _run(comm, tmp, True)
+
+
 @pytest.mark.slow
 def test_accelerate_register_trains_and_resumes_bit_for_bit(tmp_path):
     tmp = str(tmp_path)
-    first = run_gloo(2, _run, tmp, False, timeout=300)
+    both = run_gloo(2, _both, tmp, timeout=300)
+    first = [b[0] for b in both]
     for w, it, owed in first:
         assert it == EPOCHS * 4 and owed.abs().sum() > 0
         assert torch.equal(w, first[0][0])                      # replicas bitwise equal
     assert not torch.equal(first[0][2], first[1][2])
-    assert sorted(os.listdir(os.path.join(tmp, "ckpt", "oktopk"))) == [
-        "oktopk-rank0-of2.pt", "oktopk-rank1-of2.pt"]
-    resumed = run_gloo(2, _run, tmp, True, timeout=300)
-    for r, (w, it, owed) in enumerate(resumed):
+    assert both[0][1] == ["oktopk-rank0-of2.pt", "oktopk-rank1-of2.pt"]
+    for r, (w, it, owed) in enumerate(b[2] for b in both):
         assert it == EPOCHS * 4
         assert torch.equal(w, first[r][0]), (w - first[r][0]).abs().max()
         # residual(p) right after the load: what the rank owed, parameter by parameter

@@ -1,8 +1,9 @@
 """FSDP2 / HSDP: SparseReplicaReduce as fully_shard's all-reduce hook on 4 CPU gloo ranks, a 2x2
 mesh (2 replicas of 2 shards). Each unit's shard is reduced sparsely across the replicas:
-shard-sized residuals, conservation per shard, bitwise-equal replicas, per-rank save -> resume in
-fresh processes continues bit for bit (also through a save straight after the load, then a load
-of that save), and native (2-D) HSDP is refused with the reason."""
+shard-sized residuals, conservation per shard, bitwise-equal replicas, per-rank save -> resume into
+fresh modules (in the same launch of the ranks) continues bit for bit (also through a save
+straight after the load, then a load of that save), the 2 replicas' files load into 1, and native
+(2-D) HSDP is refused with the reason."""
 import os
 
 import pytest
@@ -140,6 +141,13 @@ def _resume(comm, tmp):
     return _full(model)
 
 
+def _both(comm, tmp):
+    """The first run and, with fresh modules in the same launch, the resumed one."""
+    first = _first(comm, tmp)
+    torch.distributed.barrier()
+    return first, _resume(comm, tmp)
+
+
 def _reshard(comm, tmp):
     """The 2x2 run's files loaded by one replica of 2 shards: each unit's state as loaded."""
     _, _, sparse, _ = _setup(comm, replicas=1)
@@ -150,7 +158,8 @@ def _reshard(comm, tmp):
 @pytest.mark.slow
 def test_fsdp2_sparse_replica_reduce_2x2(tmp_path):
     tmp = str(tmp_path)
-    first = run_gloo(4, _first, tmp, timeout=300)
+    both = run_gloo(4, _both, tmp, timeout=300)
+    first = [b[0] for b in both]
     for full, worst, same_out, numels, owed, calls, refused in first:
         assert torch.equal(full, first[0][0])        # all four ranks hold the same model
         assert worst < 1e-5, worst                   # conservation per shard
@@ -160,7 +169,7 @@ def test_fsdp2_sparse_replica_reduce_2x2(tmp_path):
         assert numels == {0: 99, 1: 208}, numels
         assert owed > 0 and calls == 2 * STEPS
         assert refused and "2-D mesh (native HSDP)" in refused
-    resumed = run_gloo(4, _resume, tmp, timeout=300)
+    resumed = [b[1] for b in both]
     for r in range(4):
         assert torch.equal(resumed[r], first[r][0]), (resumed[r] - first[r][0]).abs().max()
         a, b = (torch.load(os.path.join(d, f"oktopk-rank{r}-of4.pt"), weights_only=True)

@@ -1,8 +1,10 @@
 """Lightning: SparseDDPStrategy on 2 CPU gloo ranks against the real Trainer. The hook is
 registered on CPU (Lightning's own DDPStrategy skips it there), the replicas stay bitwise equal,
-the precision plugin's GradScaler reaches the state, and fit(ckpt_path=...) in fresh processes
-continues bit for bit from the per-rank files, also through a checkpoint saved straight after a
-load (nothing left to train) and a fit from that checkpoint."""
+the precision plugin's GradScaler reaches the state, and fit(ckpt_path=...) with a fresh Trainer
+and module continues bit for bit from the per-rank files, also through a checkpoint saved
+straight after a load (nothing left to train) and a fit from that checkpoint. Both runs share one
+launch of the ranks (a launch imports Lightning: ~20 s of CPU); tests/test_examples.py resumes
+in fresh processes."""
 import os
 
 import pytest
@@ -78,20 +80,28 @@ def _resume(comm, tmp):
     return U.flat(m), t.strategy.sparse_state.iter
 
 
+def _both(comm, tmp):
+    """The first run, the files it left (as listed then), and the resumed run."""
+    first = _first(comm, tmp)
+    torch.distributed.barrier()
+    left = (sorted(os.listdir(tmp)), sorted(os.listdir(os.path.join(tmp, "epoch=0.ckpt.oktopk"))))
+    torch.distributed.barrier()
+    return first, left, _resume(comm, tmp)
+
+
 @pytest.mark.slow
 def test_lightning_strategy_trains_and_resumes_bit_for_bit(tmp_path):
     tmp = str(tmp_path)
-    first = run_gloo(2, _first, tmp, timeout=300)
+    both = run_gloo(2, _both, tmp, timeout=300)
+    first = [b[0] for b in both]
     for whole, hooked, owed, has_scaler in first:
         assert hooked == EPOCHS * 4 and has_scaler
         assert torch.equal(whole, first[0][0])                   # replicas bitwise equal
         assert owed.abs().sum() > 0                               # each rank owes something
     assert not torch.equal(first[0][2], first[1][2])              # and not the same thing
-    assert sorted(os.listdir(tmp)) == ["epoch=0.ckpt", "epoch=0.ckpt.oktopk"]
-    assert sorted(os.listdir(os.path.join(tmp, "epoch=0.ckpt.oktopk"))) == [
-        "oktopk-rank0-of2.pt", "oktopk-rank1-of2.pt"]
-    resumed = run_gloo(2, _resume, tmp, timeout=300)
-    for r, (w, it) in enumerate(resumed):
+    assert both[0][1] == (["epoch=0.ckpt", "epoch=0.ckpt.oktopk"],
+                          ["oktopk-rank0-of2.pt", "oktopk-rank1-of2.pt"])
+    for r, (w, it) in enumerate(b[2] for b in both):
         assert it == EPOCHS * 4
         assert torch.equal(w, first[r][0]), (w - first[r][0]).abs().max()
         again = torch.load(os.path.join(tmp, "again.ckpt.oktopk", f"oktopk-rank{r}-of2.pt"),

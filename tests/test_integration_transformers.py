@@ -1,8 +1,10 @@
 """Transformers Trainer: SparseAllreduceCallback on 2 CPU gloo ranks against the real Trainer.
 The hook is registered on trainer.model_wrapped, the replicas stay bitwise equal, every
-checkpoint holds one file per rank, and resume_from_checkpoint in fresh processes continues bit
-for bit (against the same run, which saved after each epoch), also through a save made straight
-after a load (a resume with nothing left to train) and a load of that save."""
+checkpoint holds one file per rank, and resume_from_checkpoint into a fresh Trainer and model
+continues bit for bit (against the same run, which saved after each epoch), also through a save
+made straight after a load (a resume with nothing left to train) and a load of that save. Both
+runs share one launch of the ranks (a launch imports the framework: ~8 s of CPU);
+tests/test_examples.py resumes in fresh processes."""
 import os
 
 import pytest
@@ -72,20 +74,31 @@ def _owed(directory):
                        weights_only=True)["state"]["reducers"][-1]["residual"] for r in (0, 1)]
 
 
+def _both(comm, tmp):
+    """The first run, the rank files of its checkpoints and what they owed (as they were then),
+    and the resumed run."""
+    import torch.distributed as dist
+    first = _run(comm, tmp, False)
+    dist.barrier()
+    saved = [sorted(os.listdir(os.path.join(tmp, f"checkpoint-{step}", "oktopk")))
+             for step in (4, 8)]
+    owed = _owed(os.path.join(tmp, "checkpoint-4"))
+    dist.barrier()
+    return first, saved, owed, _run(comm, tmp, True)
+
+
 @pytest.mark.slow
 def test_trainer_callback_trains_and_resumes_bit_for_bit(tmp_path):
     tmp = str(tmp_path)
-    first = run_gloo(2, _run, tmp, False, timeout=300)
+    both = run_gloo(2, _both, tmp, timeout=300)
+    first = [b[0] for b in both]
     for w, it, wrapped in first:
         assert it == EPOCHS * 4 and wrapped == "DistributedDataParallel"
         assert torch.equal(w, first[0][0])                      # replicas bitwise equal
-    for step in (4, 8):
-        assert sorted(os.listdir(os.path.join(tmp, f"checkpoint-{step}", "oktopk"))) == [
-            "oktopk-rank0-of2.pt", "oktopk-rank1-of2.pt"]
-    owed = _owed(os.path.join(tmp, "checkpoint-4"))
+    assert both[0][1] == [["oktopk-rank0-of2.pt", "oktopk-rank1-of2.pt"]] * 2
+    owed = both[0][2]
     assert owed[0].abs().sum() > 0 and not torch.equal(owed[0], owed[1])
-    resumed = run_gloo(2, _run, tmp, True, timeout=300)
-    for r, (w, it, _) in enumerate(resumed):
+    for r, (w, it, _) in enumerate(b[3] for b in both):
         assert it == EPOCHS * 4
         assert torch.equal(w, first[r][0]), (w - first[r][0]).abs().max()
     # the save straight after the load wrote what each rank owed, as loaded
