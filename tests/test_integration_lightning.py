@@ -4,35 +4,49 @@ the precision plugin's GradScaler reaches the state, and fit(ckpt_path=...) with
 and module continues bit for bit from the per-rank files, also through a checkpoint saved
 straight after a load (nothing left to train) and a fit from that checkpoint. Both runs share one
 launch of the ranks (a launch imports Lightning: ~20 s of CPU); tests/test_examples.py resumes
-in fresh processes."""
+in fresh processes. Lightning is imported in the ranks only (importing it costs ~10 s of
+CPU, which collecting this module in every test worker would pay)."""
+import functools
+import importlib.util
 import os
 
 import pytest
 import torch
 
+import integutil as U
 from distutil import run_gloo
 
-pl = pytest.importorskip("lightning.pytorch")
-
-import integutil as U  # noqa: E402
+if importlib.util.find_spec("lightning") is None:
+    pytest.skip("needs lightning", allow_module_level=True)
 
 EPOCHS = 2     # 4 steps an epoch on each rank (64 samples, batch 8, 2 ranks)
 
 
-class Classifier(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.net = U.net()
+@functools.cache
+def _classifier_class():
+    import lightning.pytorch as pl
 
-    def training_step(self, batch, _):
-        x, y = batch
-        return torch.nn.functional.cross_entropy(self.net(x), y)
+    class Classifier(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = U.net()
 
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+        def training_step(self, batch, _):
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+    return Classifier
+
+
+def Classifier():
+    return _classifier_class()()
 
 
 def _trainer(epochs, **kw):
+    import lightning.pytorch as pl
+
     from oktopk_triton.integrations.lightning import SparseDDPStrategy
     kw.setdefault("enable_checkpointing", False)
     return pl.Trainer(accelerator="cpu", devices=2, strategy=SparseDDPStrategy(density=0.05),
@@ -50,7 +64,8 @@ def _first(comm, tmp):
     whole = Classifier()
     # ModelCheckpoint saves after each epoch (on every rank: Lightning's file on rank 0, the
     # rank files on each)
-    every = pl.callbacks.ModelCheckpoint(dirpath=tmp, filename="{epoch}", save_top_k=-1)
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    every = ModelCheckpoint(dirpath=tmp, filename="{epoch}", save_top_k=-1)
     t = _trainer(EPOCHS, enable_checkpointing=True, callbacks=[every])
     t.fit(whole, _loader())
     hooked = t.strategy.sparse_state.iter       # iterations the hook saw
