@@ -236,6 +236,21 @@ CONFIGS: Dict[str, type] = {c.name: c for c in (OkTopk, TopkA, GTopk, SparDL, To
                                                  Dense)}
 
 
+DEFAULT_DENSITY = 0.01          # what the fronts take when given no density (and no preset)
+DEFAULT_ALGORITHM = "oktopk"     # ... and no algorithm
+
+
+def front_density(density: Optional[float]) -> float:
+    """A front's density: the one given, or :data:`DEFAULT_DENSITY` for ``None``."""
+    return DEFAULT_DENSITY if density is None else density
+
+
+def front_config(algorithm: Union[str, AlgorithmConfig, None]) -> AlgorithmConfig:
+    """A front's algorithm object (:func:`as_config`); ``None`` or ``""`` means
+    :data:`DEFAULT_ALGORITHM`."""
+    return as_config(algorithm or DEFAULT_ALGORITHM)
+
+
 def as_config(algorithm: Union[str, AlgorithmConfig]) -> AlgorithmConfig:
     """An algorithm object from a registered name (its defaults) or the object itself; an
     unknown name raises the one-line ``ValueError`` of ``get_algorithm``."""

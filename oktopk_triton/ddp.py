@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 from .checks import check_density
 from .comm.base import ring_allreduce_bytes
-from .config import AlgorithmConfig, as_config
+from .config import AlgorithmConfig, front_config, front_density
 from .ddp_bucket import BucketMode
 from .ddp_flat import FLAT, FlatMode
 from .ddp_layout import Layout, bucket_views, numel_of
@@ -92,8 +92,8 @@ class SparseAllreduceState:
             density, algorithm = for_hook(preset, _world_size(process_group, comm),
                                           "SparseAllreduceState", density=density,
                                           algorithm=algorithm)
-        density = 0.01 if density is None else density
-        self.config = as_config(algorithm or "oktopk")   # a clear error now for an unknown name
+        density = front_density(density)
+        self.config = front_config(algorithm)   # a clear error now for an unknown name
         if int(start_iter) < 1:
             raise ValueError("start_iter must be >= 1: DDP rebuilds its buckets after the first "
                              "iteration, so sparse reducers built then would be built for the "

@@ -15,7 +15,7 @@ import inspect
 import warnings
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 
-from .config import AlgorithmConfig, LocalSteps, Registered, as_config
+from .config import DEFAULT_ALGORITHM, AlgorithmConfig, LocalSteps, Registered, as_config
 
 __all__ = ["old_keywords", "split_options", "LOCAL_STEP_KEYWORDS"]
 
@@ -71,8 +71,8 @@ def old_keywords(owner: str, refuse_local_steps: Optional[str] = None) -> Callab
             bound = sig.bind_partial(self, *args, **kwargs)
             given = bound.arguments
             config, local_steps = split_options(
-                given.get("algorithm", sig.parameters["algorithm"].default) or "oktopk", old,
-                given.get("local_steps"), owner)
+                given.get("algorithm", sig.parameters["algorithm"].default) or DEFAULT_ALGORITHM,
+                old, given.get("local_steps"), owner)
             for key, value in old.items():
                 warnings.warn(f"{owner}(..., {key}={value!r}) is deprecated: use "
                               f"{_new_spelling(key, value, config)}", DeprecationWarning,

@@ -36,7 +36,7 @@ from .frozen_adam import FrozenAdam
 from .graph import GraphedStep
 from . import front_state
 from .ledger import ConservationLedger
-from .config import AlgorithmConfig, LocalSteps, as_config
+from .config import AlgorithmConfig, LocalSteps, front_config, front_density
 from .deprecation import old_keywords, split_options
 from .local_steps import LocalStepper
 from .presets import Preset, from_preset
@@ -102,7 +102,7 @@ class SparseAllreduce(torch.nn.Module):
                 preset, numel, comm.world_size, density=density, algorithm=algorithm,
                 local_steps=local_steps)
             self._configure(algorithm, local_steps)
-        density = 0.01 if density is None else density
+        density = front_density(density)
         cls = get_algorithm(self.config.algorithm)
         _check_modes(self.local_steps, params, density_schedule, adam, cuda_graph)
         # density_schedule.DensitySchedule: one reducer per stage, each taking over the last's
@@ -128,7 +128,7 @@ class SparseAllreduce(torch.nn.Module):
 
     def _configure(self, algorithm: Union[str, AlgorithmConfig, None],
                    local_steps: Optional[LocalSteps]) -> None:
-        self.config = as_config(algorithm or "oktopk")               # one validated object
+        self.config = front_config(algorithm)                        # one validated object
         self.local_steps = LocalStepper.from_config(local_steps)     # None: every call syncs
 
     # -- the reduction ---------------------------------------------------------------------------

@@ -149,3 +149,23 @@ def test_the_ddp_hook_and_fsdp_take_the_sgd_preset():
     assert state.config == OkTopk(momentum=0.9) and state.density == pytest.approx(0.01, rel=0.01)
     fsdp = SparseReplicaReduce(None, preset="sgd")
     assert fsdp.config == state.config and fsdp.density == state.density
+
+
+def _front_defaults(comm):
+    sar = SparseAllreduce(64, comm=comm, device="cpu")
+    return sar.algorithm.density, sar.config
+
+
+def test_the_fronts_take_their_defaults_from_one_home(monkeypatch):
+    """No density and no algorithm: all three fronts take config.DEFAULT_DENSITY and
+    DEFAULT_ALGORITHM (moved here, each front follows)."""
+    from oktopk_triton import config
+    from oktopk_triton.integrations.fsdp import SparseReplicaReduce
+    for density, name in ((0.01, "oktopk"), (0.03, "topka")):
+        monkeypatch.setattr(config, "DEFAULT_DENSITY", density)
+        monkeypatch.setattr(config, "DEFAULT_ALGORITHM", name)
+        want = config.as_config(name)
+        got = LocalCluster(1).run(_front_defaults)[0]
+        assert got == (density, want)
+        for front in (SparseAllreduceState(), SparseReplicaReduce(None)):
+            assert (front.density, front.config) == (density, want)

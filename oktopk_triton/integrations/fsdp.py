@@ -32,7 +32,7 @@ import torch.distributed as dist
 from ..algorithms.base import Algorithm
 from ..checks import check_density
 from ..comm.base import Communicator
-from ..config import AlgorithmConfig, as_config
+from ..config import AlgorithmConfig, front_config, front_density
 from ..deprecation import old_keywords
 from ..presets import Preset, for_hook, group_size as _world_size
 
@@ -80,8 +80,8 @@ class SparseReplicaReduce:
             density, algorithm = for_hook(preset, _world_size(replicate_group, comm),
                                           "SparseReplicaReduce", density=density,
                                           algorithm=algorithm)
-        density = 0.01 if density is None else density
-        self.config = as_config(algorithm or "oktopk")
+        density = front_density(density)
+        self.config = front_config(algorithm)
         self.group = replicate_group
         self.density = check_density(density, "SparseReplicaReduce")
         self.algorithm = self.config.algorithm       # the name (saved with the state)
