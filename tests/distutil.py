@@ -31,9 +31,11 @@ pushed out).
 
 ``run_gloo(world_size, fn, *args, timeout=120, pg_timeout=None) -> list``:
 
-* spawns ``world_size`` processes (``torch.multiprocessing`` *spawn* context; children get
-  ``OMP_NUM_THREADS=1`` and ``torch.set_num_threads(1)``), each initialising a gloo process group
-  on ``tcp://127.0.0.1:<a free port chosen for this run>`` with the process-group timeout
+* starts ``world_size`` processes (``torch.multiprocessing``'s *forkserver* context: forked from
+  a server of this test process that imported torch once, each in this process's environment of
+  the moment; children get ``OMP_NUM_THREADS=1`` and ``torch.set_num_threads(1)``), each
+  initialising a gloo process group on ``tcp://127.0.0.1:<a free port chosen for this run>``
+  with the process-group timeout
   ``pg_timeout`` (default ``min(timeout, 60)`` s), builds a
   :class:`oktopk_triton.comm.TorchCommunicator` and calls ``fn(comm, *args)``;
 * returns the results ordered by rank (every tensor inside lists/tuples/dicts moved to CPU);
@@ -45,7 +47,8 @@ pushed out).
 
 Arguments and results cross process boundaries by pickling; ``fn`` and ``args`` must be
 picklable, and ``fn`` must be importable in a fresh interpreter (defined at module level in a
-module under ``tests/``). Spawning costs ~2-4 s per call: put several checks in one ``fn``.
+module under ``tests/``). A start costs ~1 s of CPU a rank (importing the test module and what
+it imports; a spawned rank imported torch too: ~3 s): put several checks in one ``fn``.
 """
 from __future__ import annotations
 
@@ -61,6 +64,9 @@ from oktopk_triton.bench.ranks import Ranks, free_port, init_rank, make_comm
 _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 if _TESTS_DIR not in sys.path:  # so spawned children (and odd import modes) find test modules
     sys.path.insert(0, _TESTS_DIR)
+
+# how ranks start: forked from a server that imported torch (oktopk_triton.bench.ranks.Ranks)
+START = "forkserver"
 
 __all__ = ["run_gloo", "run_pooled", "run_pooled_torch", "run_nccl", "RemoteError",
            "free_port"]
@@ -132,7 +138,7 @@ def _run(world_size: int, fn: Callable, args: tuple, timeout: float,
     if pg_timeout is None:
         pg_timeout = min(float(timeout), 60.0)
     ranks = Ranks(world_size, _worker, (fn, args, pg_timeout, backend), name="run_gloo-rank",
-                  env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+                  env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}, start_method=START)
     results: List[Any] = [None] * world_size
     got = [False] * world_size
     errors = []  # (rank, type, tb) in arrival order
@@ -208,12 +214,13 @@ def _pool_worker(rank: int, world_size: int, port: int, send, jobs, pg_timeout: 
 class _Pool:
     def __init__(self, world_size: int) -> None:
         import torch.multiprocessing as mp
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context(START)
         self.world_size = world_size
         self.jobs = [ctx.Queue() for _ in range(world_size)]
         self.ranks = Ranks(world_size, _pool_worker, (self.jobs, _POOL_PG_TIMEOUT),
                            name=f"pool{world_size}-rank",
-                           env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+                           env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
+                           start_method=START)
         self.next_id = 0
 
     def alive(self) -> bool:

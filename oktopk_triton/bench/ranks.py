@@ -1,7 +1,9 @@
 """The one place that launches ranks: what every multi-process benchmark (``oktopk-bench
 collectives``, ``ddp``, ``train``) and the tests' ``run_gloo`` / ``run_nccl`` share.
 
-* **Spawning** (:class:`Ranks`): P ``torch.multiprocessing`` *spawn* processes, each running
+* **Spawning** (:class:`Ranks`): P ``torch.multiprocessing`` *spawn* processes (or, with
+  ``start_method="forkserver"``, processes forked from a server that imported torch once; each
+  gets the caller's environment of the moment), each running
   ``target(rank, P, port, send, *args)`` through :func:`_entry`; ``send(kind, payload)`` puts a
   message for the parent. A target that returns adds ``("done", its value)``; one that raises
   adds ``("fatal", (exception type name, traceback))`` and exits 1. The parent reads messages
@@ -254,10 +256,14 @@ def exit_rank(q: Any, code: int) -> NoReturn:
         os._exit(code)
 
 
-def _entry(rank: int, P: int, port: int, target: Callable, args: tuple, q) -> None:
+def _entry(rank: int, P: int, port: int, target: Callable, args: tuple, q,
+           env: Optional[Dict[str, str]] = None) -> None:
     """One rank process: ``target`` with a ``send`` for its messages; its return value or its
-    exception is the last message."""
+    exception is the last message. ``env``: the environment to run it in (a forked rank)."""
     code = 0
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
 
     def send(kind: str, payload: Any = None) -> None:
         q.put((rank, kind, payload))
@@ -276,19 +282,27 @@ def _entry(rank: int, P: int, port: int, target: Callable, args: tuple, q) -> No
 
 class Ranks:
     """P rank processes of ``target`` (see the module doc), started with ``env`` set around the
-    spawning (the children read it when they import torch); stop them with :meth:`stop`."""
+    spawning (the children read it when they import torch); stop them with :meth:`stop`.
+    ``start_method="forkserver"`` forks them from a server that imported torch once (started
+    with the ``env`` of the first call: torch read it then); each rank takes the caller's
+    environment of the moment before it runs ``target``."""
 
     def __init__(self, P: int, target: Callable, args: tuple = (), *, name: str = "rank",
-                 env: Optional[Dict[str, Optional[str]]] = None) -> None:
+                 env: Optional[Dict[str, Optional[str]]] = None,
+                 start_method: str = "spawn") -> None:
         import torch.multiprocessing as mp
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context(start_method)
+        if start_method == "forkserver":
+            ctx.set_forkserver_preload(["torch"])
         self.P, self.q = P, ctx.Queue()
         self.port = free_port()
         self.finished = [False] * P      # the rank sent its last message, or died
         self.procs: List[Any] = []
         with environ(env or {}):
+            env_now = dict(os.environ) if start_method == "forkserver" else None
             for r in range(P):
-                p = ctx.Process(target=_entry, args=(r, P, self.port, target, args, self.q),
+                p = ctx.Process(target=_entry, args=(r, P, self.port, target, args, self.q,
+                                                     env_now),
                                 name=f"{name}{r}", daemon=True)
                 try:
                     p.start()
