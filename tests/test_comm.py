@@ -595,3 +595,46 @@ def test_resolve_device_pins_bare_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
     assert resolve_device("cuda") == torch.device("cuda", 2)
     assert resolve_device("cuda:1") == torch.device("cuda", 1)
+
+
+def _seen_now(name):
+    return os.environ.get(name)
+
+
+class _ReadAtUnpickling:
+    """An argument that reads the variable while the rank unpickles it (as a module imported
+    then would: before the target runs)."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __reduce__(self):
+        return _seen_now, (self.name,)
+
+
+def _env_of_rank(rank, P, port, send, name, at_unpickling):
+    return at_unpickling, os.environ.get(name)
+
+
+def _ranks_env(name):
+    from oktopk_triton.bench.ranks import Ranks
+    ranks = Ranks(2, _env_of_rank, (name, _ReadAtUnpickling(name)), start_method="forkserver")
+    try:
+        got = [ranks.get(time.monotonic() + 60) for _ in range(2)]
+    finally:
+        ranks.stop(5.0)
+    assert all(kind == "done" for _, kind, _ in got), got
+    return [value for _, _, value in got]
+
+
+def test_forked_ranks_run_in_the_environment_of_the_moment(monkeypatch):
+    """Ranks forked from the fork server (started once, with the environment of then) have the
+    caller's environment from the moment they unpickle their arguments: a variable set,
+    changed or removed since."""
+    name = "OKTOPK_TRITON_TEST_RANK_ENV"
+    monkeypatch.setenv(name, "first")
+    assert _ranks_env(name) == [("first", "first")] * 2
+    monkeypatch.setenv(name, "second")
+    assert _ranks_env(name) == [("second", "second")] * 2
+    monkeypatch.delenv(name)
+    assert _ranks_env(name) == [(None, None)] * 2

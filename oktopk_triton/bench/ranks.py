@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, NoReturn, Optional, Tuple
 
 __all__ = ["Ranks", "init_rank", "make_comm", "placement", "ranks_share_gpu", "detect_mps",
            "mps_warning", "free_port", "environ", "exit_rank", "run_group", "kill_group"]
@@ -256,14 +256,27 @@ def exit_rank(q: Any, code: int) -> NoReturn:
         os._exit(code)
 
 
-def _entry(rank: int, P: int, port: int, target: Callable, args: tuple, q,
-           env: Optional[Dict[str, str]] = None) -> None:
+class _Environment:
+    """The caller's environment for a forked rank, put in place while the rank unpickles its
+    arguments: it comes first, so it is in place before the target's modules are imported (they
+    may read it at import, as the kernels read ``TRITON_INTERPRET``)."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self.env = dict(env)
+
+    def __reduce__(self):
+        return _put_environment, (self.env,)
+
+
+def _put_environment(env: Dict[str, str]) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+
+
+def _entry(_env: None, rank: int, P: int, port: int, target: Callable, args: tuple, q) -> None:
     """One rank process: ``target`` with a ``send`` for its messages; its return value or its
-    exception is the last message. ``env``: the environment to run it in (a forked rank)."""
+    exception is the last message. (``_env`` is ``None`` once unpickled: :class:`_Environment`.)"""
     code = 0
-    if env is not None:
-        os.environ.clear()
-        os.environ.update(env)
 
     def send(kind: str, payload: Any = None) -> None:
         q.put((rank, kind, payload))
@@ -299,10 +312,10 @@ class Ranks:
         self.finished = [False] * P      # the rank sent its last message, or died
         self.procs: List[Any] = []
         with environ(env or {}):
-            env_now = dict(os.environ) if start_method == "forkserver" else None
+            env_now = _Environment(os.environ) if start_method == "forkserver" else None
             for r in range(P):
-                p = ctx.Process(target=_entry, args=(r, P, self.port, target, args, self.q,
-                                                     env_now),
+                p = ctx.Process(target=_entry, args=(env_now, r, P, self.port, target, args,
+                                                     self.q),
                                 name=f"{name}{r}", daemon=True)
                 try:
                     p.start()
