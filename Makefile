@@ -18,11 +18,12 @@ PY ?= .venv/bin/python
 endif
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
-# test workers (pytest-xdist): one per core, at most 4 (gloo tests share a pool of ranks per
-# worker, tests/distutil.py run_pooled); a fresh clone of 2ff0d8f on the 2-core machine: make test
-# 13 min 36 s, pytest 11 min 54 s, 1,919 passed, 36 skipped (2026-12-01; 14 min 37 s at f8a0c5b,
-# 20 min 35 s at 2a42f95)
-PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
+# test workers (pytest-xdist): one per core plus one, at most 4 (a worker often waits: on a
+# launch, a timeout under test, a torchft quorum); gloo tests share a pool of ranks per worker
+# (tests/distutil.py run_pooled). A fresh clone of 7bd1dca on the 2-core machine, 3 workers:
+# make test 12 min 30 s, pytest 10 min 45 s, 1,921 passed, 36 skipped (2026-12-01; 13 min 46 s
+# at a0d3c61 with 2 workers and spawned ranks, 20 min 35 s at 2a42f95)
+PYTEST_WORKERS ?= $(shell n=$$(( $$(nproc 2>/dev/null || echo 1) + 1 )); echo $$(( n < 4 ? n : 4 )))
 
 # the build backend (setuptools >= 64) where it is installed already: pip then builds the
 # editable install without fetching it into a throwaway environment first
