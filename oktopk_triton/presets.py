@@ -142,7 +142,7 @@ PRESETS = {
         "many-ranks", OkTopk(wire_format="q2", complete_sums=True, consistency=0.9), 2, 0.0045,
         "updates",
         "AdamW, 64 ranks, 320 steps: ahead of TopkA's best at 0.2 of its bytes (1m GPT, "
-        "3 seeds; 4m GPT, 2 seeds)",
+        "3 seeds; 4m GPT, 2 seeds; the untuned 480k GPT at the 4m GPT's density, 1 seed)",
         ("bench/results/quality-at-scale/p64-gpt4m-oktopk-H2-d0.0142-complete-cons0.9-s0-span-"
          "320steps.json",
          "bench/results/quality-at-scale/p64-gpt4m-oktopk-H2-d0.0142-complete-cons0.9-s1-span-"
