@@ -2,6 +2,7 @@
 collectives with a restart that rejoins, a SIGKILL between syncs, and a collective that fails
 on every replica. Each against the real lighthouse; see :mod:`oktopk_triton.bench.ft_soak`."""
 import json
+import os
 import subprocess
 import sys
 
@@ -27,10 +28,14 @@ def test_a_soak_schedule_end_to_end(tmp_path):
     run in tests/test_torchft_integration.py; every kind's judging in
     tests/test_ft_harness_inprocess.py; all 20 in make soak)."""
     out = tmp_path / "soak.json"
+    scratch = tmp_path / "tmp"               # the soak's temporary directory goes here
+    scratch.mkdir()
     proc = subprocess.run([sys.executable, "-m", "oktopk_triton.bench.ft_soak", "--seeds", "2",
                            "--jobs", "1", "--json", str(out)],
+                          env=dict(os.environ, TMPDIR=str(scratch)),
                           capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     recs = json.loads(out.read_text())["schedules"]
     assert [r["kind"] for r in recs] == ["kill-between"]
     assert recs[0]["ok"] and recs[0]["max_relative_error"] <= 1e-6, recs[0]
+    assert not list(scratch.glob("oktopk-soak-*"))       # and leaves no working directory

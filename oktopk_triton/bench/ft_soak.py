@@ -133,11 +133,11 @@ def _recovery(results: List[Dict[str, Any]]) -> Optional[float]:
 
 
 def run(seeds: List[int], jobs: int) -> List[Dict[str, Any]]:
-    """Every schedule of ``seeds``, ``jobs`` at a time (worker processes that fork replicas)."""
-    workdir = tempfile.mkdtemp(prefix="oktopk-soak-")
+    """Every schedule of ``seeds``, ``jobs`` at a time (worker processes that fork replicas),
+    in a working directory (gates, weights, logs) removed when they are done."""
     ctx = mp.get_context("spawn")
-    with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx,
-                                initializer=_warm) as pool:
+    with tempfile.TemporaryDirectory(prefix="oktopk-soak-") as workdir, \
+            cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_warm) as pool:
         futs = [pool.submit(run_schedule, seed, workdir) for seed in seeds]
         return [f.result(timeout=len(seeds) * WAIT) for f in futs]
 
