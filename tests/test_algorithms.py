@@ -71,6 +71,9 @@ def _run(name: str, P: int):
 
 
 # -- conservation, agreement, bytes --------------------------------------------------------------
+# the cases that read _run share one worker (make test: --dist loadgroup), so each run is made
+# once, not once per worker that got a case
+@pytest.mark.xdist_group("algorithms_run")
 @pytest.mark.parametrize("P", PS)
 @pytest.mark.parametrize("name", ALL)
 def test_conservation_and_bitwise_agreement(name, P):
@@ -183,6 +186,7 @@ def test_momentum_not_masked_in_dense_warmup(name):
         assert bool((velocity != 0).any())
 
 
+@pytest.mark.xdist_group("algorithms_run")
 @pytest.mark.parametrize("P", PS)
 @pytest.mark.parametrize("name", ALL)
 def test_bytes_per_step_within_formula(name, P):

@@ -27,6 +27,11 @@ def _args(*argv):
     return p.parse_args(list(argv))
 
 
+# the checks of the one run share one worker (make test: --dist loadgroup): the module's
+# fixture then runs once, not once per worker that got a check
+REPORT = pytest.mark.xdist_group("bench_ddp_report")
+
+
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     """One run of the benchmark (one spawn of the ranks) shared by the checks below."""
@@ -46,6 +51,7 @@ def _by_hook(rep):
     return {(r["hook"], r["algorithm"], r["mode"]): r for r in rep["results"]}
 
 
+@REPORT
 def test_schema_and_every_hook_ran(report):
     rep = report["rep"]
     assert report["rc"] == 0 and rep["errors"] == [], rep["errors"]
@@ -77,6 +83,7 @@ def test_schema_and_every_hook_ran(report):
     assert got[("allreduce", None, None)]["ratio_to_allreduce"] == 1.0
 
 
+@REPORT
 def test_replicas_and_losses(report):
     got = _by_hook(report["rep"])
     none, ar = got[("none", None, None)], got[("allreduce", None, None)]
@@ -98,6 +105,7 @@ def test_replicas_and_losses(report):
     assert psgd["loss_rank0"][:2] == pytest.approx(ar["loss_rank0"][:2], rel=1e-6)
 
 
+@REPORT
 def test_bytes(report):
     got = _by_hook(report["rep"])
     params = LAYERS * (W * W + W)
@@ -113,6 +121,7 @@ def test_bytes(report):
             assert 0 < r["mb_sent_per_rank_per_step"] < ring, key
 
 
+@REPORT
 def test_markdown_table(report):
     md, rep = report["md"], report["rep"]
     assert md == D.format_markdown(rep) + "\n"
