@@ -20,9 +20,10 @@ TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 # test workers (pytest-xdist): one per core plus one, at most 4 (a worker often waits: on a
 # launch, a timeout under test, a torchft quorum); gloo tests share a pool of ranks per worker
-# (tests/distutil.py run_pooled). A fresh clone of 7bd1dca on the 2-core machine, 3 workers:
-# make test 12 min 30 s, pytest 10 min 45 s, 1,921 passed, 36 skipped (2026-12-01; 13 min 46 s
-# at a0d3c61 with 2 workers and spawned ranks, 20 min 35 s at 2a42f95)
+# (tests/distutil.py run_pooled). A fresh clone of ed5650e on the 2-core machine, 3 workers:
+# make test 8 min 1 s, pytest 6 min 47 s, 1,921 passed, 36 skipped (2026-12-02; the same tests
+# took 8 min 56 s and 10 min 17 s at fbf2861: the machine's speed varies by run; 12 min 30 s at
+# 7bd1dca, 20 min 35 s at 2a42f95)
 PYTEST_WORKERS ?= $(shell n=$$(( $$(nproc 2>/dev/null || echo 1) + 1 )); echo $$(( n < 4 ? n : 4 )))
 
 # the build backend (setuptools >= 64) where it is installed already: pip then builds the
