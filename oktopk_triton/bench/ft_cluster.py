@@ -38,9 +38,14 @@ def lighthouse_binary() -> str:
 
 
 class Lighthouse:
-    """``torchft_lighthouse`` on 127.0.0.1 (a free port), stopped by pid on exit."""
+    """``torchft_lighthouse`` on 127.0.0.1 (a free port), stopped by pid on exit.
 
-    def __init__(self, min_replicas: int = 1, join_timeout_ms: int = 4000,
+    ``join_timeout_ms`` must exceed the replicas' collective ``timeout`` (5 s): after a failed
+    sync, one replica may see the failure at once and another only after ``timeout``; a
+    shorter join timeout forms the next quorum without the later one, which is then left to
+    wait alone if the others finish."""
+
+    def __init__(self, min_replicas: int = 1, join_timeout_ms: int = 10000,
                  quorum_tick_ms: int = 50, heartbeat_timeout_ms: int = 2000) -> None:
         self.port = free_port()
         self.address = f"http://127.0.0.1:{self.port}"
