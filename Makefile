@@ -63,10 +63,10 @@ bench: install
 	$(PY) -m oktopk_triton.cli kernels
 
 gpu-check:
-	python3 tools/gpu_check.py $(if $(GPU_CHECK_OUT),--out $(GPU_CHECK_OUT))
+	python3 -m tools.gpu_check $(if $(GPU_CHECK_OUT),--out $(GPU_CHECK_OUT))
 
 gpu-steps:
-	python3 tools/gpu_check.py --plan steps $(if $(GPU_CHECK_OUT),--out $(GPU_CHECK_OUT))
+	python3 -m tools.gpu_check --plan steps $(if $(GPU_CHECK_OUT),--out $(GPU_CHECK_OUT))
 
 clean:
 	rm -rf .venv build *.egg-info .pytest_cache

@@ -2,7 +2,6 @@
 formula, the JSON has what the cost model and tools/ read, and the goals are judged right."""
 import json
 import os
-import sys
 
 import pytest
 
@@ -51,8 +50,7 @@ def test_kernels_bench_json_on_cpu(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "magnitude_threshold" in out and "scatter_rows" in out and "goals" in out
     # the README table renders from this JSON: one row per kernel, one column per n
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
-    import readme_tables
+    from tools import readme_tables
     table = readme_tables.kernels_table(str(tmp_path / "k.json"))
     assert "| kernel | n = 2^11 | n = 3001 |" in table
     for r in rep["runs"][0]["results"]:

@@ -10,9 +10,8 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# the source folders of the installed packages (pyproject's package-dir: kernels/ is
-# oktopk_triton.kernels)
-SOURCES = {"oktopk_triton": ROOT / "oktopk_triton", "oktopk_triton.kernels": ROOT / "kernels"}
+# the source folder of the installed package (the kernels are oktopk_triton/kernels/)
+SOURCES = {"oktopk_triton": ROOT / "oktopk_triton"}
 
 
 def _modules():

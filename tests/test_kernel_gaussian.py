@@ -1,4 +1,4 @@
-"""kernels/gaussian.py: Gaussiank's fitted and corrected threshold. The Triton path
+"""oktopk_triton/kernels/gaussian.py: Gaussiank's fitted and corrected threshold. The Triton path
 (the interpreter on CPU) gives the torch reference's threshold bit for bit on normal, heavy-
 tailed, tied, sparse, all-zero and non-finite inputs and every number of steps; a Gaussiank
 step is the same on both paths; it launches ``1 + 2·iters`` times."""

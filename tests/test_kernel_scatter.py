@@ -1,4 +1,4 @@
-"""kernels/scatter.py: scatter_add and scatter_rows against their references (repeated
+"""oktopk_triton/kernels/scatter.py: scatter_add and scatter_rows against their references (repeated
 indices, strided and packed rows, shared bases, empty inputs)."""
 
 import oktopk_triton.kernels as K

@@ -1,4 +1,4 @@
-"""kernels/wire_quantized.py: the q2 / q4 wire's encode and decode as Triton passes.
+"""oktopk_triton/kernels/wire_quantized.py: the q2 / q4 wire's encode and decode as Triton passes.
 
 The format through ``_wire.encode`` / ``decode`` (round trips for every order, counts None,
 partial and 0, odd capacities, several chunks, a span not a multiple of 65,536; ties at the

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
+from tools.teardown_loop import first_example  # one home: the loop runs it too
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-from teardown_loop import first_example  # noqa: E402  (one home: the loop runs it too)
 
 
 def test_first_example_is_complete_python():

@@ -12,12 +12,14 @@ import pytest
 
 from oktopk_triton.bench.ranks import run_group
 
-# a stand-in for torchrun: starts a "rank" that writes its pid and sleeps, then sleeps itself
+# a stand-in for torchrun: starts a "rank" that sleeps, says the rank's pid (written whole, by
+# a rename) before it sleeps itself, so the pid is on disk before the launcher can exit
 LAUNCHER = textwrap.dedent("""
-    import subprocess, sys, time
-    subprocess.Popen([sys.executable, "-c",
-                      "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); "
-                      "time.sleep(300)", sys.argv[1]])
+    import os, subprocess, sys, time
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    with open(sys.argv[1] + ".part", "w") as f:
+        f.write(str(rank.pid))
+    os.replace(sys.argv[1] + ".part", sys.argv[1])
     time.sleep(float(sys.argv[2]))
 """)
 
@@ -55,8 +57,10 @@ def test_a_finished_launch_ends_its_leftover_ranks(tmp_path):
 def test_a_timed_out_launch_ends_every_rank(tmp_path):
     pidfile = tmp_path / "rank.pid"
     with pytest.raises(subprocess.TimeoutExpired):
-        run_group([sys.executable, "-c", LAUNCHER, str(pidfile), "300"], timeout=3)
-    assert _gone(_rank_pid(pidfile))
+        run_group([sys.executable, "-c", LAUNCHER, str(pidfile), "300"], timeout=8)
+    # 8 s: long enough for the launcher's interpreter to start its rank under a loaded machine
+    assert pidfile.exists(), "the stand-in launcher did not start its rank within 8 s"
+    assert _gone(int(pidfile.read_text()))
 
 
 def test_sigterm_to_the_driver_ends_every_rank(tmp_path):

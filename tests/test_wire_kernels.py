@@ -1,4 +1,4 @@
-"""kernels/wire.py: the compact wire's encode and decode as Triton passes.
+"""oktopk_triton/kernels/wire.py: the compact wire's encode and decode as Triton passes.
 
 The Triton passes (run by the interpreter, TRITON_INTERPRET=1) give their torch references'
 words and decoded entries bit for bit, for rows already ascending and rows in any order,

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """One command for a GPU machine: MPS, the CUDA tests, the kernel checks and every GPU benchmark.
 
-    python3 tools/gpu_check.py [--plan check|steps] [--out DIR] [--dry-run] [--only STAGE ...]
-                               [--skip STAGE ...]
+    python3 -m tools.gpu_check [--plan check|steps] [--out DIR] [--dry-run] [--only STAGE ...]
+                                [--skip STAGE ...]
     make gpu-check [GPU_CHECK_OUT=DIR]        (--plan check)
     make gpu-steps [GPU_CHECK_OUT=DIR]        (--plan steps)
 
@@ -22,7 +22,7 @@ whole fits one 10-minute call on one H100):
   collectives-p8 the same at P=8, n=2^25
                  -> gpu-collectives-nccl-cupy-P8-n33554432-DATE.json
   ddp            oktopk-bench ddp, P=4                       -> ddp-nccl-DATE.json (+ .md table)
-  graph          tools/gpu_profile.py --graph, n=2^26: each step eager and from a CUDA graph
+  graph          python -m tools.gpu_profile --graph, n=2^26: each step eager and from a CUDA graph
                  -> gpu-profile-graph-DATE.json
   mps-stop       echo quit | nvidia-cuda-mps-control        (always, also after a failure or a
                  signal, when this script started the daemon)
@@ -159,7 +159,7 @@ def build_stages(out_dir: str, date: str, python: str = sys.executable,
                 "--markdown", ddp_md], t("ddp"), outputs=[ddp_json, ddp_md], bench="ddp"))
     graph_json = out(f"gpu-profile-graph-{date}.json")
     stages.append(Stage(
-        "graph", [python, "tools/gpu_profile.py", "--log2", "26", "--reps", "10", "--steps",
+        "graph", [python, "-m", "tools.gpu_profile", "--log2", "26", "--reps", "10", "--steps",
                   "oktopk", "spardl", "dense", "--graph", "--json", graph_json], t("graph"),
         outputs=[graph_json], note="each step eager and replayed from a CUDA graph, one rank"))
     stages.append(Stage("mps-stop", [MPS_CONTROL], t("mps-stop"), stdin="quit\n",
@@ -275,7 +275,6 @@ try:
     r["cuda"], r["gpus"] = torch.cuda.is_available(), torch.cuda.device_count()
 except Exception:
     r["cuda"], r["gpus"] = False, 0
-sys.path.insert(0, ".")
 for name, argv in benches.items():
     err = io.StringIO()
     try:
@@ -370,7 +369,6 @@ def run_stage(st: Stage, env: Dict[str, str], log_path: str) -> Dict[str, object
 def _kill_group(proc: subprocess.Popen) -> None:
     """SIGTERM then SIGKILL to the stage's own process group (its rank processes included, also
     those whose parent already exited): the package's one home for it, ranks.kill_group."""
-    _records()                                   # this checkout's package on sys.path
     from oktopk_triton.bench.ranks import kill_group
     kill_group(proc.pid)
     proc.poll()
@@ -402,11 +400,10 @@ def write_summary(summary: Dict[str, object], out_dir: str, date: str) -> str:
 
 
 def _records():
-    """oktopk_triton.bench.records from this checkout (installed or not): the one header and
-    writer of every JSON of the project (the commit with its -dirty marker, versions, MPS/NCCL
-    settings, arguments)."""
-    if REPO not in sys.path:
-        sys.path.insert(0, REPO)
+    """oktopk_triton.bench.records from this checkout (installed or not: ``python -m
+    tools.gpu_check`` at the root puts it first on sys.path): the one header and writer of every
+    JSON of the project (the commit with its -dirty marker, versions, MPS/NCCL settings,
+    arguments)."""
     from oktopk_triton.bench import records
     return records
 

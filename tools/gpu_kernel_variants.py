@@ -4,7 +4,7 @@ window_pass, the cost of the in-pass count histogram, magnitude_threshold agains
 scatter_rows against index_put_, at n = 2^24..2^28, next to the device's copy and read bandwidth
 measured in the same run.  Also checks the compiled kernels against their torch references.
 
-    python tools/gpu_kernel_variants.py OUT.json [--max-log2 28]
+    python -m tools.gpu_kernel_variants OUT.json [--max-log2 28]
 
 Results are recorded in docs/research/kernel-measurements.md (the decisions quote them).
 """

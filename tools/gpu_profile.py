@@ -3,7 +3,7 @@
 a world of one (Ok-Topk, SparDL, dense) at n = 2^24..2^28 (density 1%): each kernel's device
 time per call, the launches, and the wall time per call (CUDA events).
 
-    python tools/gpu_profile.py [--log2 24 26 28] [--reps 20] [--steps oktopk spardl dense]
+    python -m tools.gpu_profile [--log2 24 26 28] [--reps 20] [--steps oktopk spardl dense]
                                 [--graph] [--json OUT]
 
 ``--graph`` adds each step captured in a CUDA graph and replayed (``oktopk_triton.graph``).

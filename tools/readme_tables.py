@@ -1,6 +1,6 @@
 """Print the results tables (markdown) from the JSON files in bench/results/.
 
-    python tools/readme_tables.py            # all tables
+    python -m tools.readme_tables            # all tables (from the repository root)
 docs/research/results.md quotes this output verbatim, and the README's short results summary takes
 its figures from there (tests/test_readme.py checks that each is in docs/), so every number comes
 from a recorded file. It
@@ -13,10 +13,10 @@ from __future__ import annotations
 import os
 import sys
 
+from oktopk_triton.bench import records
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 RES = os.path.join(ROOT, "bench", "results")
-sys.path.insert(0, ROOT)
-from oktopk_triton.bench import records  # noqa: E402
 
 
 def _index():

@@ -3,7 +3,7 @@
 did not end with status 0 (torch 2.13's gloo teardown can abort a rank with SIGABRT after
 ``destroy_process_group``; the example ends with ``oktopk_triton.shutdown(exit_code=0)``).
 
-    python tools/teardown_loop.py [--runs 50] [--json OUT.json]
+    python -m tools.teardown_loop [--runs 50] [--json OUT.json]
 """
 from __future__ import annotations
 

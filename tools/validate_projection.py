@@ -1,8 +1,8 @@
 """Validate the step-time projection (``oktopk-bench project``) against a measured run.
 
-    python tools/validate_projection.py GPU_COLLECTIVES.json ... [--kernels GPU_KERNELS.json]
+    python -m tools.validate_projection GPU_COLLECTIVES.json ... [--kernels GPU_KERNELS.json]
         [--fit per-P|global] [--ranks-per-gpu N] [--json OUT]
-    python tools/validate_projection.py --synthetic [--alpha 50us --beta 3GB/s --noise 0.05]
+    python -m tools.validate_projection --synthetic [--alpha 50us --beta 3GB/s --noise 0.05]
         [--write-synthetic PATH]
 
 With one or more JSONs of ``oktopk-bench collectives --backend nccl`` (merged: e.g. the P=4 and
@@ -22,14 +22,11 @@ plumbing, not the model.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from oktopk_triton import planning as pl  # noqa: E402
-from oktopk_triton.bench import project as pj  # noqa: E402
-from oktopk_triton.bench import records  # noqa: E402
+from oktopk_triton import planning as pl
+from oktopk_triton.bench import project as pj
+from oktopk_triton.bench import records
 
 
 def main(argv=None) -> int:

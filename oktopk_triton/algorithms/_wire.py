@@ -133,7 +133,7 @@ def encode(indices: torch.Tensor, values: torch.Tensor, counts: Optional[torch.T
             return out
         wire = torch.where(valid_in, bf16_round(values), torch.zeros_like(values))
         return out, wire.view(shape)
-    # the quantized formats: the Triton passes of kernels/wire_quantized.py
+    # the quantized formats: the Triton passes of oktopk_triton/kernels/wire_quantized.py
     perm = None
     if order == "sort":
         indices, values, _, perm = _sorted_rows(indices, values, counts, valid_in, span)

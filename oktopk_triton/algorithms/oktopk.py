@@ -380,7 +380,7 @@ class OkTopk(OkTopkThresholds, Algorithm):
 
         The nonzero sums sit where the rows landed, so they are read there (P·cap_r gathers
         after one sort of the received indices), not by scanning the region: the step's only
-        pass over n stays the select pass. Launches (``kernels/compaction.py``): the
+        pass over n stays the select pass. Launches (``oktopk_triton/kernels/compaction.py``): the
         candidates' magnitudes, the top-k and its min (when they outnumber cap_g), their flags,
         one cumsum, one kernel writing the slot (and the compact slot's header word)."""
         P, cr, cg, be = self.P, self.cap_r, self.cap_g, self.backend

@@ -75,7 +75,7 @@ def magnitude_keys(x: Tensor, *, backend: str = "auto") -> Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# compile check (kernels/_compile_check.py compiles these for sm_90 without a GPU)
+# compile check (oktopk_triton/kernels/_compile_check.py compiles these for sm_90 without a GPU)
 # ----------------------------------------------------------------------------------------------
 def compile_variants():
     """(name, kernel, signature, constexprs, divisible-by-16 args, num_warps, options)."""

@@ -222,7 +222,7 @@ def sample_threshold(top: Tensor, th_rows: Tensor, cap: Tensor,
 
 
 # ----------------------------------------------------------------------------------------------
-# compile check (kernels/_compile_check.py compiles these for sm_90 without a GPU)
+# compile check (oktopk_triton/kernels/_compile_check.py compiles these for sm_90 without a GPU)
 # ----------------------------------------------------------------------------------------------
 def compile_variants():
     """(name, kernel, signature, constexprs, divisible-by-16 args, num_warps, options) per

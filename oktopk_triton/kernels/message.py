@@ -267,7 +267,7 @@ def pack_rows(msg: Tensor, stage: Selection, pos: Tensor, *, bf16: bool = False,
 
 
 # ----------------------------------------------------------------------------------------------
-# compile check (kernels/_compile_check.py compiles these for sm_90 without a GPU)
+# compile check (oktopk_triton/kernels/_compile_check.py compiles these for sm_90 without a GPU)
 # ----------------------------------------------------------------------------------------------
 def compile_variants():
     """(name, kernel, signature, constexprs, divisible-by-16 args, num_warps, options) per

@@ -14,7 +14,7 @@ an arange and two scatters) it moved about 136 bytes an entry through n-sized te
 a count per block, a cumsum of the block counts and one writing pass read ``acc`` twice and
 write the kept mask: 9 bytes an entry, 3 launches.
 
-Measured why: docs/research/design-notes.md, ``kernels/gaussian.py``.
+Measured why: docs/research/design-notes.md, ``oktopk_triton/kernels/gaussian.py``.
 """
 from __future__ import annotations
 
@@ -259,7 +259,7 @@ def select_above(acc: Tensor, thr: Tensor, cap: int, *, backend: str = "auto"):
 
 
 # ----------------------------------------------------------------------------------------------
-# compile check (kernels/_compile_check.py compiles these for sm_90 without a GPU)
+# compile check (oktopk_triton/kernels/_compile_check.py compiles these for sm_90 without a GPU)
 # ----------------------------------------------------------------------------------------------
 def compile_variants():
     """(name, kernel, signature, constexprs, divisible-by-16 args, num_warps, options) per

@@ -14,7 +14,7 @@ beside each.
 * :func:`quantized_decode`: ONE launch, each slot's chunk from the running counts as the
   compact decode finds it.
 
-Measured why: docs/research/design-notes.md, ``kernels/wire_quantized.py``.
+Measured why: docs/research/design-notes.md, ``oktopk_triton/kernels/wire_quantized.py``.
 """
 from __future__ import annotations
 

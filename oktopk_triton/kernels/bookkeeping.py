@@ -17,7 +17,7 @@ What it computes (the torch reference, :func:`_bookkeeping_torch`, is the specif
 Every rank computes ``region_offsets`` from the same gathered bits with the same program, so
 the regions stay identical on every rank (fp64 for the weights, exact for integer counts).
 
-Measured why: docs/research/design-notes.md, ``kernels/bookkeeping.py``.
+Measured why: docs/research/design-notes.md, ``oktopk_triton/kernels/bookkeeping.py``.
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ Must run in a process WITHOUT ``TRITON_INTERPRET=1`` (the kernels are then decor
 compiled JIT functions); tests/test_kernel_dispatch.py runs it in a subprocess.  Variants
 compile in ``--jobs`` forked processes.  Exit status 1 when a variant fails to compile.
 
-Measured why: docs/research/design-notes.md, ``kernels/_compile_check.py``.
+Measured why: docs/research/design-notes.md, ``oktopk_triton/kernels/_compile_check.py``.
 """
 from __future__ import annotations
 

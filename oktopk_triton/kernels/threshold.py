@@ -17,7 +17,7 @@
    ``[v, v + 1)`` (the sample tied at both ranks, e.g. all magnitudes equal) needs no
    candidates: when it holds the k-th largest, that is v.
 
-Measured why: docs/research/design-notes.md, ``kernels/threshold.py``.
+Measured why: docs/research/design-notes.md, ``oktopk_triton/kernels/threshold.py``.
 """
 from __future__ import annotations
 

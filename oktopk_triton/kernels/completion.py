@@ -20,7 +20,7 @@ the nearer centroid), code i at bit ``2·(i % 16)`` of word ``i // 16``. The row
 integer sums of fixed-point magnitudes (that module's scheme), so the scales do not depend on
 the order of the entries and the Triton passes give the reference's bits.
 
-Measured why: docs/research/design-notes.md, ``kernels/completion.py``.
+Measured why: docs/research/design-notes.md, ``oktopk_triton/kernels/completion.py``.
 """
 from __future__ import annotations
 

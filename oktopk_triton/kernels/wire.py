@@ -18,7 +18,7 @@ as Triton passes, with a torch reference beside each.
 * :func:`slot_chunks` is that search for the quantized formats' torch decode: static-size
   ``scatter_add`` and ``cumsum``, no ``searchsorted``.
 
-Measured why: docs/research/design-notes.md, ``kernels/wire.py``.
+Measured why: docs/research/design-notes.md, ``oktopk_triton/kernels/wire.py``.
 """
 from __future__ import annotations
 

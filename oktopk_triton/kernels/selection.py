@@ -14,7 +14,7 @@ in bins relative to the region's threshold (1/8 of a binade in fp32 bit space, 6
 to 16 times the threshold, the two end bins open), so the caller can place next step's
 threshold at any count between those edges without a threshold pass.
 
-Measured why: docs/research/design-notes.md, ``kernels/selection.py``.
+Measured why: docs/research/design-notes.md, ``oktopk_triton/kernels/selection.py``.
 """
 from __future__ import annotations
 

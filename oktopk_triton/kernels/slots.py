@@ -265,7 +265,7 @@ def slot_sums(keys: Tensor, perm: Tensor, first: Tensor, csum: Tensor, sums: Ten
 
 
 # ----------------------------------------------------------------------------------------------
-# the CPU compile check (kernels/_compile_check.py)
+# the CPU compile check (oktopk_triton/kernels/_compile_check.py)
 # ----------------------------------------------------------------------------------------------
 def compile_variants():
     """(name, kernel, signature, constexprs, divisible-by-16 args, num_warps) per variant."""
