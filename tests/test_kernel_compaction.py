@@ -7,6 +7,7 @@ import pytest
 import torch
 from kernel_cases import DEV, gen, needs_triton
 from oktopk_triton.kernels import compaction as C
+from oktopk_triton.kernels import rounding as R
 
 BACKENDS = ["torch", pytest.param("triton", marks=needs_triton)]
 H = 2
@@ -238,7 +239,7 @@ def test_keep_slot_rounding_matches_the_old_ops(be, nf, all_kept):
         ref = res0.clone()
         _old_slot_rounding(ref, slot, wire, keep, base, P, nonf)
         got = res0.clone()
-        C.keep_slot_rounding(got, slot, wire, None if all_kept else keep.to(torch.int64), base,
+        R.keep_slot_rounding(got, slot, wire, None if all_kept else keep.to(torch.int64), base,
                              P, nonf, backend=be)
         assert _same(got, ref)
         assert torch.equal(got, res0) == (nf == 1 or int(slot[0]) == 0)
@@ -300,11 +301,11 @@ def test_keep_row_error_adds_at_the_delivered_sent_entries(be, P, cr, cg, stride
         res0 = torch.randn(P * region, generator=gen(seed + 5)).to(DEV)
         ref = _loop_row_error(res0, *case)
         got = res0.clone()
-        C.keep_row_error(got, *case, backend=be)
+        R.keep_row_error(got, *case, backend=be)
         assert _same(got, ref.to(DEV))
     idx, vals, wire, counts, gotidx, gcounts, base = _row_error_case(P, cr, cg, region, 0)
     untouched = res0.clone()
-    C.keep_row_error(untouched, idx, vals, wire, counts, gotidx, torch.zeros_like(gcounts), base,
+    R.keep_row_error(untouched, idx, vals, wire, counts, gotidx, torch.zeros_like(gcounts), base,
                      backend=be)
     assert torch.equal(untouched, res0)                      # nothing delivered: nothing kept
 
@@ -336,13 +337,13 @@ def test_argument_errors():
     with pytest.raises(ValueError, match="indices and values must have one shape"):
         C.row_magnitudes(z(2, 3, dtype=i32), z(2, 4))
     with pytest.raises(ValueError, match="slot and wire_slot must hold the same 2 \\+ 2\\*cg"):
-        C.keep_slot_rounding(z(10), z(8, dtype=i32), z(6, dtype=i32), z(3, dtype=i64),
+        R.keep_slot_rounding(z(10), z(8, dtype=i32), z(6, dtype=i32), z(3, dtype=i64),
                              z(1, dtype=i64), 2)
     with pytest.raises(ValueError, match="keep must hold cg = 3 flags"):
-        C.keep_slot_rounding(z(10), z(8, dtype=i32), z(8, dtype=i32), z(4, dtype=i64),
+        R.keep_slot_rounding(z(10), z(8, dtype=i32), z(8, dtype=i32), z(4, dtype=i64),
                              z(1, dtype=i64), 2)
     with pytest.raises(ValueError, match="nonfinite must be a one-element int32"):
-        C.keep_slot_rounding(z(10), z(8, dtype=i32), z(8, dtype=i32), z(3, dtype=i64),
+        R.keep_slot_rounding(z(10), z(8, dtype=i32), z(8, dtype=i32), z(3, dtype=i64),
                              z(1, dtype=i64), 2, z(2, dtype=i32))
 
 
@@ -351,17 +352,17 @@ def test_keep_row_error_argument_errors():
     z = torch.zeros
     ok = (z(2, 3, dtype=i32), z(2, 3), z(2, 3), z(2, dtype=i32), z(2, 4, dtype=i32),
           z(2, dtype=i32), z(2, dtype=i64))
-    C.keep_row_error(z(10), *ok)
+    R.keep_row_error(z(10), *ok)
     with pytest.raises(ValueError, match="wire must have the shape of indices"):
-        C.keep_row_error(z(10), *ok[:2], z(2, 4), *ok[3:])
+        R.keep_row_error(z(10), *ok[:2], z(2, 4), *ok[3:])
     with pytest.raises(ValueError, match="delivered must have P = 2 rows"):
-        C.keep_row_error(z(10), *ok[:4], z(3, 4, dtype=i32), *ok[5:])
+        R.keep_row_error(z(10), *ok[:4], z(3, 4, dtype=i32), *ok[5:])
     with pytest.raises(ValueError, match="row_base int64"):
-        C.keep_row_error(z(10), *ok[:6], z(2, dtype=i32))
+        R.keep_row_error(z(10), *ok[:6], z(2, dtype=i32))
     with pytest.raises(ValueError, match="indices must be a 2-dim torch.int32"):
-        C.keep_row_error(z(10), z(2, 3, dtype=i64), *ok[1:])
+        R.keep_row_error(z(10), z(2, 3, dtype=i64), *ok[1:])
     with pytest.raises(ValueError, match="inner stride of 1"):
-        C.keep_row_error(z(10), *ok[:1], z(3, 2, dtype=f32).t(), *ok[2:])
+        R.keep_row_error(z(10), *ok[:1], z(3, 2, dtype=f32).t(), *ok[2:])
 
 
 def test_launches_recorded():
@@ -377,7 +378,8 @@ def test_compile_variants_name_every_kernel_argument():
     """The compile check's signatures list the kernels' arguments in order (a missing or
     misspelled one would only fail in a process without the interpreter)."""
     seen = set()
-    for name, fn, sig, consts, div16, warps, *options in C.compile_variants():
+    for name, fn, sig, consts, div16, warps, *options in [*C.compile_variants(),
+                                                           *R.compile_variants()]:
         assert list(sig) == list(fn.arg_names), name
         assert options == ([{"enable_fp_fusion": False}]
                            if "rounding" in name or "row_error" in name else [])
@@ -393,11 +395,12 @@ def test_compile_variants_cover_the_launches(monkeypatch):
     """Every launch the public functions make, in each mode, is covered by a variant of the
     sm_90 compile check (same argument types, mode constexprs, num_warps, fp fusion)."""
     from test_kernel_dispatch import _assert_covered, _record_launches
-    variants = list(C.compile_variants())
+    variants = [*C.compile_variants(), *R.compile_variants()]
     names = ("_owner_magnitudes_kernel", "_row_magnitudes_kernel", "_keep_flags_kernel",
              "_owner_slot_kernel", "_gather_rows_kernel", "_slot_rounding_kernel",
              "_row_error_kernel")
-    log = _record_launches(monkeypatch, [(C, name) for name in names])
+    log = _record_launches(monkeypatch, [(R if "rounding" in name or "row_error" in name else C,
+                                          name) for name in names])
     sums, sidx, first, slot_ids = _owner_case(3, 20, 900, 0)
     mag = C.owner_magnitudes(sums, sidx, first, slot_ids, 900, 1 / 3, backend="triton")
     one = torch.ones(())
@@ -415,8 +418,8 @@ def test_compile_variants_cover_the_launches(monkeypatch):
             C.gather_rows(g, f, f, th_counts=hs, backend="triton")
     for keep in (None, f3[0]):
         for nf in (None, torch.zeros(1, dtype=torch.int32)):
-            C.keep_slot_rounding(torch.zeros(100), g[0].contiguous(), g[1].contiguous(), keep,
+            R.keep_slot_rounding(torch.zeros(100), g[0].contiguous(), g[1].contiguous(), keep,
                                  torch.zeros(1, dtype=torch.int64), 3, nf, backend="triton")
     case = _row_error_case(3, 12, 8, 300, 0)
-    C.keep_row_error(torch.zeros(900), *case, backend="triton")
+    R.keep_row_error(torch.zeros(900), *case, backend="triton")
     assert _assert_covered(log, variants) == set(names)

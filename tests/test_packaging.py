@@ -11,7 +11,8 @@ import oktopk_triton
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # user-facing output: the CLI and the benchmarks print their results
-PRINTING = ("oktopk_triton/cli.py", "oktopk_triton/bench/", "kernels/_compile_check.py")
+PRINTING = ("oktopk_triton/cli.py", "oktopk_triton/bench/",
+            "oktopk_triton/kernels/_compile_check.py")
 
 
 def _pyproject():

@@ -11,8 +11,8 @@ from .bookkeeping import STATS as BOOKKEEPING_STATS
 from .bookkeeping import capped_offsets, step_bookkeeping
 from .completion import owed_encode, owner_sum, slot_encode, values_add, values_words
 from .consistency import sign_ema
-from .compaction import (gather_rows, keep_flags, keep_row_error, keep_slot_rounding,
-                         owner_magnitudes, owner_slot, row_magnitudes)
+from .compaction import (gather_rows, keep_flags, owner_magnitudes, owner_slot,
+                         row_magnitudes)
 from .elementwise import dense_zeros, fill_if, nonfinite_flag
 from .gaussian import gaussian_threshold, select_above
 from .keys import magnitude_keys
@@ -20,6 +20,7 @@ from .histogram import (HIST_BINS, abs_histogram, bin_threshold, exact_threshold
                         histogram_threshold, kth_bin)
 from .message import pack_rows, staged_magnitudes
 from .region import clear_sent
+from .rounding import keep_row_error, keep_slot_rounding
 from .sample import sample_magnitudes, sample_threshold
 from .scatter import scatter_add, scatter_rows, scatter_rows_dense
 from .selection import (SELECT_HIST_BINS, SELECT_HIST_SHIFT, Selection, empty_selection,
