@@ -276,9 +276,10 @@ class LocalSteps:
        (``density = H * per-step density``); H = 2 to 4 did best.
     2. ``outer_lr`` (default 1.0: the replicas take the reduced change as it is): DiLoCo
        tunes it with Nesterov momentum; plain local SGD averaging is 1.0.
-    3. ``outer_momentum`` (default 0): with ``algorithm="dense"`` a small one (0.7 at
-       ``outer_lr=0.36``) helped; with a sparse algorithm keep 0: its error feedback acts as a
-       momentum already.
+    3. ``outer_momentum`` (default 0; Nesterov as DiLoCo writes it): with
+       ``algorithm="dense"`` a small one (0.7 at ``outer_lr=0.36``) helped. With a sparse
+       algorithm it is served capped at 0.5 (one log line; :mod:`oktopk_triton.outer`): its
+       error feedback acts as a momentum already, and DiLoCo's 0.9 on top of it oscillated.
     4. ``residual_decay`` (default 1.0, no decay): SparseLoCo decays what is owed each sync,
        so stale pseudo-gradient mass fades instead of arriving late; 0.9-0.95 are its values.
     5. ``moment_sync_every`` (K, default 0: off), ``moment_sync`` (``"both"`` or

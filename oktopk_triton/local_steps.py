@@ -12,11 +12,13 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from .algorithms import get_algorithm
 from .checks import check_local_steps
 from .config import LocalSteps as LocalStepsConfig
 from .flat_params import finite_or_zero, nonfinite_mask, optimizer_step, zero_if_flagged_
 from .moments import OPTIONS as MOMENT_OPTIONS
 from .moments import MomentAverager
+from .outer import capped_momentum
 from .realign import OPTIONS as REALIGN_OPTIONS
 from .realign import MomentRealign
 
@@ -91,17 +93,22 @@ class LocalStepper:
         self.stats: Dict[str, Any] = {}
 
     @classmethod
-    def from_config(cls, config: Optional[LocalStepsConfig]) -> Optional["LocalStepper"]:
+    def from_config(cls, config: Optional[LocalStepsConfig],
+                    algorithm: Any = None) -> Optional["LocalStepper"]:
         """The component for a :class:`~oktopk_triton.config.LocalSteps`, or ``None`` for
         ``None`` and the defaults (plain ``reduce_updates``). ``moment_sync_every`` > 0 or
-        ``moment_realign`` > 0 turn local steps on even at ``sync_every=1``."""
+        ``moment_realign`` > 0 turn local steps on even at ``sync_every=1``. ``algorithm`` (its
+        settings object): with a sparse one, whose error feedback carries what is unsent, an
+        outer momentum above :data:`~oktopk_triton.outer.MOMENTUM_CAP` is served capped (one
+        log line)."""
         if config is not None and not isinstance(config, LocalStepsConfig):
             raise TypeError(f"local_steps must be a LocalSteps or None, got "
                             f"{type(config).__name__}")
         if config is None or not config.enabled:
             return None
-        ls = cls(config.sync_every, config.outer_lr, config.outer_momentum,
-                 config.residual_decay)
+        sparse = algorithm is not None and get_algorithm(algorithm.algorithm).sparse
+        momentum = capped_momentum(config.outer_momentum, sparse, "LocalSteps")
+        ls = cls(config.sync_every, config.outer_lr, momentum, config.residual_decay)
         ls.moments = MomentAverager.build(config.moment_sync_every, config.moment_sync,
                                           config.moment_dtype)
         ls.realign = MomentRealign.build(config.moment_realign)

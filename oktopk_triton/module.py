@@ -129,7 +129,7 @@ class SparseAllreduce(torch.nn.Module):
     def _configure(self, algorithm: Union[str, AlgorithmConfig, None],
                    local_steps: Optional[LocalSteps]) -> None:
         self.config = front_config(algorithm)                        # one validated object
-        self.local_steps = LocalStepper.from_config(local_steps)     # None: every call syncs
+        self.local_steps = LocalStepper.from_config(local_steps, self.config)  # None: per call
 
     # -- the reduction ---------------------------------------------------------------------------
     def forward(self, flat_grad: torch.Tensor, scale: LossScale = None) -> torch.Tensor:
