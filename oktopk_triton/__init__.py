@@ -23,7 +23,7 @@ logging.getLogger("oktopk_triton").addHandler(logging.NullHandler())
 _CONFIG = ("AlgorithmConfig", "OkTopk", "TopkA", "GTopk", "SparDL", "TopkDSA", "Gaussiank", "Dense",
            "Registered", "LocalSteps")
 
-_PRESETS = ("Preset", "PRESETS", "recommend")
+_PRESETS = ("Preset", "PRESETS", "recommend", "DILOCO_PRESETS", "recommend_diloco")
 
 __all__ = [*_CONFIG, *_PRESETS, "SparseAllreduce", "LocalCluster", "TorchCommunicator",
            "NcclCommunicator", "Communicator", "GraphedStep", "get_algorithm", "shutdown",

@@ -30,8 +30,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import torch
 
-__all__ = ["FORMAT", "CheckpointError", "rank_file", "param_fingerprint", "save_rank",
-           "load_rank", "agree", "saved_world_sizes", "saved_at"]
+__all__ = ["FORMAT", "CheckpointError", "rank_file", "param_fingerprint", "fingerprint_differs",
+           "save_rank", "load_rank", "agree", "saved_world_sizes", "saved_at"]
 
 FORMAT = 1
 DEFAULT_NAME = "oktopk"
@@ -66,7 +66,7 @@ def param_fingerprint(params: Iterable[torch.Tensor]) -> Dict[str, Any]:
     return {"numel": numel, "shapes": shapes, "dtypes": dtypes}
 
 
-def _differs(saved: Dict[str, Any], mine: Dict[str, Any]) -> Optional[str]:
+def fingerprint_differs(saved: Dict[str, Any], mine: Dict[str, Any]) -> Optional[str]:
     """The first thing on which two fingerprints disagree, in a few words: the first mismatched
     parameter (by name or index, with both shapes) before any total, then other keys (a key only
     one of them has is not compared: e.g. a state saved before it saw any parameters)."""
@@ -175,7 +175,7 @@ def _read(directory: str, kind: str, rank: int, world_size: int,
         raise CheckpointError(f"{kind}.load: {path} holds rank {f.get('rank')} of "
                               f"{f.get('world_size')}, expected rank {rank} of {world_size}")
     if fingerprint is not None:
-        why = _differs(f.get("fingerprint") or {}, fingerprint)
+        why = fingerprint_differs(f.get("fingerprint") or {}, fingerprint)
         if why is not None:
             raise CheckpointError(f"{kind}.load: {path} was saved for other parameters ({why})")
     return f

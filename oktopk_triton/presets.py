@@ -19,8 +19,9 @@ line: what it chose, the density, and what was measured with it (the records in 
 - ``many-ranks``: AdamW on 16 ranks and more; Ok-Topk on the 2-bit wire with complete sums and
   consistency 0.9, every 2 steps, 0.45%.
 
-Each transformer preset was checked on a second transformer that no campaign tuned; options
-that helped one model and hurt the other are left out (docs/usage.md#presets).
+Each transformer preset was checked on a second, untuned transformer (docs/usage.md#presets).
+DiLoCo presets (:data:`DILOCO_PRESETS`, :func:`recommend_diloco`; for ``SparseDiLoCo``) set a
+budget as a fraction of DiLoCo's dense sync.
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ from typing import Any, Optional, Tuple, Union
 
 from .config import AlgorithmConfig, LocalSteps, OkTopk, TopkA
 
-__all__ = ["Preset", "PRESETS", "recommend", "as_preset", "from_preset", "for_hook", "group_size"]
+__all__ = ["Preset", "PRESETS", "recommend", "as_preset", "from_preset", "for_hook", "group_size",
+           "DILOCO_PRESETS", "recommend_diloco", "diloco_preset"]
 
 log = logging.getLogger("oktopk_triton.presets")
 
@@ -59,6 +61,8 @@ class Preset:
     measured: str
     evidence: Tuple[str, ...]
     measured_bytes: float = 0.0
+    residual_decay: float = 1.0
+    diloco: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 < float(self.bytes) <= 1.0:
@@ -76,7 +80,9 @@ class Preset:
 
     def local_steps(self) -> Optional[LocalSteps]:
         """The :class:`LocalSteps` the preset syncs with (``None``: every step)."""
-        return LocalSteps(sync_every=self.sync_every) if self.sync_every > 1 else None
+        if self.sync_every == 1 and self.residual_decay == 1.0:
+            return None
+        return LocalSteps(sync_every=self.sync_every, residual_decay=self.residual_decay)
 
     def density(self, numel: int, world_size: int) -> float:
         """The density that sends ``bytes`` of dense's bytes per step, for ``numel`` entries on
@@ -95,9 +101,15 @@ class Preset:
         """The one line logged when a reducer is built from this preset (``density``: the
         one :meth:`density` gives, where the caller has it already)."""
         d = self.density(numel, world_size) if density is None else density
-        sync = "every step" if self.sync_every == 1 else f"every {self.sync_every} steps"
         off = ("" if abs(self.bytes - self.measured_bytes) <= 1e-12 else
                f" (measured at {100 * self.measured_bytes:g}%: this budget is outside it)")
+        if self.diloco:
+            decay = "" if self.residual_decay == 1.0 else \
+                f", residual decay {self.residual_decay:g}"
+            return (f"preset {self.name}: {type(self.algorithm).__name__}"
+                    f"({_settings(self.algorithm)}), density {d:.4g} = {100 * self.bytes:g}% of "
+                    f"DiLoCo's dense sync, n={numel}{decay}{off}; measured: {self.measured}")
+        sync = "every step" if self.sync_every == 1 else f"every {self.sync_every} steps"
         return (f"preset {self.name}: {type(self.algorithm).__name__}"
                 f"({_settings(self.algorithm)}), {sync}, density {d:.4g} = "
                 f"{100 * self.bytes:g}% of dense's bytes at P={world_size}, n={numel}{off}; "
@@ -152,6 +164,33 @@ PRESETS = {
          "320steps.json")),
 }
 
+_DL = "bench/results/lm/diloco/"
+
+# SparseDiLoCo's presets: ``bytes`` is a fraction of DiLoCo's dense sync (sync_every 1: per sync)
+DILOCO_PRESETS = {
+    "diloco": Preset(
+        "diloco", OkTopk(wire_format="q2"), 1, 0.10, "updates",
+        "1m GPT, AdamW inner, 4 ranks, H=15, DiLoCo's Nesterov 0.7/0.9 (served at 0.5), 3 "
+        "seeds: 2.416 nats/byte against DiLoCo's 2.628 with the same optimizer",
+        tuple(_DL + f + s + ".json" for f in ("oktopk-1m-H15-d0.1774-q2-nesterov0.5",
+                                              "dense-1m-H15-nesterov0.9")
+              for s in ("", "-s1", "-s2")), diloco=True),
+    "diloco-lean": Preset(
+        "diloco-lean", TopkA(wire_format="q2"), 1, 0.0176, "updates",
+        "SparseLoCo's regime, 1m GPT, AdamW inner, 4 ranks, H=15: 2.521 nats/byte with DiLoCo's "
+        "Nesterov served at 0.5 (seed 0), 2.521 and 2.502 with plain SGD (seeds 0, 1), DiLoCo "
+        "2.612 and 2.561; TopkA's bytes grow with the replicas (an allgather): solved for 4",
+        (_DL + "topka-1m-H15-d0.0156-q2-decay0.95-nesterov0.5.json",
+         _DL + "topka-1m-H15-d0.0156-q2-decay0.95-sgd1.json",
+         _DL + "topka-1m-H15-d0.0156-q2-decay0.95-sgd1-s1.json",
+         _DL + "dense-1m-H15-nesterov0.9.json", _DL + "dense-1m-H15-nesterov0.9-s1.json"),
+        residual_decay=0.95, diloco=True),
+}
+
+# the world size a DiLoCo preset's density is solved for: a SparseDiLoCo reducer is built
+# before its first quorum (Ok-Topk's bytes per entry on the 2-bit wire barely depend on P)
+DILOCO_SOLVE_P = 4
+
 MANY_RANKS = 16          # from this world size on, Ok-Topk's flat bytes beat TopkA's allgather
 
 
@@ -197,6 +236,11 @@ def recommend(optimizer: Any = "adamw", bytes: Optional[float] = None,
 
 def as_preset(preset: Union[str, Preset]) -> Preset:
     """A :class:`Preset` from a name of :data:`PRESETS` or a preset (one-line error else)."""
+    if isinstance(preset, Preset) and preset.diloco or \
+            isinstance(preset, str) and preset in DILOCO_PRESETS:
+        name = preset.name if isinstance(preset, Preset) else preset
+        raise ValueError(f"preset {name!r} is a DiLoCo preset (a fraction of DiLoCo's dense "
+                         f"sync): use it with SparseDiLoCo(..., preset={name!r})")
     if isinstance(preset, Preset):
         return preset
     if isinstance(preset, str) and preset in PRESETS:
@@ -248,3 +292,47 @@ def group_size(group: Any = None, comm: Any = None) -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(group)
     return 1
+
+
+def recommend_diloco(bytes: Optional[float] = None) -> Preset:
+    """The DiLoCo preset for a byte budget, a fraction of DiLoCo's dense sync (default: 10%,
+    ``diloco``): ``diloco-lean`` for budgets up to 2%, else ``diloco``. Logs one line: what it
+    chose and why."""
+    if bytes is not None and (isinstance(bytes, bool) or not 0.0 < float(bytes) <= 1.0):
+        raise ValueError(f"recommend_diloco: bytes must be a fraction of DiLoCo's dense sync in "
+                         f"(0, 1], got {bytes!r}")
+    lean = bytes is not None and float(bytes) <= 0.02
+    chosen = DILOCO_PRESETS["diloco-lean" if lean else "diloco"]
+    if bytes is not None:
+        chosen = chosen.with_bytes(float(bytes))
+    why = ("a budget of 2% or less: TopkA with decayed error feedback" if lean else
+           "Ok-Topk on the 2-bit wire")
+    log.info("recommend_diloco: %s at %g%% of DiLoCo's dense sync (%s)", chosen.name,
+             100 * chosen.bytes, why)
+    return chosen
+
+
+def as_diloco_preset(preset: Union[str, Preset]) -> Preset:
+    """A DiLoCo :class:`Preset` from a name of :data:`DILOCO_PRESETS` or a preset."""
+    if isinstance(preset, Preset) and preset.diloco:
+        return preset
+    if isinstance(preset, str) and preset in DILOCO_PRESETS:
+        return DILOCO_PRESETS[preset]
+    raise ValueError(f"SparseDiLoCo: preset must be one of {sorted(DILOCO_PRESETS)} or a DiLoCo "
+                     f"Preset (recommend_diloco), got {preset!r}")
+
+
+def diloco_preset(preset: Union[str, Preset], numel: int, *, density: Optional[float] = None,
+                  algorithm: Any = None, residual_decay: Optional[float] = None
+                  ) -> Tuple[float, AlgorithmConfig, float]:
+    """(density, algorithm, residual decay) of a DiLoCo preset for ``numel`` entries, logged in
+    one line; giving any of the three beside a preset is refused in one line."""
+    p = as_diloco_preset(preset)
+    given = [name for name, value in (("density", density), ("algorithm", algorithm),
+                                      ("residual_decay", residual_decay)) if value is not None]
+    if given:
+        raise ValueError(f"SparseDiLoCo: preset={p.name!r} sets density, algorithm and "
+                         f"residual_decay; also got {', '.join(given)}: pass one or the other")
+    d = p.density(numel, DILOCO_SOLVE_P)
+    log.info("SparseDiLoCo: %s", p.describe(numel, DILOCO_SOLVE_P, d))
+    return d, p.algorithm, p.residual_decay

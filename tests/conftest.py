@@ -39,7 +39,8 @@ _LONG_FIRST = ("test_torchft_integration.py", "test_torchft_soak.py", "test_exam
                "test_integration_lightning.py", "test_integration_fsdp.py",
                "test_integration_transformers.py", "test_ddp_resume.py",
                "test_elastic_resume.py", "test_kernel_dispatch.py", "test_train.py",
-               "test_compile_check_spills.py", "test_integration_accelerate.py")
+               "test_compile_check_spills.py", "test_integration_accelerate.py",
+               "test_integration_torchft_example.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -101,6 +101,7 @@ class FakeManager:
         self.shut = False
 
     def register_state_dict_fn(self, key, load, save):
+        assert key not in self._load_state_dict_fns      # as torchft's Manager
         self._load_state_dict_fns[key] = load
         self._save_fns[key] = save
 

@@ -12,7 +12,8 @@ from oktopk_triton.algorithms.schedule import bytes_per_step
 from oktopk_triton.comm.local import LocalCluster
 from oktopk_triton.config import OkTopk, TopkA
 from oktopk_triton.ddp import SparseAllreduceState
-from oktopk_triton.presets import PRESETS, Preset, recommend
+from oktopk_triton.presets import (DILOCO_PRESETS, DILOCO_SOLVE_P, PRESETS, Preset, recommend,
+                                   recommend_diloco)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -169,3 +170,55 @@ def test_the_fronts_take_their_defaults_from_one_home(monkeypatch):
         assert got == (density, want)
         for front in (SparseAllreduceState(), SparseReplicaReduce(None)):
             assert (front.density, front.config) == (density, want)
+
+
+# -- the DiLoCo presets (SparseDiLoCo; a fraction of DiLoCo's dense sync) -----------------------
+@pytest.mark.parametrize("name", sorted(DILOCO_PRESETS))
+def test_each_diloco_preset_is_backed_by_clean_records_it_reproduces(name):
+    """Its records are clean, and its own algorithm's ran at the density the preset solves for
+    the record's model at DILOCO_SOLVE_P ranks (within 3%), on its wire, with its decay."""
+    p = DILOCO_PRESETS[name]
+    assert p.diloco and p.evidence
+    matched = 0
+    for path in p.evidence:
+        rec = _record(path)
+        assert rec.get("commit") and rec.get("dirty") is False, path
+        cfg = rec["config"]
+        if p.algorithm.algorithm not in cfg["algorithms"]:
+            continue                     # DiLoCo itself, the baseline
+        opts = cfg.get("options") or {}
+        assert opts.get("wire_format", "fp32") == p.algorithm.wire_format, path
+        assert float(opts.get("residual_decay", 1.0)) == p.residual_decay, path
+        assert int(cfg["world_size"]) == DILOCO_SOLVE_P
+        solved = p.density(_numel(rec), DILOCO_SOLVE_P)
+        assert solved == pytest.approx(float(cfg["density"]), rel=0.03), (path, solved)
+        run = rec["runs"][0]
+        assert run["replicas_identical"] and run["conservation"]["checked"], path
+        matched += 1
+    assert matched, f"no record of {name}'s own algorithm among its evidence"
+
+
+def test_a_diloco_preset_sends_its_share_of_dilocos_dense_sync():
+    p = DILOCO_PRESETS["diloco"]
+    n = 1 << 20
+    d = p.density(n, DILOCO_SOLVE_P)
+    sent = bytes_per_step("oktopk", n, DILOCO_SOLVE_P, d, "q2")
+    dense = bytes_per_step("dense", n, DILOCO_SOLVE_P, 1.0)
+    assert 0.97 * p.bytes <= sent / dense <= p.bytes
+
+
+def test_recommend_diloco_and_the_fronts_refuse_what_does_not_fit(caplog):
+    with caplog.at_level(logging.INFO, logger="oktopk_triton"):
+        chosen = recommend_diloco(bytes=0.05)
+    assert chosen.diloco and chosen.bytes == 0.05 and chosen.name == "diloco"
+    assert recommend_diloco().name == "diloco" and recommend_diloco(0.01).name == "diloco-lean"
+    assert any("recommend_diloco:" in r.getMessage() for r in caplog.records)
+    assert "outside it" in chosen.describe(1 << 20, 4)        # a budget it was not measured at
+    for bad in (0.0, 1.5, True):
+        with pytest.raises(ValueError, match="recommend_diloco: bytes must be a fraction"):
+            recommend_diloco(bytes=bad)
+    # a DiLoCo preset is not a per-step one: SparseAllreduce refuses it in one line
+    with pytest.raises(ValueError) as e:
+        SparseAllreduce(1000, LocalCluster(1).run(lambda c: c)[0], preset="diloco")
+    assert str(e.value).startswith("preset 'diloco' is a DiLoCo preset") and \
+        "\n" not in str(e.value)

@@ -93,7 +93,7 @@ def test_readme_is_a_guide_in_order():
 
 
 def _strip(line: str) -> str:
-    return line.split("  #")[0].strip()
+    return line.strip().split("  #")[0].strip()
 
 
 def test_readme_framework_snippets_are_lines_of_the_tested_examples():
@@ -103,7 +103,7 @@ def test_readme_framework_snippets_are_lines_of_the_tested_examples():
                           re.S)
     assert {path for path, _ in snippets} == {
         "examples/lightning_sparse.py", "examples/accelerate_sparse.py",
-        "examples/trainer_sparse.py", "examples/fsdp_hsdp_sparse.py"}
+        "examples/trainer_sparse.py", "examples/fsdp_hsdp_sparse.py", "examples/torchft_diloco.py"}
     for path, code in snippets:
         lines = {_strip(x) for x in open(os.path.join(ROOT, path)).read().splitlines()}
         missing = [x for x in map(_strip, code.splitlines()) if x and x not in lines]

@@ -11,10 +11,10 @@ pytest.importorskip("torchft")
 
 from oktopk_triton.checkpoint import CheckpointError  # noqa: E402
 from oktopk_triton.comm import CommAborted, CommError  # noqa: E402
-from oktopk_triton.comm.local import SingleCommunicator  # noqa: E402
 from oktopk_triton.comm.torchft import ManagerCommunicator  # noqa: E402
+from oktopk_triton.config import OkTopk  # noqa: E402
 from oktopk_triton.integrations.torchft import (ReplicaSync, SparseDiLoCo,  # noqa: E402
-                                                SparseGradients, _capture, _restore)
+                                                SparseGradients)
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +51,11 @@ def _model():
     return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
 
 
-def _diloco(manager, model=None, **kw):
+def _diloco(manager, model=None, outer=None, **kw):
     model = model or _model()
-    return SparseDiLoCo(manager, [model], torch.optim.SGD(model.parameters(), lr=0.1),
-                        torch.optim.SGD(model.parameters(), lr=1.0), sync_every=2, **kw)
+    outer = outer(model.parameters()) if outer else torch.optim.SGD(model.parameters(), lr=1.0)
+    return SparseDiLoCo(manager, [model], torch.optim.SGD(model.parameters(), lr=0.1), outer,
+                        sync_every=2, **kw)
 
 
 def _one_line(exc_info, start):
@@ -80,12 +81,65 @@ def test_a_missing_manager_is_refused_in_one_line():
 @pytest.mark.parametrize("kw, start", [
     (dict(fragment_sync_delay=1), "SparseDiLoCo: fragment_sync_delay and fragment_update_alpha"),
     (dict(fragment_update_alpha=0.5), "SparseDiLoCo: fragment_sync_delay and"),
-    (dict(should_quantize=True), "SparseDiLoCo: should_quantize is torchft's quantized dense"),
 ])
 def test_streaming_options_are_refused_in_one_line(new_manager, kw, start):
     with pytest.raises(ValueError) as e:
         _diloco(new_manager(), **kw)
     _one_line(e, start)
+
+
+def test_should_quantize_is_the_two_bit_wire_or_refused_in_one_line(new_manager, caplog):
+    import logging
+    with caplog.at_level(logging.INFO, logger="oktopk_triton"):
+        d = _diloco(new_manager(), should_quantize=True, density=0.2, algorithm="oktopk")
+    assert d.reducer.config.wire_format == "q2"
+    assert any("should_quantize=True sends the pseudo-gradient on the 2-bit wire" in
+               r.getMessage() for r in caplog.records)
+    compact = _diloco(new_manager(), should_quantize=True, density=0.2,
+                      algorithm=OkTopk(wire_format="compact"))
+    assert compact.reducer.config.wire_format == "compact"     # a packed wire chosen is kept
+    with pytest.raises(ValueError) as e:
+        _diloco(new_manager(), should_quantize=True, density=0.2, algorithm="dense")
+    _one_line(e, "SparseDiLoCo: should_quantize=True maps to wire_format='q2', which dense "
+                 "cannot send")
+
+
+def test_a_diloco_preset_is_the_default_and_logs_one_line(new_manager, caplog):
+    import logging
+
+    from oktopk_triton.presets import DILOCO_PRESETS, DILOCO_SOLVE_P
+    with caplog.at_level(logging.INFO, logger="oktopk_triton"):
+        d = _diloco(new_manager())
+    p = DILOCO_PRESETS["diloco"]
+    assert d.reducer.config == p.algorithm and d.residual_decay == p.residual_decay
+    assert d.reducer.algorithm.density == pytest.approx(p.density(d.reducer.numel,
+                                                                  DILOCO_SOLVE_P))
+    lines = [r.getMessage() for r in caplog.records if "preset diloco" in r.getMessage()]
+    assert len(lines) == 1 and "of DiLoCo's dense sync" in lines[0], lines
+    with pytest.raises(ValueError) as e:
+        _diloco(new_manager(), preset="diloco", density=0.1)
+    _one_line(e, "SparseDiLoCo: preset='diloco' sets density, algorithm and residual_decay; "
+                 "also got density")
+    with pytest.raises(ValueError) as e:
+        _diloco(new_manager(), preset="transformer")
+    _one_line(e, "SparseDiLoCo: preset must be one of ['diloco', 'diloco-lean'] or a DiLoCo "
+                 "Preset")
+    with pytest.raises(ValueError) as e:
+        _diloco(new_manager(), density=0.2, residual_decay=1.5)
+    _one_line(e, "SparseDiLoCo: residual_decay must be a number in (0, 1], got 1.5")
+
+
+def test_the_users_outer_optimizer_is_served_or_refused(new_manager):
+    nesterov = _diloco(new_manager(), density=0.2, outer=lambda ps: torch.optim.SGD(
+        ps, lr=0.7, momentum=0.9, nesterov=True))
+    assert nesterov.outer_optimizer.param_groups[0]["momentum"] == 0.5
+    with pytest.raises(ValueError) as e:
+        _diloco(new_manager(), density=0.2, outer=lambda ps: torch.optim.Adam(ps))
+    _one_line(e, "SparseDiLoCo: with a sparse algorithm the outer optimizer must be "
+                 "torch.optim.SGD")
+    dense = _diloco(new_manager(), density=0.2, algorithm="dense",
+                    outer=lambda ps: torch.optim.Adam(ps))
+    assert isinstance(dense.outer_optimizer, torch.optim.Adam)
 
 
 def test_fragments_and_a_bad_interval_are_refused(new_manager):
@@ -115,21 +169,35 @@ def test_a_heal_from_another_model_is_refused_before_anything_is_loaded(new_mana
                  "shape [7, 6]")
 
 
-def test_capture_and_restore_put_an_algorithm_back_bit_for_bit():
+def _restores_bit_for_bit(comm, name, options, seed):
     from oktopk_triton.algorithms import get_algorithm
-    comm = SingleCommunicator()
-    g = torch.Generator().manual_seed(1)
-    alg = get_algorithm("oktopk")(512, comm, 0.05, momentum=0.9, consistency=0.9)
+    g = torch.Generator().manual_seed(seed)
+    alg = get_algorithm(name)(512, comm, 0.05, **options)
     for _ in range(3):
         alg(torch.randn(512, generator=g))
-    snap, grad = _capture(alg), torch.randn(512, generator=g)
+    snap, grad = alg.snapshot(), torch.randn(512, generator=g)
     first = alg(grad).clone()
     after = {k: v.clone() if torch.is_tensor(v) else v for k, v in alg.state_dict().items()}
-    _restore(alg, snap)
+    alg.restore(snap)
     again = alg(grad)
     assert torch.equal(first, again)
     for k, v in alg.state_dict().items():
         assert (torch.equal(v, after[k]) if torch.is_tensor(v) else v == after[k]), k
+    return True
+
+
+@pytest.mark.parametrize("name,options", [
+    ("oktopk", dict(momentum=0.9, consistency=0.9, backend="torch")),
+    ("oktopk", dict(wire_format="q2", backend="torch")),
+    ("topka", dict(backend="torch")), ("gtopk", dict(backend="torch")),
+    ("spardl", {}), ("topkdsa", {}), ("gaussiank", dict(backend="torch")),
+    ("dense", dict(momentum=0.9))])
+def test_an_algorithm_snapshot_restores_it_bit_for_bit(name, options):
+    """The algorithm owns its rollback: snapshot, a step, restore, the same step again gives
+    the same out and the same state, on 3 ranks."""
+    from oktopk_triton.comm.local import LocalCluster
+    assert all(LocalCluster(3).run(
+        lambda comm: _restores_bit_for_bit(comm, name, options, 1 + comm.rank)))
 
 
 class _Work:

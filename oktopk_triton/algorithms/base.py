@@ -410,6 +410,18 @@ class Algorithm(abc.ABC):
         self.loss_scale = None if old.loss_scale is None else old.loss_scale.clone()
         self._scale_host = old._scale_host
 
+    def snapshot(self) -> Dict[str, Any]:
+        """What a step changes, copied, for :meth:`restore` to put back: what is owed (the
+        residual and velocity), the step count, the loss scale, the algorithm's own state
+        (``STATE``: thresholds, regions; a sign EMA) and its last stats. A sync that does not
+        commit (torchft's rollback) restores it, so the retry owes exactly what was owed."""
+        return {"state": self.state_dict(), "stats": dict(self.stats)}
+
+    def restore(self, snap: Dict[str, Any]) -> None:
+        """Put back a :meth:`snapshot` of this reducer, in place (tensors keep their storage)."""
+        self.load_state_dict(snap["state"])
+        self.stats = dict(snap["stats"])
+
     def state_dict(self) -> Dict[str, Any]:
         sd: Dict[str, Any] = {"algorithm": self.name, "numel": self.numel, "world_size": self.P,
                               "rank": self.rank, "density": self.density,

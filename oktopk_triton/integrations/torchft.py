@@ -24,51 +24,29 @@ before it, so the retry owes exactly what was owed and nothing is sent twice. Se
 """
 from __future__ import annotations
 
-import copy
+import dataclasses
+import logging
 import time
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from ..checkpoint import CheckpointError, param_fingerprint
+from ..algorithms import get_algorithm
+from ..checkpoint import CheckpointError, fingerprint_differs, param_fingerprint
 from ..config import AlgorithmConfig, as_config
 from ..comm.base import CommError
 from ..comm.torchft import ManagerCommunicator
+from ..flat_params import parse_params
 from ..module import SparseAllreduce
+from ..outer import serve_outer_optimizer
+from ..presets import diloco_preset
 
 __all__ = ["SparseDiLoCo", "SparseGradients", "ReplicaSync", "STATE_KEY"]
 
 # the key of this library's state among the Manager's state-dict functions (healing)
 STATE_KEY = "oktopk"
 
-
-def _capture(obj: Any) -> Dict[str, Any]:
-    """A copy of ``obj``'s attributes: tensors cloned, plain containers deep-copied, other
-    objects (a communicator, a module) kept by reference."""
-    snap = {}
-    for k, v in vars(obj).items():
-        if isinstance(v, torch.Tensor):
-            snap[k] = v.detach().clone()
-        elif isinstance(v, (int, float, bool, str, type(None), list, tuple, dict)):
-            snap[k] = copy.deepcopy(v)
-        else:
-            snap[k] = v
-    return snap
-
-
-def _restore(obj: Any, snap: Dict[str, Any]) -> None:
-    """Put back what :func:`_capture` took (tensors in place where the shape allows, so that
-    their addresses stay)."""
-    for k in [k for k in vars(obj) if k not in snap]:
-        delattr(obj, k)
-    for k, v in snap.items():
-        cur = getattr(obj, k, None)
-        if isinstance(v, torch.Tensor) and isinstance(cur, torch.Tensor) and \
-                cur.shape == v.shape and cur.dtype == v.dtype:
-            cur.copy_(v)
-        else:
-            setattr(obj, k, v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
-                    if isinstance(v, (list, tuple, dict)) else v)
+log = logging.getLogger("oktopk_triton.integrations.torchft")
 
 
 class ReplicaSync:
@@ -99,9 +77,6 @@ owes, so nothing it computed is lost.
                  extra_state: Any = None, load_extra: Any = None, on_heal: Any = None,
                  fingerprint: Optional[Dict[str, Any]] = None) -> None:
         self.comm = ManagerCommunicator(manager)
-        if STATE_KEY in manager._load_state_dict_fns:
-            raise ValueError("ReplicaSync: this Manager already has a sparse reducer (one per "
-                             "Manager: its state is what a healing peer receives)")
         self.manager = manager
         # built at P = 1 (no collective); the first quorum reconfigures it to the group
         self.sar = SparseAllreduce(params, comm=self.comm, density=density, algorithm=algorithm)
@@ -114,8 +89,13 @@ owes, so nothing it computed is lost.
         self._fingerprint = fingerprint or {**param_fingerprint(self.params),
                                             "algorithm": self.sar.algorithm_name,
                                             "numel": self.sar.numel}
-        manager.register_state_dict_fn(STATE_KEY, self._heal_load, self._heal_save)
-        # ours first: a peer of another model is refused before the user's weights are loaded
+        try:
+            manager.register_state_dict_fn(STATE_KEY, self._heal_load, self._heal_save)
+        except AssertionError:      # torchft refuses a key registered twice
+            raise ValueError("ReplicaSync: this Manager already has a sparse reducer (one per "
+                             "Manager: its state is what a healing peer receives)") from None
+        # ours first: a peer of another model is refused before the user's weights are loaded.
+        # torchft loads in registration order and has no public way to register first.
         fns = manager._load_state_dict_fns
         manager._load_state_dict_fns = {STATE_KEY: fns.pop(STATE_KEY), **fns}
 
@@ -129,8 +109,7 @@ owes, so nothing it computed is lost.
     def _heal_load(self, sd: Dict[str, Any]) -> None:
         theirs, mine = sd.get("fingerprint"), self._fingerprint
         if theirs != mine:
-            from ..checkpoint import _differs
-            why = _differs(theirs or {}, mine) or "the fingerprints differ"
+            why = fingerprint_differs(theirs or {}, mine) or "the fingerprints differ"
             raise CheckpointError(f"torchft heal refused: the peer's model is another one "
                                   f"({why})")
         if self._on_heal is not None:
@@ -167,15 +146,16 @@ owes, so nothing it computed is lost.
             rec["error"] = " ".join(str(exc).split())[:300]
         return rec
 
-    def reduce(self, rec: Dict[str, Any],
-               flat: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    def reduce(self, rec: Dict[str, Any], flat: Optional[torch.Tensor] = None,
+               residual_decay: float = 1.0) -> Optional[torch.Tensor]:
         """Reduce the parameters' ``.grad`` (the caller wrote them; or ``flat``, for a reducer
         built from a length), check conservation with
         ``audit``, and vote (``manager.should_commit()``). Returns the flat reduced tensor when
         the sync commits (every ``.grad`` is then its view). On a failure or a vote against,
         everything the sync touched is rolled back (the reducer's state, what this replica
         owes, the audit; ``.grad`` holds this replica's own input again) and ``None`` is
-        returned."""
+        returned. ``residual_decay`` < 1 scales what this replica owes before the reduce
+        (SparseLoCo's decayed error feedback; undone by a rollback)."""
         if rec["error"] is not None:          # the quorum's own step failed
             self.manager.should_commit()
             return None
@@ -183,7 +163,9 @@ owes, so nothing it computed is lost.
         alg = sar.algorithm
         grads = [] if flat is not None else [
             None if p.grad is None else p.grad.detach().clone() for p in self.params]
-        snap = _capture(alg)
+        snap = alg.snapshot()
+        if residual_decay != 1.0:
+            alg.residual.mul_(residual_decay)
         sent = self.comm.bytes_sent
         out: Optional[torch.Tensor] = None
         try:
@@ -204,7 +186,7 @@ owes, so nothing it computed is lost.
             self.committed += 1
             return out
         sar.algorithm = alg
-        _restore(alg, snap)
+        alg.restore(snap)
         for p, g in zip(self.params, grads):
             p.grad = g
         return None
@@ -226,8 +208,8 @@ class _OnReplica:
         return self.replica.sar
 
 
-def _check_diloco_options(model_fragments: Any, sync_every: Any, should_quantize: bool,
-                          fragment_sync_delay: int, fragment_update_alpha: float) -> None:
+def _check_diloco_options(model_fragments: Any, sync_every: Any, fragment_sync_delay: int,
+                          fragment_update_alpha: float) -> None:
     """torchft DiLoCo's options that this sparse DiLoCo refuses, each with a one-line reason."""
     if not isinstance(model_fragments, (list, tuple)) or len(model_fragments) != 1 or \
             not isinstance(model_fragments[0], torch.nn.Module):
@@ -239,18 +221,72 @@ def _check_diloco_options(model_fragments: Any, sync_every: Any, should_quantize
     if fragment_sync_delay or fragment_update_alpha:
         raise ValueError("SparseDiLoCo: fragment_sync_delay and fragment_update_alpha belong to "
                          "Streaming DiLoCo's fragments, which are not supported: leave them 0")
+
+
+def _diloco_config(model: torch.nn.Module, density: Optional[float],
+                   algorithm: Union[str, AlgorithmConfig, None], preset: Any,
+                   residual_decay: Optional[float], should_quantize: bool
+                   ) -> Tuple[float, AlgorithmConfig, float]:
+    """(density, algorithm object, residual decay) of a SparseDiLoCo: from a DiLoCo preset
+    (``preset``, or ``"diloco"`` when none of density, algorithm and preset is given) or from
+    the arguments; ``should_quantize`` maps to the 2-bit wire. Logged in one line each."""
+    if preset is None and density is None and algorithm is None:
+        preset = "diloco"
+    if preset is not None:
+        numel = parse_params(model, None)[0]
+        density, config, decay = diloco_preset(preset, numel, density=density,
+                                               algorithm=algorithm,
+                                               residual_decay=residual_decay)
+    else:
+        density = 0.05 if density is None else density
+        config = as_config("oktopk" if algorithm is None else algorithm)
+        decay = 1.0 if residual_decay is None else residual_decay
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay <= 1.0:
+        raise ValueError(f"SparseDiLoCo: residual_decay must be a number in (0, 1], got "
+                         f"{decay!r}")
     if should_quantize:
-        raise ValueError("SparseDiLoCo: should_quantize is torchft's quantized dense "
-                         "allreduce; use wire_format='q2' or 'q4' for a quantized sparse wire")
+        config = _quantized(config)
+    return density, config, float(decay)
+
+
+def _quantized(config: AlgorithmConfig) -> AlgorithmConfig:
+    """torchft's ``should_quantize`` as the sparse wire's counterpart: ``wire_format="q2"``
+    (2-bit values); a packed wire already chosen is kept; an algorithm without q2 is refused."""
+    if config.wire_format != "fp32":
+        return config
+    try:
+        quantized = dataclasses.replace(config, wire_format="q2")
+    except ValueError as exc:
+        raise ValueError(f"SparseDiLoCo: should_quantize=True maps to wire_format='q2', which "
+                         f"{config.algorithm} cannot send ({' '.join(str(exc).split())})") from None
+    log.info("SparseDiLoCo: should_quantize=True sends the pseudo-gradient on the 2-bit wire "
+             "(wire_format='q2', its quantization error kept in the residual)")
+    return quantized
 
 
 class SparseDiLoCo(_OnReplica):
     """torchft's ``DiLoCo`` with a sparse pseudo-gradient reduce (error feedback included).
 
     Same arguments as ``torchft.local_sgd.DiLoCo`` (one model fragment), plus the sparse
-    allreduce's: ``density`` (of each sync; raise it with ``sync_every`` to keep the bytes per
-    step), ``algorithm`` (a name or an object with its settings, e.g. ``OkTopk(wire_format=
-    "q2")``; see :mod:`oktopk_triton.config`), and ``audit`` (see :class:`ReplicaSync`).
+    allreduce's. Advice:
+
+    1. ``preset`` (default ``"diloco"`` when none of ``preset``, ``density`` and ``algorithm``
+       is given): a DiLoCo preset (:data:`oktopk_triton.presets.DILOCO_PRESETS`, or
+       :func:`~oktopk_triton.presets.recommend_diloco` for a byte budget as a fraction of
+       DiLoCo's dense sync): the algorithm, its density for this model and the residual decay.
+    2. ``density`` and ``algorithm`` instead of a preset: the density of each sync (raise it
+       with ``sync_every`` to keep the bytes per step) and a name or an object with its
+       settings, e.g. ``OkTopk(wire_format="q2")`` (see :mod:`oktopk_triton.config`).
+    3. ``residual_decay`` (default 1: none): what each replica owes is scaled by it before each
+       sync (SparseLoCo's decayed error feedback); a preset sets it.
+    4. ``outer_optimizer``: an SGD (plain, momentum or Nesterov). With a sparse algorithm its
+       momentum is served capped at 0.5, in one log line (:mod:`oktopk_triton.outer`: DiLoCo's
+       Nesterov 0.9 diverged over error feedback); another optimizer needs
+       ``algorithm="dense"``.
+    5. ``should_quantize=True``: the 2-bit wire (``wire_format="q2"``), the sparse counterpart
+       of torchft's quantized allreduce.
+    6. ``audit`` (see :class:`ReplicaSync`): for tests and benchmarks.
+
     ``backup_device``, ``pin_memory``, ``use_bucketization`` and ``bucket_cap_mb`` are accepted
     for a drop-in and change nothing (one flat vector is one bucket; the anchor stays on the
     parameters' device).
@@ -269,14 +305,18 @@ class SparseDiLoCo(_OnReplica):
                  sync_every: int, backup_device: Any = None, pin_memory: bool = True,
                  use_bucketization: bool = False, bucket_cap_mb: Optional[int] = None,
                  should_quantize: bool = False, fragment_sync_delay: int = 0,
-                 fragment_update_alpha: float = 0.0, *, density: float = 0.05,
-                 algorithm: Union[str, AlgorithmConfig] = "oktopk", audit: bool = False) -> None:
-        _check_diloco_options(model_fragments, sync_every, should_quantize, fragment_sync_delay,
+                 fragment_update_alpha: float = 0.0, *, density: Optional[float] = None,
+                 algorithm: Union[str, AlgorithmConfig, None] = None, preset: Any = None,
+                 residual_decay: Optional[float] = None, audit: bool = False) -> None:
+        _check_diloco_options(model_fragments, sync_every, fragment_sync_delay,
                               fragment_update_alpha)
-        if not isinstance(outer_optimizer, torch.optim.Optimizer) or \
-                not isinstance(inner_optimizer, torch.optim.Optimizer):
-            raise TypeError("SparseDiLoCo: inner_optimizer and outer_optimizer must be "
-                            "torch.optim.Optimizer objects")
+        if not isinstance(inner_optimizer, torch.optim.Optimizer):
+            raise TypeError("SparseDiLoCo: inner_optimizer must be a torch.optim.Optimizer, got "
+                            f"{type(inner_optimizer).__name__}")
+        density, algorithm, self.residual_decay = _diloco_config(
+            model_fragments[0], density, algorithm, preset, residual_decay, should_quantize)
+        serve_outer_optimizer(outer_optimizer, get_algorithm(algorithm.algorithm).sparse,
+                              "SparseDiLoCo")
         self.sync_every = sync_every
         self.inner_optimizer, self.outer_optimizer = inner_optimizer, outer_optimizer
         self.replica = ReplicaSync(manager, model_fragments[0], density, algorithm, audit,
@@ -335,7 +375,7 @@ class SparseDiLoCo(_OnReplica):
             self._unsynced = None
         for p, a in zip(self.params, self.anchor):
             p.grad = p.detach() - a
-        out = self.replica.reduce(rec)
+        out = self.replica.reduce(rec, residual_decay=self.residual_decay)
         if out is None:                   # rolled back: the local weights go on
             self._drop_grads()
             return False
