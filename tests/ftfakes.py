@@ -8,7 +8,9 @@ primitives are the cluster's). Enough of torchft 0.2's surface for ``ManagerComm
 * ``fail_at``: the process group's calls (counted from 0 on each replica) that raise, on every
   replica alike, as a peer's death would;
 * ``heal_at``: ``{quorum number: (healer, healed)}``: at that quorum the healed replica loads
-  the state every registered state-dict function of the healer saves, as torchft heals.
+  the state every registered state-dict function of the healer saves, as torchft heals;
+* a vote that fails reconfigures the group at the next quorum, as torchft's Manager does after
+  a failed commit: point-to-point messages still in flight from the failed sync are dropped.
 """
 from datetime import timedelta
 from typing import Any, Dict, Optional, Set, Tuple
@@ -99,6 +101,7 @@ class FakeManager:
         self._load_state_dict_fns: Dict[str, Any] = {}
         self._save_fns: Dict[str, Any] = {}
         self.shut = False
+        self._reconfigure = False
 
     def register_state_dict_fn(self, key, load, save):
         assert key not in self._load_state_dict_fns      # as torchft's Manager
@@ -106,6 +109,14 @@ class FakeManager:
         self._save_fns[key] = save
 
     def start_quorum(self):
+        if self._reconfigure:             # a new group: what the failed sync left is gone
+            self._reconfigure = False
+            self.lc.barrier()
+            with self.lc.cluster._cond:
+                for (src, dst), box in self.lc.cluster._mail.items():
+                    if dst == self.lc.rank:
+                        box.clear()
+            self.lc.barrier()
         heal = self.heal_at.get(self._quorum_id)
         self._quorum_id += 1
         if heal is None:
@@ -130,6 +141,7 @@ class FakeManager:
         ok = int(vote) == self.lc.world_size
         if ok:
             self._step += 1
+        self._reconfigure = not ok
         return ok
 
     def num_participants(self):

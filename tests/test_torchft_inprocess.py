@@ -209,10 +209,12 @@ def test_a_failed_sync_rolls_back_on_every_replica_and_the_next_commits():
 @pytest.mark.parametrize("wire", ["fp32", "compact", "q2", "q4"])
 def test_algorithm_objects_with_every_wire_format_commit_conserved(wire):
     from oktopk_triton.config import OkTopk
-    res = LocalCluster(2).run(_diloco_body, 2, 3, shared={}, fail_at=(8,),
+    # call 4 falls inside the first sync's reduce, between a point-to-point send and its
+    # receive on Ok-Topk's exchange
+    res = LocalCluster(2).run(_diloco_body, 2, 3, shared={}, fail_at=(4,),
                               algorithm=OkTopk(wire_format=wire))
     for r in res:
-        assert [h["committed"] for h in r["history"]] == [True, False, True]
+        assert [h["committed"] for h in r["history"]] == [False, True, True]
         assert all(h["relative_error"] <= 1e-6 for h in r["history"] if h["committed"])
         assert torch.equal(r["final"], res[0]["final"])
 
