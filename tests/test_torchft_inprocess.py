@@ -328,3 +328,64 @@ def test_sparse_gradients_rolls_back_a_failed_step():
     for ok, kept, owed, rec in LocalCluster(2).run(body):
         assert not ok and kept and owed == 0.0
         assert not rec["committed"] and "Connection reset" in rec["error"]
+
+
+# -- Streaming DiLoCo: fragments ----------------------------------------------------------------
+def _stream_body(lc, H, cycles, delay=0, alpha=0.0, fail_at=(), heal_at=None, shared=None):
+    m = FakeManager(lc, shared if shared is not None else {}, fail_at=set(fail_at),
+                    heal_at=heal_at)
+    with _INIT:
+        torch.manual_seed(0)
+        frags = [torch.nn.Linear(8, 12), torch.nn.Sequential(torch.nn.Tanh(),
+                                                             torch.nn.Linear(12, 3))]
+    model = torch.nn.Sequential(*frags)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    outer = torch.optim.SGD(model.parameters(), lr=1.0)
+    d = SparseDiLoCo(m, frags, inner, outer, sync_every=H, fragment_sync_delay=delay,
+                     fragment_update_alpha=alpha, density=0.2, algorithm="oktopk", audit=True)
+    threads = []
+    with d:
+        for step in range(H * cycles):
+            x, y = _batch(lc.rank, step)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            inner.step()
+            inner.zero_grad()
+            if d._work is not None and "thread" in d._work:
+                threads.append(d._work["thread"].name)
+    return {"history": d.history, "threads": threads, "final": _flat(model),
+            "anchor": torch.cat([a.reshape(-1) for a in d.anchor]),
+            "owed": [s.residual.clone() for s in d.replica.sars]}
+
+
+@pytest.mark.parametrize("delay,alpha", [(0, 0.0), (1, 0.0), (1, 0.5)])
+def test_fragments_sync_in_turn_conserved_and_alike(delay, alpha):
+    res = LocalCluster(2).run(_stream_body, 4, 3, delay, alpha)
+    for r in res:
+        hist = r["history"]
+        assert [h["fragment"] for h in hist] == [0, 1] * 3      # one fragment every H/F steps
+        assert all(h["committed"] and h["relative_error"] <= 1e-6 for h in hist)
+        assert torch.equal(r["anchor"], res[0]["anchor"])       # the common weights agree
+        # with a delay the reduce ran on its own thread while an inner step went on
+        assert (len(r["threads"]) > 0) == (delay > 0)
+    if alpha == 0.0:      # the last fragment synced last: its weights are the common ones
+        assert torch.equal(res[0]["final"][-39:], res[1]["final"][-39:])
+
+
+def test_a_failed_fragment_sync_rolls_back_and_the_same_fragment_retries():
+    res = LocalCluster(2).run(_stream_body, 4, 3, 1, 0.0, (8,))
+    for r in res:
+        hist = r["history"]
+        assert [h["committed"] for h in hist] == [True, False, True, True, True, True]
+        assert [h["fragment"] for h in hist] == [0, 1, 1, 0, 1, 0]
+        assert all(h["relative_error"] <= 1e-6 for h in hist if h["committed"])
+        assert torch.equal(r["anchor"], res[0]["anchor"])
+
+
+def test_a_replica_healed_in_a_fragment_sync_restarts_every_fragment_and_owes_nothing():
+    res = LocalCluster(2).run(_stream_body, 4, 3, 1, 0.0, (), {0: (0, 1), 3: (0, 1)}, {})
+    h1 = res[1]["history"]
+    assert h1[0]["healed"] and h1[0]["newcomer"] and h1[0]["reconfigured"]
+    assert h1[3]["healed"] and not h1[3]["newcomer"]   # fell behind: keeps what it owes
+    assert not any(h["healed"] for h in res[0]["history"])
+    assert all(h["committed"] and h["relative_error"] <= 1e-6 for r in res for h in r["history"])
+    assert torch.equal(res[0]["anchor"], res[1]["anchor"])

@@ -16,6 +16,9 @@ from oktopk_triton.bench.ft_soak import KINDS, schedule  # noqa: E402
 def test_the_schedules_are_seeded_and_cover_every_kind():
     assert schedule(7) == schedule(7)
     assert {schedule(s)["kind"] for s in range(5)} == set(KINDS)
+    # every kind runs with one fragment and as Streaming DiLoCo's two (within 10 seeds)
+    assert {(schedule(s)["kind"], schedule(s)["fragments"]) for s in range(10)} == {
+        (k, f) for k in KINDS for f in (1, 2)}
     for s in range(20):
         f = schedule(s)
         assert 0 <= f["victim"] < 3 and 2 <= f["sync"] < f["rejoin_at"]

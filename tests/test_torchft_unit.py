@@ -79,10 +79,13 @@ def test_a_missing_manager_is_refused_in_one_line():
 
 
 @pytest.mark.parametrize("kw, start", [
-    (dict(fragment_sync_delay=1), "SparseDiLoCo: fragment_sync_delay and fragment_update_alpha"),
-    (dict(fragment_update_alpha=0.5), "SparseDiLoCo: fragment_sync_delay and"),
+    (dict(fragment_sync_delay=2), "SparseDiLoCo: fragment_sync_delay must be an int in [0, 2) "
+                                  "(sync_every / fragments), got 2"),
+    (dict(fragment_sync_delay=-1), "SparseDiLoCo: fragment_sync_delay must be an int in"),
+    (dict(fragment_update_alpha=1.5), "SparseDiLoCo: fragment_update_alpha must be a number in "
+                                      "[0, 1], got 1.5"),
 ])
-def test_streaming_options_are_refused_in_one_line(new_manager, kw, start):
+def test_bad_streaming_options_are_refused_in_one_line(new_manager, kw, start):
     with pytest.raises(ValueError) as e:
         _diloco(new_manager(), **kw)
     _one_line(e, start)
@@ -142,16 +145,26 @@ def test_the_users_outer_optimizer_is_served_or_refused(new_manager):
     assert isinstance(dense.outer_optimizer, torch.optim.Adam)
 
 
-def test_fragments_and_a_bad_interval_are_refused(new_manager):
+def test_bad_fragments_and_a_bad_interval_are_refused(new_manager):
     m = new_manager()
     a, b = _model(), _model()
     opt = torch.optim.SGD(list(a.parameters()) + list(b.parameters()), lr=0.1)
     with pytest.raises(ValueError) as e:
-        SparseDiLoCo(m, [a, b], opt, opt, sync_every=2)
-    _one_line(e, "SparseDiLoCo: model_fragments must be a list of one nn.Module")
+        SparseDiLoCo(m, [a, b], opt, opt, sync_every=3)
+    _one_line(e, "SparseDiLoCo: sync_every must be a multiple of the number of fragments (2), "
+                 "got 3")
+    with pytest.raises(ValueError) as e:
+        SparseDiLoCo(m, [a, a], opt, opt, sync_every=2)
+    _one_line(e, "SparseDiLoCo: the model fragments share parameters")
+    with pytest.raises(ValueError) as e:
+        SparseDiLoCo(m, [], opt, opt, sync_every=2)
+    _one_line(e, "SparseDiLoCo: model_fragments must be a non-empty list of nn.Module")
     with pytest.raises(ValueError) as e:
         SparseDiLoCo(m, [a], opt, opt, sync_every=0)
     _one_line(e, "SparseDiLoCo: sync_every must be a positive int, got 0")
+    two = SparseDiLoCo(m, [a, b], opt, torch.optim.SGD(opt.param_groups[0]["params"], lr=1.0),
+                       sync_every=4, fragment_sync_delay=1, density=0.2)
+    assert two.streaming and len(two.replica.sars) == 2
 
 
 def test_a_heal_from_another_model_is_refused_before_anything_is_loaded(new_manager):

@@ -14,7 +14,8 @@ attempt; ``{"step": s}``: before inner step s), ``fail`` (that collective raises
 path}]``: having committed k syncs, wait, bounded, until ``path`` exists). Every key and its
 default: :data:`DEFAULTS`. It writes ``result.ready`` once its Manager is up, ``result`` (JSON:
 history, losses, evals ``(committed syncs, test loss)`` with ``eval_steps``, ``heals``, ``bytes``,
-the Manager's step, the final weights' file), after every committed sync ``result.progress``,
+the Manager's step, the final weights' file: with fragments the common ones, each fragment's
+anchor), after every committed sync ``result.progress``,
 and before each inner step that syncs ``result.syncing`` (its inner step count). In ``dense``
 mode ``history`` has one record per sync attempt, its bytes computed as a ring allreduce of every
 fp32 parameter, ``2(P-1)/P * 4n`` (a failed one whole).
@@ -36,7 +37,19 @@ DEFAULTS: Dict[str, Any] = dict(
     options={}, seed=0, lr=0.05, outer_lr=1.0, outer_momentum=0.0, audit=True, width=32,
     batch=16, min_replicas=1, timeout=5.0, quorum_timeout=60.0, die=None, fail=None,
     retry=False, world=0, master_port=0, eval_every=1, inner="sgd", hold=(), group_rank=0,
-    group_world=1, group_port=0)
+    group_world=1, group_port=0, fragments=1, fragment_sync_delay=0)
+
+
+def fragments_of(model: torch.nn.Module, count: int) -> List[torch.nn.Module]:
+    """The model's children that hold parameters, in ``count`` contiguous groups (Streaming
+    DiLoCo's fragments); ``[model]`` for one."""
+    if count <= 1:
+        return [model]
+    parts = [c for c in model.children() if any(True for _ in c.parameters())]
+    if len(parts) < count:
+        raise ValueError(f"ft_replica: {count} fragments of a model with {len(parts)} parts")
+    cuts = [round(i * len(parts) / count) for i in range(count + 1)]
+    return [torch.nn.ModuleList(parts[a:b]) for a, b in zip(cuts, cuts[1:])]
 
 
 # -- the task ------------------------------------------------------------------------------------
@@ -156,7 +169,9 @@ def run_torchft(cfg: Dict[str, Any], out: Dict[str, Any]) -> None:
     manager, _store = make_manager(cfg, state)
     if cfg["mode"] == "sparse":
         from ..integrations.torchft import SparseDiLoCo
-        diloco = SparseDiLoCo(manager, [model], opt, outer, sync_every=cfg["sync_every"],
+        diloco = SparseDiLoCo(manager, fragments_of(model, cfg["fragments"]), opt, outer,
+                              sync_every=cfg["sync_every"],
+                              fragment_sync_delay=cfg["fragment_sync_delay"],
                               density=cfg["density"], algorithm=algorithm(cfg),
                               audit=cfg["audit"])
         inject(cfg, diloco.replica)
@@ -177,7 +192,7 @@ def run_torchft(cfg: Dict[str, Any], out: Dict[str, Any]) -> None:
                 _hold(cfg, manager.current_step())
                 if cfg["die"] and cfg["die"].get("step") == step:      # between syncs
                     os.kill(os.getpid(), signal.SIGKILL)
-                if (step + 1) % cfg["sync_every"] == 0:       # its optimizer step syncs
+                if (step + 1) % (cfg["sync_every"] // cfg["fragments"]) == 0:   # it syncs
                     _write(cfg["result"] + ".syncing", str(step + 1))
                 x, y = batch(step)
                 loss = torch.nn.functional.cross_entropy(model(x), y)
@@ -208,7 +223,13 @@ def run_torchft(cfg: Dict[str, Any], out: Dict[str, Any]) -> None:
         else:
             out["bytes"] = sum(h["bytes"] for h in history)
         manager.shutdown(wait=False)
-    out["weights"] = _save_weights(cfg, model)
+    if cfg["mode"] == "sparse" and diloco.streaming:
+        # the common weights: a fragment not synced last holds local progress by design
+        path = cfg["result"] + ".weights.pt"
+        torch.save({f"anchor.{i}": a.clone() for i, a in enumerate(diloco.anchor)}, path)
+        out["weights"] = path
+    else:
+        out["weights"] = _save_weights(cfg, model)
 
 
 def run_reference(cfg: Dict[str, Any], out: Dict[str, Any]) -> None:

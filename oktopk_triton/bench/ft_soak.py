@@ -3,7 +3,8 @@
     python -m oktopk_triton.bench.ft_soak --schedules 20 [--jobs 3] [--json PATH]
 
 Each schedule is one small run (3 replicas of the MLP, :class:`SparseDiLoCo` with Ok-Topk at 10%,
-``syncs`` syncs of 2 inner steps) with one fault drawn from its seed: a SIGKILL inside a sync's
+``syncs`` syncs of 2 inner steps; odd seeds as Streaming DiLoCo, 2 fragments, each fragment's
+reduce started one inner step early) with one fault drawn from its seed: a SIGKILL inside a sync's
 collectives or between syncs, with or without a restart that rejoins, or a collective that fails
 on every replica, retried at once or at the next sync. A schedule passes when every replica that
 finished ends at the same step with the same weights, every committed sync was conserved over
@@ -37,7 +38,7 @@ def schedule(seed: int) -> Dict[str, Any]:
     sync = rng.randint(2, 3)
     return {"seed": seed, "kind": kind, "victim": rng.randrange(3), "sync": sync,
             "collective": rng.randint(1, 4), "step": 2 * sync - rng.randint(1, 2),
-            "rejoin_at": sync + 1, "retry": rng.random() < 0.5}
+            "rejoin_at": sync + 1, "retry": rng.random() < 0.5, "fragments": 1 + seed % 2}
 
 
 def _fault(s: Dict[str, Any]) -> Dict[str, Any]:
@@ -57,6 +58,8 @@ def run_schedule(seed: int, workdir: str, fork: bool = True) -> Dict[str, Any]:
     cfg = dict(syncs=SYNCS, sync_every=2, density=0.1, algorithm="oktopk", audit=True,
                min_replicas=2, seed=seed, hold=[{"at": 0, "file": gates["all"]},
                                                 {"at": s["rejoin_at"], "file": gates["rejoin"]}])
+    if s["fragments"] > 1:         # a sync every 2 inner steps still: one fragment each
+        cfg.update(fragments=s["fragments"], sync_every=2 * s["fragments"], fragment_sync_delay=1)
     if s["kind"] == "fail-commit":
         cfg.update(fail={"sync": s["sync"], "collective": s["collective"]}, retry=s["retry"])
     t0 = time.monotonic()

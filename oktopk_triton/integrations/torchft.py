@@ -5,11 +5,11 @@ replica groups at every sync and reconfigures one process group over them. Here 
 allreduce runs on that group (:class:`~oktopk_triton.comm.torchft.ManagerCommunicator`), in two
 shapes:
 
-* :class:`SparseDiLoCo`: torchft's ``DiLoCo`` with the pseudo-gradient reduced sparsely, error
-  feedback included. A DiLoCo user changes one line::
+* :class:`SparseDiLoCo`: torchft's ``DiLoCo`` (Streaming DiLoCo's fragments included) with the
+  pseudo-gradient reduced sparsely, error feedback included. A DiLoCo user changes one line::
 
       with DiLoCo(manager, [model], inner_opt, outer_opt, sync_every=H) as diloco:
-      with SparseDiLoCo(manager, [model], inner_opt, outer_opt, sync_every=H, density=0.05):
+      with SparseDiLoCo(manager, [model], inner_opt, outer_opt, sync_every=H, preset="diloco"):
 
 * :class:`SparseGradients`: every step's gradient reduced sparsely (``reduce()`` between
   ``backward()`` and ``optimizer.step()``).
@@ -24,10 +24,10 @@ before it, so the retry owes exactly what was owed and nothing is sent twice. Se
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
+import threading
 import time
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 
@@ -39,7 +39,7 @@ from ..comm.torchft import ManagerCommunicator
 from ..flat_params import parse_params
 from ..module import SparseAllreduce
 from ..outer import serve_outer_optimizer
-from ..presets import diloco_preset
+from .diloco_options import check_diloco_options, diloco_config
 
 __all__ = ["SparseDiLoCo", "SparseGradients", "ReplicaSync", "STATE_KEY"]
 
@@ -63,6 +63,9 @@ class ReplicaSync:
         extra_state: called to save (``extra_state()``) this mode's replicated state for a
             healing peer; ``load_extra(sd)`` loads it; ``on_heal()`` is called when this
             replica is about to be healed, before anything of it is overwritten.
+        fragments: ``params`` is a list of model fragments, one reducer each (Streaming
+            DiLoCo): every quorum reconfigures them all; a sync reduces one
+            (``fragment=``).
 
 A replica that is healed is either a newcomer (it never committed a sync: it owes nothing) or a
 member that fell behind (its vote differed from its peers' on a sync): that one keeps what it
@@ -75,12 +78,16 @@ owes, so nothing it computed is lost.
     def __init__(self, manager: Any, params: Any, density: float,
                  algorithm: Union[str, AlgorithmConfig], audit: bool = False,
                  extra_state: Any = None, load_extra: Any = None, on_heal: Any = None,
-                 fingerprint: Optional[Dict[str, Any]] = None) -> None:
+                 fingerprint: Optional[Dict[str, Any]] = None, fragments: bool = False) -> None:
         self.comm = ManagerCommunicator(manager)
         self.manager = manager
-        # built at P = 1 (no collective); the first quorum reconfigures it to the group
-        self.sar = SparseAllreduce(params, comm=self.comm, density=density, algorithm=algorithm)
-        self.params: List[torch.Tensor] = [s[0] for s in self.sar.param_slices()]
+        # built at P = 1 (no collective); the first quorum reconfigures them to the group
+        self.sars = [SparseAllreduce(t, comm=self.comm, density=density, algorithm=algorithm)
+                     for t in (list(params) if fragments else [params])]
+        self.sar = self.sars[0]
+        self.fragment_params: List[List[torch.Tensor]] = [
+            [s[0] for s in sar.param_slices()] for sar in self.sars]
+        self.params: List[torch.Tensor] = [p for ps in self.fragment_params for p in ps]
         self.audit = bool(audit)
         self.history: List[Dict[str, Any]] = []
         self._extra_state, self._load_extra, self._on_heal = extra_state, load_extra, on_heal
@@ -88,7 +95,9 @@ owes, so nothing it computed is lost.
         self._pending: Optional[Dict[str, Any]] = None
         self._fingerprint = fingerprint or {**param_fingerprint(self.params),
                                             "algorithm": self.sar.algorithm_name,
-                                            "numel": self.sar.numel}
+                                            "numel": sum(s.numel for s in self.sars)}
+        if len(self.sars) > 1:
+            self._fingerprint["fragments"] = [s.numel for s in self.sars]
         try:
             manager.register_state_dict_fn(STATE_KEY, self._heal_load, self._heal_save)
         except AssertionError:      # torchft refuses a key registered twice
@@ -103,7 +112,8 @@ owes, so nothing it computed is lost.
     def _heal_save(self) -> Dict[str, Any]:
         """What a peer that joins receives: the fingerprint, the step count, the mode's state
         (replicated on every replica). Never a residual: a new member owes nothing."""
-        return {"fingerprint": self._fingerprint, "step": self.sar.algorithm.step_count,
+        steps = [s.algorithm.step_count for s in self.sars]
+        return {"fingerprint": self._fingerprint, "step": steps if len(steps) > 1 else steps[0],
                 "extra": None if self._extra_state is None else self._extra_state()}
 
     def _heal_load(self, sd: Dict[str, Any]) -> None:
@@ -132,7 +142,9 @@ owes, so nothing it computed is lost.
             rec.update(healed=True, newcomer=self.committed == 0)
             if self._load_extra is not None:
                 self._load_extra(healed["extra"])
-            self.sar.algorithm.step_count = int(healed["step"])
+            steps = healed["step"] if len(self.sars) > 1 else [healed["step"]]
+            for sar, step in zip(self.sars, steps):
+                sar.algorithm.step_count = int(step)
         try:
             changed = self.comm.refresh()
             rec.update(step=self.manager.current_step(), P=self.comm.world_size,
@@ -140,14 +152,15 @@ owes, so nothing it computed is lost.
             joined = torch.tensor([float(healed is not None)], device=self.comm.device)
             self.comm.allreduce(joined)
             if changed or float(joined) > 0:
-                self.sar.reconfigure(self.comm, joined=rec["newcomer"])
+                for sar in self.sars:
+                    sar.reconfigure(self.comm, joined=rec["newcomer"])
                 rec["reconfigured"] = True
         except CommError as exc:
             rec["error"] = " ".join(str(exc).split())[:300]
         return rec
 
     def reduce(self, rec: Dict[str, Any], flat: Optional[torch.Tensor] = None,
-               residual_decay: float = 1.0) -> Optional[torch.Tensor]:
+               residual_decay: float = 1.0, fragment: int = 0) -> Optional[torch.Tensor]:
         """Reduce the parameters' ``.grad`` (the caller wrote them; or ``flat``, for a reducer
         built from a length), check conservation with
         ``audit``, and vote (``manager.should_commit()``). Returns the flat reduced tensor when
@@ -155,22 +168,41 @@ owes, so nothing it computed is lost.
         everything the sync touched is rolled back (the reducer's state, what this replica
         owes, the audit; ``.grad`` holds this replica's own input again) and ``None`` is
         returned. ``residual_decay`` < 1 scales what this replica owes before the reduce
-        (SparseLoCo's decayed error feedback; undone by a rollback)."""
-        if rec["error"] is not None:          # the quorum's own step failed
-            self.manager.should_commit()
-            return None
-        sar = self.sar
+        (SparseLoCo's decayed error feedback; undone by a rollback). :meth:`begin` and
+        :meth:`finish` split it: the reduce in flight while the caller goes on."""
+        return self.finish(self.begin(rec, flat, residual_decay, fragment))
+
+    def begin(self, rec: Dict[str, Any], flat: Optional[torch.Tensor] = None,
+              residual_decay: float = 1.0, fragment: int = 0,
+              background: bool = False) -> Dict[str, Any]:
+        """Start a sync's reduce (after :meth:`quorum`): on a thread of its own with
+        ``background`` (the caller must not use the Manager's group until :meth:`finish`)."""
+        sar = self.sars[fragment]
         alg = sar.algorithm
-        grads = [] if flat is not None else [
-            None if p.grad is None else p.grad.detach().clone() for p in self.params]
-        snap = alg.snapshot()
+        work: Dict[str, Any] = {"rec": rec, "sar": sar, "alg": alg, "out": None, "raised": None,
+                                "fragment": fragment}
+        if rec["error"] is not None:          # the quorum's own step failed
+            return work
+        work["grads"] = [] if flat is not None else [
+            None if p.grad is None else p.grad.detach().clone()
+            for p in self.fragment_params[fragment]]
+        work["snap"] = alg.snapshot()
         if residual_decay != 1.0:
             alg.residual.mul_(residual_decay)
+        if background:
+            work["thread"] = threading.Thread(target=self._reduce_into, args=(work, flat),
+                                              name="oktopk-sync", daemon=True)
+            work["thread"].start()
+        else:
+            self._reduce_into(work, flat)
+        return work
+
+    def _reduce_into(self, work: Dict[str, Any], flat: Optional[torch.Tensor]) -> None:
+        rec, sar = work["rec"], work["sar"]
         sent = self.comm.bytes_sent
-        out: Optional[torch.Tensor] = None
         try:
             ledger = sar.audit() if self.audit else None
-            out = sar.reduce_gradients() if flat is None else sar(flat)
+            work["out"] = sar.reduce_gradients() if flat is None else sar(flat)
             rec["bytes"] = self.comm.bytes_sent - sent
             if ledger is not None:
                 rec["relative_error"] = ledger.check()["relative_error"]
@@ -178,17 +210,33 @@ owes, so nothing it computed is lost.
         except CommError as exc:      # what went on the wire before it failed still counts
             rec["error"] = " ".join(str(exc).split())[:300]
             rec["bytes"] = self.comm.bytes_sent - sent
-            out = None
+            work["out"] = None
+        except BaseException as exc:  # noqa: BLE001 - raised again by finish, on the caller
+            work["raised"] = exc
+
+    def finish(self, work: Dict[str, Any]) -> Optional[torch.Tensor]:
+        """Wait for a :meth:`begin` (bounded by the Manager's timeouts), vote, and commit or
+        roll back as :meth:`reduce` says."""
+        thread = work.get("thread")
+        if thread is not None:
+            thread.join(timeout=max(60.0, 20 * self.comm.timeout.total_seconds()))
+            if thread.is_alive():
+                raise CommError("ReplicaSync: a sync's reduce did not finish within its "
+                                "bound; the Manager's timeout should have ended it")
+        if work["raised"] is not None:
+            raise work["raised"]
+        rec, out = work["rec"], work["out"]
         ok = self.manager.should_commit()
         rec["committed"] = bool(ok and out is not None)
         rec["time"] = time.time()                 # when the vote came back (wall clock)
         if rec["committed"]:
             self.committed += 1
             return out
-        sar.algorithm = alg
-        alg.restore(snap)
-        for p, g in zip(self.params, grads):
-            p.grad = g
+        if "snap" in work:
+            work["sar"].algorithm = work["alg"]
+            work["alg"].restore(work["snap"])
+            for p, g in zip(self.fragment_params[work["fragment"]], work["grads"]):
+                p.grad = g
         return None
 
 
@@ -206,62 +254,6 @@ class _OnReplica:
     def reducer(self) -> SparseAllreduce:
         """The :class:`~oktopk_triton.SparseAllreduce` (``.residual``, ``.stats``, ...)."""
         return self.replica.sar
-
-
-def _check_diloco_options(model_fragments: Any, sync_every: Any, fragment_sync_delay: int,
-                          fragment_update_alpha: float) -> None:
-    """torchft DiLoCo's options that this sparse DiLoCo refuses, each with a one-line reason."""
-    if not isinstance(model_fragments, (list, tuple)) or len(model_fragments) != 1 or \
-            not isinstance(model_fragments[0], torch.nn.Module):
-        raise ValueError("SparseDiLoCo: model_fragments must be a list of one nn.Module (the "
-                         "sparse reduce runs on the whole model at once; Streaming DiLoCo's "
-                         "fragments are not supported)")
-    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
-        raise ValueError(f"SparseDiLoCo: sync_every must be a positive int, got {sync_every!r}")
-    if fragment_sync_delay or fragment_update_alpha:
-        raise ValueError("SparseDiLoCo: fragment_sync_delay and fragment_update_alpha belong to "
-                         "Streaming DiLoCo's fragments, which are not supported: leave them 0")
-
-
-def _diloco_config(model: torch.nn.Module, density: Optional[float],
-                   algorithm: Union[str, AlgorithmConfig, None], preset: Any,
-                   residual_decay: Optional[float], should_quantize: bool
-                   ) -> Tuple[float, AlgorithmConfig, float]:
-    """(density, algorithm object, residual decay) of a SparseDiLoCo: from a DiLoCo preset
-    (``preset``, or ``"diloco"`` when none of density, algorithm and preset is given) or from
-    the arguments; ``should_quantize`` maps to the 2-bit wire. Logged in one line each."""
-    if preset is None and density is None and algorithm is None:
-        preset = "diloco"
-    if preset is not None:
-        numel = parse_params(model, None)[0]
-        density, config, decay = diloco_preset(preset, numel, density=density,
-                                               algorithm=algorithm,
-                                               residual_decay=residual_decay)
-    else:
-        density = 0.05 if density is None else density
-        config = as_config("oktopk" if algorithm is None else algorithm)
-        decay = 1.0 if residual_decay is None else residual_decay
-    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay <= 1.0:
-        raise ValueError(f"SparseDiLoCo: residual_decay must be a number in (0, 1], got "
-                         f"{decay!r}")
-    if should_quantize:
-        config = _quantized(config)
-    return density, config, float(decay)
-
-
-def _quantized(config: AlgorithmConfig) -> AlgorithmConfig:
-    """torchft's ``should_quantize`` as the sparse wire's counterpart: ``wire_format="q2"``
-    (2-bit values); a packed wire already chosen is kept; an algorithm without q2 is refused."""
-    if config.wire_format != "fp32":
-        return config
-    try:
-        quantized = dataclasses.replace(config, wire_format="q2")
-    except ValueError as exc:
-        raise ValueError(f"SparseDiLoCo: should_quantize=True maps to wire_format='q2', which "
-                         f"{config.algorithm} cannot send ({' '.join(str(exc).split())})") from None
-    log.info("SparseDiLoCo: should_quantize=True sends the pseudo-gradient on the 2-bit wire "
-             "(wire_format='q2', its quantization error kept in the residual)")
-    return quantized
 
 
 class SparseDiLoCo(_OnReplica):
@@ -286,6 +278,10 @@ class SparseDiLoCo(_OnReplica):
     5. ``should_quantize=True``: the 2-bit wire (``wire_format="q2"``), the sparse counterpart
        of torchft's quantized allreduce.
     6. ``audit`` (see :class:`ReplicaSync`): for tests and benchmarks.
+    7. Streaming DiLoCo: several ``model_fragments`` (one reducer each; one fragment syncs every
+       ``sync_every / F`` steps), ``fragment_sync_delay`` (its reduce runs on a thread while
+       that many inner steps go on) and ``fragment_update_alpha`` (torchft's merge of the
+       local weights), as torchft's ``DiLoCo`` takes them.
 
     ``backup_device``, ``pin_memory``, ``use_bucketization`` and ``bucket_cap_mb`` are accepted
     for a drop-in and change nothing (one flat vector is one bucket; the anchor stays on the
@@ -308,26 +304,36 @@ class SparseDiLoCo(_OnReplica):
                  fragment_update_alpha: float = 0.0, *, density: Optional[float] = None,
                  algorithm: Union[str, AlgorithmConfig, None] = None, preset: Any = None,
                  residual_decay: Optional[float] = None, audit: bool = False) -> None:
-        _check_diloco_options(model_fragments, sync_every, fragment_sync_delay,
+        check_diloco_options(model_fragments, sync_every, fragment_sync_delay,
                               fragment_update_alpha)
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
             raise TypeError("SparseDiLoCo: inner_optimizer must be a torch.optim.Optimizer, got "
                             f"{type(inner_optimizer).__name__}")
-        density, algorithm, self.residual_decay = _diloco_config(
-            model_fragments[0], density, algorithm, preset, residual_decay, should_quantize)
+        numel = sum(parse_params(m, None)[0] for m in model_fragments)
+        density, algorithm, self.residual_decay = diloco_config(
+            numel, density, algorithm, preset, residual_decay, should_quantize)
         serve_outer_optimizer(outer_optimizer, get_algorithm(algorithm.algorithm).sparse,
                               "SparseDiLoCo")
         self.sync_every = sync_every
         self.inner_optimizer, self.outer_optimizer = inner_optimizer, outer_optimizer
-        self.replica = ReplicaSync(manager, model_fragments[0], density, algorithm, audit,
-                                   extra_state=self._state, load_extra=self._load,
-                                   on_heal=self._keep_change)
+        # Streaming DiLoCo: one reducer per fragment, one fragment synced every H/F steps
+        self.streaming = len(model_fragments) > 1 or fragment_sync_delay > 0 or \
+            fragment_update_alpha > 0
+        self.fragment_sync_delay = fragment_sync_delay
+        self.fragment_update_alpha = float(fragment_update_alpha)
+        self.replica = ReplicaSync(
+            manager, model_fragments if self.streaming else model_fragments[0], density,
+            algorithm, audit, extra_state=self._state, load_extra=self._load,
+            on_heal=self._keep_change, fragments=self.streaming)
         self.params = self.replica.params
         with torch.no_grad():
             self.anchor = [p.detach().clone() for p in self.params]
+        sizes = [len(ps) for ps in self.replica.fragment_params]
+        self._spans = [(sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(len(sizes))]
         self.local_step = 0
         self._hooks: List[Any] = []
-        self._unsynced: Optional[torch.Tensor] = None
+        self._unsynced: Optional[List[torch.Tensor]] = None
+        self._work: Optional[Dict[str, Any]] = None
 
     def __enter__(self) -> "SparseDiLoCo":
         self._hooks.append(self.inner_optimizer.register_step_post_hook(self._after_step))
@@ -337,12 +343,22 @@ class SparseDiLoCo(_OnReplica):
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        if self._work is not None:        # a fragment's sync in flight: finish it
+            self._perform()
         return False
 
     def _after_step(self, *_: Any) -> None:
         self.local_step += 1
-        if self.local_step >= self.sync_every:
-            self.sync()
+        if not self.streaming:
+            if self.local_step >= self.sync_every:
+                self.sync()
+            return
+        interval = self.sync_every // len(self._spans)
+        if self.local_step == interval - self.fragment_sync_delay:
+            self._prepare()
+        if self.local_step >= interval:
+            self.local_step = 0
+            self._perform()
 
     # -- the replicated state a healing peer receives -----------------------------------------
     def _state(self) -> Dict[str, Any]:
@@ -354,8 +370,8 @@ class SparseDiLoCo(_OnReplica):
         """Before a heal overwrites the weights: a member that fell behind keeps its change
         since the last anchor, to owe it (a newcomer's change from its own start is not)."""
         if self.replica.committed:
-            self._unsynced = torch.cat([(p.detach() - a).reshape(-1).float()
-                                        for p, a in zip(self.params, self.anchor)])
+            self._unsynced = [torch.cat([(p.detach() - a).reshape(-1).float() for p, a in zip(
+                self.params[lo:hi], self.anchor[lo:hi])]) for lo, hi in self._spans]
 
     def _load(self, sd: Dict[str, Any]) -> None:
         with torch.no_grad():
@@ -364,15 +380,27 @@ class SparseDiLoCo(_OnReplica):
         self.outer_optimizer.load_state_dict(sd["outer_optimizer"])
 
     @torch.no_grad()
+    def _restart_healed(self) -> None:
+        """A healed replica restarts every fragment from the common weights; a member that
+        fell behind owes what it had not synced."""
+        torch._foreach_copy_(self.params, self.anchor)
+        if self._unsynced is not None:
+            for sar, change in zip(self.replica.sars, self._unsynced):
+                sar.residual.add_(change)
+        self._unsynced = None
+
+    @torch.no_grad()
     def sync(self) -> bool:
-        """Sync now: returns whether the sync committed (``history[-1]`` describes it)."""
+        """Sync now (with fragments: the next fragment): returns whether the sync committed
+        (``history[-1]`` describes it)."""
         self.local_step = 0
+        if self.streaming:
+            if self._work is None:
+                self._prepare()
+            return self._perform()
         rec = self.replica.quorum()
         if rec["healed"]:                 # a joiner restarts from the common weights
-            torch._foreach_copy_(self.params, self.anchor)
-            if self._unsynced is not None:
-                self.reducer.residual.add_(self._unsynced)   # what it had not synced, owed
-            self._unsynced = None
+            self._restart_healed()
         for p, a in zip(self.params, self.anchor):
             p.grad = p.detach() - a
         out = self.replica.reduce(rec, residual_decay=self.residual_decay)
@@ -394,6 +422,51 @@ class SparseDiLoCo(_OnReplica):
     def _drop_grads(self) -> None:
         for p in self.params:
             p.grad = None
+
+    # -- Streaming DiLoCo: one fragment at a time, its reduce overlapping the inner steps ------
+    @torch.no_grad()
+    def _prepare(self) -> None:
+        """The quorum, then the fragment's pseudo-gradient reduced on a thread of its own while
+        the inner steps go on (``fragment_sync_delay`` of them); the fragment is the Manager's
+        step modulo the fragments, as torchft chooses it (a failed sync retries it)."""
+        rec = self.replica.quorum()
+        if rec["healed"]:
+            self._restart_healed()
+        f = self.replica.manager.current_step() % len(self._spans)
+        rec["fragment"] = f
+        lo, hi = self._spans[f]
+        flat = torch.cat([(p.detach() - a).reshape(-1).float()
+                          for p, a in zip(self.params[lo:hi], self.anchor[lo:hi])])
+        self._work = self.replica.begin(rec, flat, self.residual_decay, fragment=f,
+                                        background=self.fragment_sync_delay > 0)
+
+    @torch.no_grad()
+    def _perform(self) -> bool:
+        """Wait for the fragment's reduce and vote; on commit the outer step from the
+        fragment's anchor, then ``fragment_update_alpha`` of the local weights mixed back in
+        (torchft's merge). Rolled back, the local weights go on."""
+        work, self._work = self._work, None
+        if work is None:                  # nothing prepared (a sync() just ran)
+            return False
+        out = self.replica.finish(work)
+        if out is None:
+            return False
+        lo, hi = self._spans[work["fragment"]]
+        params, anchor = self.params[lo:hi], self.anchor[lo:hi]
+        if not bool(torch.isfinite(out).all()):      # dropped on every replica alike
+            work["rec"]["nonfinite"] = True
+            torch._foreach_copy_(params, anchor)
+            return True
+        local = [p.detach().clone() for p in params] if self.fragment_update_alpha else None
+        torch._foreach_copy_(params, anchor)
+        for p, o in zip(params, out.split([p.numel() for p in params])):
+            p.grad = o.neg().view_as(p).to(p.dtype)      # torchft's sign: anchor - local
+        self.outer_optimizer.step()
+        torch._foreach_copy_(anchor, params)
+        self._drop_grads()
+        if local is not None:
+            torch._foreach_lerp_(params, local, self.fragment_update_alpha)
+        return True
 
 
 class SparseGradients(_OnReplica):
