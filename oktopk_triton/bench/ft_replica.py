@@ -2,23 +2,23 @@
 
     python -m oktopk_triton.bench.ft_replica '{"replica": 0, "lighthouse": "http://...", ...}'
 
-``mode``: ``sparse`` (:class:`SparseDiLoCo`), ``dense`` (torchft's ``DiLoCo``), ``reference``
-(the same local steps on plain torch.distributed: ``world`` ranks at ``master_port``, no
-torchft) or ``fsdp`` (:class:`SparseGradients` every step, FSDP2 over ``group_world`` ranks of
-one replica group, its store at ``group_port``). ``model``: ``mlp`` (a small MLP on a synthetic
-task) or ``digits`` (the digits CNN); ``width``: another width is another model, whose heal is
-refused. The run ends when the Manager has committed ``syncs`` syncs. Faults: ``die``
-(``{"sync": k, "collective": i}``: SIGKILL itself at the i-th collective of its k-th sync
-attempt; ``{"step": s}``: before inner step s), ``fail`` (that collective raises instead),
-``retry`` (sync again at once after a sync that did not commit), ``hold`` (``[{"at": k, "file":
-path}]``: having committed k syncs, wait, bounded, until ``path`` exists). Every key and its
-default: :data:`DEFAULTS`. It writes ``result.ready`` once its Manager is up, ``result`` (JSON:
-history, losses, evals ``(committed syncs, test loss)`` with ``eval_steps``, ``heals``, ``bytes``,
-the Manager's step, the final weights' file: with fragments the common ones, each fragment's
-anchor), after every committed sync ``result.progress``,
-and before each inner step that syncs ``result.syncing`` (its inner step count). In ``dense``
-mode ``history`` has one record per sync attempt, its bytes computed as a ring allreduce of every
-fp32 parameter, ``2(P-1)/P * 4n`` (a failed one whole).
+``mode``: ``sparse`` (:class:`SparseDiLoCo`), ``dense`` (torchft's ``DiLoCo``), ``reference`` (the
+same local steps on plain torch.distributed: ``world`` ranks at ``master_port``, no torchft),
+``local`` (the inner steps alone) or ``fsdp`` (:class:`SparseGradients` every step, FSDP2 over
+``group_world`` ranks of one replica group, its store at ``group_port``). ``model``: ``mlp`` (a
+small MLP on a synthetic task) or ``digits`` (the digits CNN); ``width``: another width is another
+model, whose heal is refused. The run ends when the Manager has committed ``syncs`` syncs. Faults:
+``die`` (``{"sync": k, "collective": i}``: SIGKILL itself at the i-th collective of its k-th sync
+attempt; ``{"step": s}``: before inner step s), ``fail`` (that collective raises instead), ``retry``
+(sync again at once after a sync that did not commit), ``hold`` (``[{"at": k, "file": path}]``:
+having committed k syncs, wait, bounded, until ``path`` exists). Every key and its default:
+:data:`DEFAULTS`. It writes ``result.ready`` once its Manager is up, ``result`` (JSON: history,
+losses, evals ``(committed syncs, test loss)`` with ``eval_steps``, ``heals``, ``bytes``, the
+Manager's step, the final weights' file: with fragments the common ones, each fragment's anchor),
+after every committed sync ``result.progress``, and before each inner step that syncs
+``result.syncing`` (its inner step count). In ``dense`` mode ``history`` has one record per sync
+attempt, its bytes computed as a ring allreduce of every fp32 parameter, ``2(P-1)/P * 4n`` (a failed
+one whole).
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ DEFAULTS: Dict[str, Any] = dict(
     options={}, seed=0, lr=0.05, outer_lr=1.0, outer_momentum=0.0, audit=True, width=32,
     batch=16, min_replicas=1, timeout=5.0, quorum_timeout=60.0, die=None, fail=None,
     retry=False, world=0, master_port=0, eval_every=1, inner="sgd", hold=(), group_rank=0,
-    group_world=1, group_port=0, fragments=1, fragment_sync_delay=0)
+    group_world=1, group_port=0, fragments=1, fragment_sync_delay=0, link_delay_ms=0.0)
 
 
 def fragments_of(model: torch.nn.Module, count: int) -> List[torch.nn.Module]:
@@ -100,8 +100,10 @@ def inner_optimizer(cfg: Dict[str, Any], model: torch.nn.Module) -> torch.optim.
 
 # -- faults --------------------------------------------------------------------------------------
 def inject(cfg: Dict[str, Any], replica: Any) -> None:
-    """Wrap the communicator's primitives: die or fail at the configured collective."""
+    """Wrap the communicator's primitives: die or fail at the configured collective; with
+    ``link_delay_ms`` each primitive waits that long first, as over a slow link."""
     comm, orig = replica.comm, replica.comm._run
+    delay = float(cfg.get("link_delay_ms") or 0.0) / 1000.0
     count = {"n": 0, "attempt": 0}
     n_hist = {"len": 0}
 
@@ -116,6 +118,8 @@ def inject(cfg: Dict[str, Any], replica: Any) -> None:
         if cfg["fail"] and (k, i) == (cfg["fail"]["sync"], cfg["fail"]["collective"]):
             def issue():
                 raise RuntimeError("injected: this collective failed")
+        if delay:
+            time.sleep(delay)
         return orig(what, issue)
     comm._run = run
 
@@ -185,6 +189,7 @@ def run_torchft(cfg: Dict[str, Any], out: Dict[str, Any]) -> None:
     evals: List[Tuple[int, float]] = []
     eval_steps: List[int] = []
     step, last = 0, -1
+    step_times: List[float] = [time.monotonic()]
     _write(cfg["result"] + ".ready", "1")
     try:
         with diloco:
@@ -200,6 +205,7 @@ def run_torchft(cfg: Dict[str, Any], out: Dict[str, Any]) -> None:
                 opt.step()
                 opt.zero_grad()
                 step += 1
+                step_times.append(time.monotonic())
                 losses.append(float(loss.detach()))
                 if cfg["mode"] != "sparse" and step % cfg["sync_every"] == 0:
                     _dense_record(history, manager, state, dense_bytes)
@@ -216,7 +222,7 @@ def run_torchft(cfg: Dict[str, Any], out: Dict[str, Any]) -> None:
     finally:
         out.update(history=history, losses=losses, evals=evals, eval_steps=eval_steps,
                    step=manager.current_step(), local_steps=step, rank=None,
-                   heals=state["heals"])
+                   heals=state["heals"], step_times=step_times)
         if cfg["mode"] == "sparse":
             out["bytes"] = diloco.reducer.comm.bytes_sent
             out["residual_sum"] = float(diloco.reducer.residual.double().sum())
@@ -230,6 +236,21 @@ def run_torchft(cfg: Dict[str, Any], out: Dict[str, Any]) -> None:
         out["weights"] = path
     else:
         out["weights"] = _save_weights(cfg, model)
+
+
+def run_local(cfg: Dict[str, Any], out: Dict[str, Any]) -> None:
+    """The inner steps alone, no Manager and no sync: what an interval costs without
+    communication (``step_times``)."""
+    model, batch, _ = make_task(cfg)
+    opt = inner_optimizer(cfg, model)
+    step_times = [time.monotonic()]
+    for step in range(cfg["syncs"] * cfg["sync_every"] // cfg["fragments"]):
+        x, y = batch(step)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        step_times.append(time.monotonic())
+    out.update(step_times=step_times, history=[], step=0)
 
 
 def run_reference(cfg: Dict[str, Any], out: Dict[str, Any]) -> None:
@@ -327,7 +348,8 @@ def main(argv: List[str]) -> int:
     out: Dict[str, Any] = {"config": cfg, "error": None, "started": time.time()}
     code = 0
     try:
-        run = {"reference": run_reference, "fsdp": run_fsdp}.get(cfg["mode"], run_torchft)
+        run = {"reference": run_reference, "fsdp": run_fsdp,
+               "local": run_local}.get(cfg["mode"], run_torchft)
         run(cfg, out)
     except Exception as exc:  # noqa: BLE001 - reported in one line, as a user sees it
         out["error"] = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
