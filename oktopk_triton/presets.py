@@ -255,14 +255,19 @@ def from_preset(preset: Union[str, Preset], numel: int, world_size: int, *,
     """(density, algorithm, local steps) of ``preset`` for ``numel`` entries on ``world_size``
     ranks, logged in one line; giving any of the three beside a preset is refused in one line."""
     p = as_preset(preset)
-    given = [name for name, value in (("density", density), ("algorithm", algorithm),
-                                      ("local_steps", local_steps)) if value is not None]
-    if given:
-        raise ValueError(f"{owner}: preset={p.name!r} sets density, algorithm and local_steps; "
-                         f"also got {', '.join(given)}: pass one or the other")
+    _refuse_beside(owner, p, density=density, algorithm=algorithm, local_steps=local_steps)
     d = p.density(numel, world_size)          # a bisection over k: solved once
     log.info("%s", p.describe(numel, world_size, d))
     return d, p.algorithm, p.local_steps()
+
+
+def _refuse_beside(owner: str, p: Preset, **settings: Any) -> None:
+    """A one-line error when any of ``settings`` (what the preset sets) is given too."""
+    given = [name for name, value in settings.items() if value is not None]
+    if given:
+        names = list(settings)
+        raise ValueError(f"{owner}: preset={p.name!r} sets {', '.join(names[:-1])} and "
+                         f"{names[-1]}; also got {', '.join(given)}: pass one or the other")
 
 
 def for_hook(preset: Union[str, Preset], world_size: int, owner: str, *,
@@ -328,11 +333,8 @@ def diloco_preset(preset: Union[str, Preset], numel: int, *, density: Optional[f
     """(density, algorithm, residual decay) of a DiLoCo preset for ``numel`` entries, logged in
     one line; giving any of the three beside a preset is refused in one line."""
     p = as_diloco_preset(preset)
-    given = [name for name, value in (("density", density), ("algorithm", algorithm),
-                                      ("residual_decay", residual_decay)) if value is not None]
-    if given:
-        raise ValueError(f"SparseDiLoCo: preset={p.name!r} sets density, algorithm and "
-                         f"residual_decay; also got {', '.join(given)}: pass one or the other")
+    _refuse_beside("SparseDiLoCo", p, density=density, algorithm=algorithm,
+                   residual_decay=residual_decay)
     d = p.density(numel, DILOCO_SOLVE_P)
     log.info("SparseDiLoCo: %s", p.describe(numel, DILOCO_SOLVE_P, d))
     return d, p.algorithm, p.residual_decay

@@ -229,26 +229,12 @@ def test_a_decayed_residual_is_audited_and_a_failed_sync_undoes_the_decay():
         assert torch.equal(r["final"], res[0]["final"])
 
 
-def _task():
-    g = torch.Generator().manual_seed(1234)
-    teacher = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.Tanh(),
-                                  torch.nn.Linear(32, 20))
-    for p in teacher.parameters():
-        torch.nn.init.normal_(p, std=1.0, generator=g)
-    x = torch.randn(2048, 20, generator=g)
-    with torch.no_grad():
-        return x, teacher(x).argmax(1)
-
-
 def _nesterov_body(lc, algorithm, syncs, H=8):
     """DiLoCo's outer optimizer (SGD 0.7, Nesterov 0.9) with AdamW inside, on a synthetic
     task: the final loss on the whole task."""
+    from tools.research.outer_optimizer import _task
     with _INIT:                # the task's teacher draws from the global generator too
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(20, 48), torch.nn.ReLU(),
-                                    torch.nn.Linear(48, 20), torch.nn.ReLU(),
-                                    torch.nn.Linear(20, 20))
-        x, y = _task()
+        x, y, model = _task(0)
     gen = torch.Generator().manual_seed(lc.rank)
     inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
