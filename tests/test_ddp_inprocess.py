@@ -1,4 +1,4 @@
-"""The DDP hook (oktopk_triton/ddp.py, ddp_flat.py, ddp_bucket.py, ddp_reduce.py) in this
+"""The DDP hook (oktopk_triton/ddp/: the hook, flat.py, bucket.py, reduce.py) in this
 process, on a gloo group of one rank (the multi-rank behaviour is tests/test_ddp*.py's, in
 pooled ranks).
 

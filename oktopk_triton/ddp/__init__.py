@@ -11,7 +11,7 @@
 Every rank must process the buckets in the same order, which DDP guarantees (buckets are
 launched in index order).
 
-Measured why: docs/research/design-notes.md, ``oktopk_triton/ddp.py``.
+Measured why: docs/research/design-notes.md, ``oktopk_triton/ddp/``.
 """
 import warnings
 import weakref
@@ -21,16 +21,16 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from .comm.base import Communicator
+    from ..comm.base import Communicator
 
-from .checks import check_density
-from .comm.base import ring_allreduce_bytes
-from .config import AlgorithmConfig, front_config, front_density
-from .ddp_bucket import BucketMode
-from .ddp_flat import FLAT, FlatMode
-from .ddp_layout import Layout, bucket_views, numel_of
-from .deprecation import old_keywords
-from .presets import Preset, for_hook, group_size as _world_size
+from ..checks import check_density
+from ..comm.base import ring_allreduce_bytes
+from ..config import AlgorithmConfig, front_config, front_density
+from .bucket import BucketMode
+from .flat import FLAT, FlatMode
+from .layout import Layout, bucket_views, numel_of
+from ..deprecation import old_keywords
+from ..presets import Preset, for_hook, group_size as _world_size
 
 __all__ = ["SparseAllreduceState", "sparse_allreduce_hook"]
 
@@ -112,7 +112,7 @@ class SparseAllreduceState:
         self._pending_state: Dict[int, Dict[str, Any]] = {}
         self.mode = mode
         self.layout = Layout()
-        # the mode's component: ddp_flat.FlatMode or ddp_bucket.BucketMode
+        # the mode's component: flat.FlatMode or bucket.BucketMode
         self._mode = FlatMode() if mode == "flat" else BucketMode()
         self.scaler = scaler
         self._seen = 0                                  # iterations this instance has seen
@@ -132,11 +132,11 @@ class SparseAllreduceState:
 
     def _get_comm(self, device: torch.device):
         if self.comm is None:
-            from .comm import TorchCommunicator
+            from ..comm import TorchCommunicator
             if self.process_group is not None or device.type != "cuda":
                 self.comm = TorchCommunicator(self.process_group)
             else:
-                from .comm import default_communicator
+                from ..comm import default_communicator
                 self.comm = default_communicator(device)
         return self.comm
 
@@ -145,7 +145,7 @@ class SparseAllreduceState:
         return None if self.scaler is None else getattr(self.scaler, "_scale", None)
 
     def _build(self, numel: int, device: torch.device):
-        from .algorithms import get_algorithm
+        from ..algorithms import get_algorithm
         comm = self._get_comm(device)
         return get_algorithm(self.algorithm)(numel, comm, self.density, device=device,
                                              **self.options)
@@ -340,7 +340,7 @@ class SparseAllreduceState:
         """Write this rank's state to ``directory/{name}-rank{r}-of{P}.pt`` (every rank calls
         it; each writes its own file, readable with ``torch.load(weights_only=True)``).
         Returns the path."""
-        from .checkpoint import save_rank
+        from ..checkpoint import save_rank
         rank, world = self._file_rank()
         return save_rank(directory, "SparseAllreduceState", rank, world, self.fingerprint(),
                          self.state_dict(), name)
@@ -356,7 +356,7 @@ class SparseAllreduceState:
         and layout from old rank 0)."""
         import functools
 
-        from .checkpoint import gather_dist, load_rank, reshard_reducers
+        from ..checkpoint import gather_dist, load_rank, reshard_reducers
         if model is not None:
             self.bind(model)
         rank, world = self._file_rank()

@@ -3,7 +3,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from .ddp_reduce import reduce_members, settle
+from .reduce import reduce_members, settle
 
 __all__ = ["FlatMode", "FLAT"]
 

@@ -1,7 +1,7 @@
 """The DDP hook's parameter order (:class:`Layout`) and the views of a bucket's gradients.
 
-Used by :mod:`oktopk_triton.ddp` and its modes (:mod:`oktopk_triton.ddp_flat`,
-:mod:`oktopk_triton.ddp_bucket`).
+Used by :mod:`oktopk_triton.ddp` and its modes (:mod:`oktopk_triton.ddp.flat`,
+:mod:`oktopk_triton.ddp.bucket`).
 """
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 

@@ -4,8 +4,8 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from .ddp_layout import numel_of
-from .ddp_reduce import reduce_members, settle
+from .layout import numel_of
+from .reduce import reduce_members, settle
 
 __all__ = ["BucketMode"]
 
