@@ -305,7 +305,7 @@ class SparseDiLoCo(_OnReplica):
                  algorithm: Union[str, AlgorithmConfig, None] = None, preset: Any = None,
                  residual_decay: Optional[float] = None, audit: bool = False) -> None:
         check_diloco_options(model_fragments, sync_every, fragment_sync_delay,
-                              fragment_update_alpha)
+                             fragment_update_alpha)
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
             raise TypeError("SparseDiLoCo: inner_optimizer must be a torch.optim.Optimizer, got "
                             f"{type(inner_optimizer).__name__}")
