@@ -32,17 +32,10 @@ def test_the_documented_example_learns(tmp_path):
         out[-3000:]
 
 
-def _strip(line: str) -> str:
-    return line.strip().split("  #")[0].strip()
-
-
-@pytest.mark.parametrize("doc", ["README.md", os.path.join("docs", "fault-tolerance.md")])
-def test_the_sparse_diloco_snippets_are_lines_of_the_example(doc):
-    text = open(os.path.join(ROOT, doc)).read()
-    snippets = re.findall(r"<!-- snippet: examples/torchft_diloco.py -->\s*```python\n(.*?)```",
-                          text, re.S)
-    assert snippets, doc
-    lines = {_strip(x) for x in open(EXAMPLE).read().splitlines()}
-    for code in snippets:
-        missing = [x for x in map(_strip, code.splitlines()) if x and x not in lines]
-        assert not missing, (doc, missing)
+def test_the_sparse_diloco_snippet_of_the_docs_is_lines_of_the_example():
+    """docs/fault-tolerance.md's snippet (the README's is checked by tests/test_readme.py)."""
+    from test_readme import snippets_of
+    with open(os.path.join(ROOT, "docs", "fault-tolerance.md")) as f:
+        snippets = snippets_of(f.read())
+    assert [path for path, _ in snippets] == ["examples/torchft_diloco.py"]
+    assert snippets[0][1] == [], snippets

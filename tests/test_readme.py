@@ -96,17 +96,25 @@ def _strip(line: str) -> str:
     return line.strip().split("  #")[0].strip()
 
 
+def snippets_of(text: str):
+    """``(example path, lines of the snippet not in that example)`` for every ``<!-- snippet:
+    examples/... -->`` block of ``text`` (one home: the docs' snippets are checked with it)."""
+    found = []
+    for path, code in re.findall(r"<!-- snippet: (examples/\S+) -->\s*```python\n(.*?)```",
+                                 text, re.S):
+        lines = {_strip(x) for x in open(os.path.join(ROOT, path)).read().splitlines()}
+        found.append((path, [x for x in map(_strip, code.splitlines()) if x and x not in lines]))
+    return found
+
+
 def test_readme_framework_snippets_are_lines_of_the_tested_examples():
     """Each framework snippet is made of lines of its example (run twice, first run included, by
     tests/test_examples.py), so a snippet runs on a first run as written."""
-    snippets = re.findall(r"<!-- snippet: (examples/\S+) -->\s*```python\n(.*?)```", _readme(),
-                          re.S)
+    snippets = snippets_of(_readme())
     assert {path for path, _ in snippets} == {
         "examples/lightning_sparse.py", "examples/accelerate_sparse.py",
         "examples/trainer_sparse.py", "examples/fsdp_hsdp_sparse.py", "examples/torchft_diloco.py"}
-    for path, code in snippets:
-        lines = {_strip(x) for x in open(os.path.join(ROOT, path)).read().splitlines()}
-        missing = [x for x in map(_strip, code.splitlines()) if x and x not in lines]
+    for path, missing in snippets:
         assert not missing, (path, missing)
     text = _readme()
     assert 'ckpt_path="last.ckpt"' not in text and "resume_from_checkpoint=True" not in text

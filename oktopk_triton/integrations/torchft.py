@@ -259,7 +259,7 @@ class _OnReplica:
 class SparseDiLoCo(_OnReplica):
     """torchft's ``DiLoCo`` with a sparse pseudo-gradient reduce (error feedback included).
 
-    Same arguments as ``torchft.local_sgd.DiLoCo`` (one model fragment), plus the sparse
+    Same arguments as ``torchft.local_sgd.DiLoCo`` (its model fragments too), plus the sparse
     allreduce's. Advice:
 
     1. ``preset`` (default ``"diloco"`` when none of ``preset``, ``density`` and ``algorithm``

@@ -58,7 +58,7 @@ def _task(seed: int):
         return x, teacher(x).argmax(1), model
 
 
-def _outer(out, u, v, delta, variant):
+def _outer(out, v, variant):
     """What the anchor moves by (before the learning rate)."""
     m = variant.get("m", 0.0)
     if variant.get("where", "after") == "after" and m > 0:
@@ -100,7 +100,7 @@ def run(comm, variant: Dict[str, Any], seed: int, syncs: int) -> Dict[str, Any]:
             sent += comm.bytes_sent - b0
             if before and variant.get("mask", True):
                 u.masked_fill_(sar.algorithm.residual == 0, 0.0)
-            anchor.sub_(variant["lr"] * _outer(out, u, v, delta, variant))
+            anchor.sub_(variant["lr"] * _outer(out, v, variant))
             torch._foreach_copy_(params, [a.view_as(p) for a, p in zip(
                 anchor.split([p.numel() for p in params]), params)])
             losses.append(torch.nn.functional.cross_entropy(model(x), y).item())
