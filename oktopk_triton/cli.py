@@ -10,6 +10,7 @@
     oktopk-bench project      --model bert-large --density 0.01 --net 100Gbps,5us [--plot PATH]
     oktopk-bench launches     [--algorithms oktopk] [--modes gradients sync] [--check] [--json PATH]
     oktopk-bench faults       [--out out/faults] [--steps 512] [--sync-every 32] [--density 0.2]
+    oktopk-bench diloco       [--out out/diloco] [--seeds 0 1 2] [--steps 300] [--sync-every 15]
 """
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ SUBCOMMANDS = {
     "faults": ("faults", "4 torchft replicas train the digits CNN with SparseDiLoCo while one is "
                          "killed and restarted, against torchft's dense DiLoCo (what `make "
                          "faults` runs)"),
+    "diloco": ("diloco", "4 torchft replicas train the 1m GPT: SparseDiLoCo against DiLoCo "
+                         "(fp32 and should_quantize) at the same H and at equal bytes, each with "
+                         "and without churn, over seeds"),
 }
 
 

@@ -6,19 +6,20 @@
 same local steps on plain torch.distributed: ``world`` ranks at ``master_port``, no torchft),
 ``local`` (the inner steps alone) or ``fsdp`` (:class:`SparseGradients` every step, FSDP2 over
 ``group_world`` ranks of one replica group, its store at ``group_port``). ``model``: ``mlp`` (a
-small MLP on a synthetic task) or ``digits`` (the digits CNN); ``width``: another width is another
-model, whose heal is refused. The run ends when the Manager has committed ``syncs`` syncs. Faults:
-``die`` (``{"sync": k, "collective": i}``: SIGKILL itself at the i-th collective of its k-th sync
-attempt; ``{"step": s}``: before inner step s), ``fail`` (that collective raises instead), ``retry``
-(sync again at once after a sync that did not commit), ``hold`` (``[{"at": k, "file": path}]``:
-having committed k syncs, wait, bounded, until ``path`` exists). Every key and its default:
+small MLP on a synthetic task), ``digits`` (the digits CNN) or ``gpt`` (the byte-level GPT of
+``size``, :mod:`.ft_gpt`); another ``width`` is another model, whose heal is refused. The run
+ends when the Manager has committed ``syncs`` syncs. Faults: ``die`` (``{"sync": k,
+"collective": i}``: SIGKILL itself at the i-th collective of its k-th sync attempt; ``{"step":
+s}``: before inner step s), ``fail`` (that collective raises instead), ``retry`` (sync again at
+once after a sync that did not commit), ``hold`` (``[{"at": k, "file": path}]``: having
+committed k syncs, wait, bounded, until ``path`` exists). Every key and its default:
 :data:`DEFAULTS`. It writes ``result.ready`` once its Manager is up, ``result`` (JSON: history,
 losses, evals ``(committed syncs, test loss)`` with ``eval_steps``, ``heals``, ``bytes``, the
 Manager's step, the final weights' file: with fragments the common ones, each fragment's anchor),
 after every committed sync ``result.progress``, and before each inner step that syncs
 ``result.syncing`` (its inner step count). In ``dense`` mode ``history`` has one record per sync
-attempt, its bytes computed as a ring allreduce of every fp32 parameter, ``2(P-1)/P * 4n`` (a failed
-one whole).
+attempt, its bytes those of a ring allreduce of every fp32 parameter, ``2(P-1)/P * 4n``, or with
+``should_quantize`` of torchft's quantized allreduce (a failed attempt counted whole).
 """
 from __future__ import annotations
 
@@ -32,12 +33,16 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
+from .ft_gpt import lr_at
+
 DEFAULTS: Dict[str, Any] = dict(
     mode="sparse", model="mlp", syncs=6, sync_every=2, density=0.1, algorithm="oktopk",
     options={}, seed=0, lr=0.05, outer_lr=1.0, outer_momentum=0.0, audit=True, width=32,
     batch=16, min_replicas=1, timeout=5.0, quorum_timeout=60.0, die=None, fail=None,
     retry=False, world=0, master_port=0, eval_every=1, inner="sgd", hold=(), group_rank=0,
-    group_world=1, group_port=0, fragments=1, fragment_sync_delay=0, link_delay_ms=0.0)
+    group_world=1, group_port=0, fragments=1, fragment_sync_delay=0, link_delay_ms=0.0,
+    size="1m", eval_sequences=256, schedule="constant", preset=None, preset_bytes=None,
+    should_quantize=False)
 
 
 def fragments_of(model: torch.nn.Module, count: int) -> List[torch.nn.Module]:
@@ -56,6 +61,9 @@ def fragments_of(model: torch.nn.Module, count: int) -> List[torch.nn.Module]:
 def make_task(cfg: Dict[str, Any]) -> Tuple[torch.nn.Module, Any, Any]:
     """(model, batch(step) -> (x, y), eval() -> test loss), identical weights on every replica."""
     torch.manual_seed(cfg["seed"])
+    if cfg["model"] == "gpt":
+        from .ft_gpt import gpt_task
+        return gpt_task(cfg)
     if cfg["model"] == "digits":
         from .digits import load_data, make_model
         model = make_model("cnn", width=cfg["width"] // 4 or 8)
@@ -92,7 +100,28 @@ def algorithm(cfg: Dict[str, Any]) -> Any:
     return CONFIGS[cfg["algorithm"]](**cfg["options"])
 
 
+def reduce_options(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """SparseDiLoCo's reduce: ``preset`` (a DiLoCo preset's name), ``preset_bytes``
+    (:func:`~oktopk_triton.presets.recommend_diloco` at that fraction of DiLoCo's dense sync), or
+    ``density`` with the algorithm."""
+    if cfg["preset_bytes"] is not None:
+        from ..presets import recommend_diloco
+        return {"preset": recommend_diloco(float(cfg["preset_bytes"]))}
+    if cfg["preset"] is not None:
+        return {"preset": cfg["preset"]}
+    return {"density": cfg["density"], "algorithm": algorithm(cfg)}
+
+
+def loss_of(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross entropy of the model's logits (``[..., classes]``) against ``y``."""
+    out = model(x)
+    return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
 def inner_optimizer(cfg: Dict[str, Any], model: torch.nn.Module) -> torch.optim.Optimizer:
+    if cfg["inner"] == "adamw":         # the train CLI's language-model recipe
+        return torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=(0.9, 0.95),
+                                 weight_decay=0.0)
     if cfg["inner"] == "adam":
         return torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0)
     return torch.optim.SGD(model.parameters(), lr=cfg["lr"])
@@ -146,15 +175,15 @@ def make_manager(cfg: Dict[str, Any], state: Dict[str, Any]):
 
 
 def _dense_record(history: List[Dict[str, Any]], manager: Any, state: Dict[str, Any],
-                  nbytes: int) -> None:
-    """The record of the sync attempt torchft's ``DiLoCo`` just made (dense mode)."""
-    from ..comm import ring_allreduce_bytes
+                  sent: Any) -> None:
+    """The record of the sync attempt torchft's ``DiLoCo`` just made (dense mode; ``sent(P)``:
+    the bytes of one sync over P replicas)."""
     P = int(manager.num_participants())
     done = manager.current_step()
     prev = history[-1] if history else {"step": 0, "heals": 0}
     history.append({"step": done, "P": P, "rank": None, "committed": done > prev["step"],
                     "healed": state["heals"] > prev["heals"], "heals": state["heals"],
-                    "bytes": ring_allreduce_bytes(nbytes, P) if P > 1 else 0,
+                    "bytes": sent(P),
                     "relative_error": None, "error": None})
 
 
@@ -176,15 +205,26 @@ def run_torchft(cfg: Dict[str, Any], out: Dict[str, Any]) -> None:
         diloco = SparseDiLoCo(manager, fragments_of(model, cfg["fragments"]), opt, outer,
                               sync_every=cfg["sync_every"],
                               fragment_sync_delay=cfg["fragment_sync_delay"],
-                              density=cfg["density"], algorithm=algorithm(cfg),
-                              audit=cfg["audit"])
+                              should_quantize=cfg["should_quantize"], audit=cfg["audit"],
+                              **reduce_options(cfg))
         inject(cfg, diloco.replica)
         history = diloco.history
     else:
         from torchft.local_sgd import DiLoCo
-        diloco = DiLoCo(manager, [model], opt, outer, sync_every=cfg["sync_every"])
+        from .ft_gpt import patch_quantized_allreduce, quantized_allreduce_bytes
+        if cfg["should_quantize"]:
+            patch_quantized_allreduce()
+        diloco = DiLoCo(manager, [model], opt, outer, sync_every=cfg["sync_every"],
+                        should_quantize=cfg["should_quantize"])
         history = []
-        dense_bytes = 4 * sum(p.numel() for p in model.parameters())
+        params = list(model.parameters())
+        n = sum(p.numel() for p in params)
+
+        def sent(P: int) -> int:
+            from ..comm import ring_allreduce_bytes
+            if cfg["should_quantize"]:
+                return quantized_allreduce_bytes(params, P)
+            return ring_allreduce_bytes(4 * n, P) if P > 1 else 0
     losses: List[float] = []
     evals: List[Tuple[int, float]] = []
     eval_steps: List[int] = []
@@ -200,7 +240,10 @@ def run_torchft(cfg: Dict[str, Any], out: Dict[str, Any]) -> None:
                 if (step + 1) % (cfg["sync_every"] // cfg["fragments"]) == 0:   # it syncs
                     _write(cfg["result"] + ".syncing", str(step + 1))
                 x, y = batch(step)
-                loss = torch.nn.functional.cross_entropy(model(x), y)
+                every = cfg["sync_every"] // cfg["fragments"]
+                for group in opt.param_groups:
+                    group["lr"] = lr_at(cfg, manager.current_step() * every + step % every)
+                loss = loss_of(model, x, y)
                 loss.backward()
                 opt.step()
                 opt.zero_grad()
@@ -208,7 +251,7 @@ def run_torchft(cfg: Dict[str, Any], out: Dict[str, Any]) -> None:
                 step_times.append(time.monotonic())
                 losses.append(float(loss.detach()))
                 if cfg["mode"] != "sparse" and step % cfg["sync_every"] == 0:
-                    _dense_record(history, manager, state, dense_bytes)
+                    _dense_record(history, manager, state, sent)
                 if cfg["retry"] and history and not history[-1]["committed"] \
                         and history[-1]["error"] is not None and diloco.local_step == 0:
                     diloco.sync()
@@ -246,7 +289,7 @@ def run_local(cfg: Dict[str, Any], out: Dict[str, Any]) -> None:
     step_times = [time.monotonic()]
     for step in range(cfg["syncs"] * cfg["sync_every"] // cfg["fragments"]):
         x, y = batch(step)
-        torch.nn.functional.cross_entropy(model(x), y).backward()
+        loss_of(model, x, y).backward()
         opt.step()
         opt.zero_grad()
         step_times.append(time.monotonic())
