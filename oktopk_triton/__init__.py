@@ -19,6 +19,11 @@ __version__ = "0.2.0"
 # prints nothing; an application shows the messages with logging.basicConfig(level=logging.INFO)
 logging.getLogger("oktopk_triton").addHandler(logging.NullHandler())
 
+# modules that moved into a subpackage stay importable by their old names, with a warning
+from .deprecation import install_moved_modules  # noqa: E402
+
+install_moved_modules()
+
 # the settings objects (oktopk_triton.config)
 _CONFIG = ("AlgorithmConfig", "OkTopk", "TopkA", "GTopk", "SparDL", "TopkDSA", "Gaussiank", "Dense",
            "Registered", "LocalSteps")
@@ -44,7 +49,7 @@ def __getattr__(name):  # lazy: importing the package stays cheap and never need
         from . import presets
         return getattr(presets, name)
     if name == "GraphedStep":
-        from .graph import GraphedStep
+        from .modes.graph import GraphedStep
         return GraphedStep
     if name == "shutdown":
         from .teardown import shutdown

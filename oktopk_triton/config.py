@@ -269,7 +269,7 @@ class LocalSteps:
     """Local steps for ``SparseAllreduce.reduce_updates`` (DiLoCo, SparseLoCo): each call
     steps the optimizer locally, every ``sync_every``-th call reduces each rank's change since
     the last sync and moves every replica by the outer step (update rule and invariant:
-    :class:`~oktopk_triton.local_steps.LocalStepper`). The defaults sync every call, as plain
+    :class:`~oktopk_triton.modes.local_steps.LocalStepper`). The defaults sync every call, as plain
     ``reduce_updates``. Advice:
 
     1. ``sync_every`` (H, default 1): raise the density with H to keep the bytes per step
@@ -285,10 +285,10 @@ class LocalSteps:
     5. ``moment_sync_every`` (K, default 0: off), ``moment_sync`` (``"both"`` or
        ``"second"``), ``moment_dtype`` (``"fp32"`` or ``"bf16"`` on the wire): every K-th sync
        averages the optimizer's Adam moments over the ranks (DES-LOC,
-       :class:`~oktopk_triton.moments.MomentAverager`); sync both moments.
+       :class:`~oktopk_triton.modes.moments.MomentAverager`); sync both moments.
     6. ``moment_realign`` (a, default 0: off): after each sync every rank's Adam first moment
        moves a fraction ``a`` of the way to the common step's direction, at no bytes
-       (:class:`~oktopk_triton.realign.MomentRealign`). Leave it off: it helped one model
+       (:class:`~oktopk_triton.modes.realign.MomentRealign`). Leave it off: it helped one model
        and hurt another, so no preset uses it (docs/usage.md#presets).
     """
 

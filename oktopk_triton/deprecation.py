@@ -6,18 +6,25 @@ options were passed; they are now ``local_steps=LocalSteps(sync_every=4)`` and
 front's ``__init__``: the old keywords still work, each with a ``DeprecationWarning`` naming
 its new spelling, and ``inspect.signature`` shows the clean ``__init__``. :func:`split_options`
 is the translation itself (no warning), for code that builds a front from a dict of options.
+:data:`MOVED_MODULES`: modules that moved into a subpackage, importable by their old names with a
+``DeprecationWarning`` (:func:`install_moved_modules`, run when the package is imported).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
+import importlib.abc
+import importlib.util
 import inspect
+import sys
 import warnings
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 
 from .config import DEFAULT_ALGORITHM, AlgorithmConfig, LocalSteps, Registered, as_config
 
-__all__ = ["old_keywords", "split_options", "LOCAL_STEP_KEYWORDS"]
+__all__ = ["old_keywords", "split_options", "LOCAL_STEP_KEYWORDS", "MOVED_MODULES",
+           "install_moved_modules"]
 
 LOCAL_STEP_KEYWORDS = tuple(f.name for f in dataclasses.fields(LocalSteps))
 
@@ -83,3 +90,41 @@ def old_keywords(owner: str, refuse_local_steps: Optional[str] = None) -> Callab
             return init(*bound.args, **bound.kwargs)
         return wrapper
     return decorate
+
+
+# old module name -> where it lives now (one version: imported by the old name, it warns)
+MOVED_MODULES = {
+    **{f"oktopk_triton.{m}": f"oktopk_triton.modes.{m}" for m in (
+        "local_steps", "updates", "frozen_adam", "density_schedule", "moments", "realign",
+        "flat_params", "graph", "ledger")},
+    "oktopk_triton.front_state": "oktopk_triton.modes.state",
+    **{f"oktopk_triton.ddp_{m}": f"oktopk_triton.ddp.{m}" for m in (
+        "flat", "bucket", "layout", "reduce")},
+}
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports a moved module by its old name: the module at its new place (one object, so
+    classes and pickles stay the same), with a ``DeprecationWarning`` naming the new place."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name not in MOVED_MODULES:
+            return None
+        return importlib.util.spec_from_loader(name, self)
+
+    def create_module(self, spec: Any) -> Any:
+        new = MOVED_MODULES[spec.name]
+        warnings.warn(f"{spec.name} moved to {new}: import it from there (the old name goes "
+                      f"in the next version)", DeprecationWarning, stacklevel=2)
+        module = importlib.import_module(new)
+        self._spec = module.__spec__          # the import then sets the old name's spec on it
+        return module
+
+    def exec_module(self, module: Any) -> None:
+        module.__spec__ = self._spec
+
+
+def install_moved_modules() -> None:
+    """Put the finder of :data:`MOVED_MODULES` on ``sys.meta_path`` (once)."""
+    if not any(isinstance(f, _MovedModules) for f in sys.meta_path):
+        sys.meta_path.append(_MovedModules())

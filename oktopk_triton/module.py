@@ -30,17 +30,17 @@ import torch
 from .algorithms import get_algorithm
 from .algorithms.base import Algorithm, LossScale
 from .comm.base import Communicator, resolve_device
-from .density_schedule import DensitySchedule
-from .flat_params import FlatParams, ParamSlice, parse_params
-from .frozen_adam import FrozenAdam
-from .graph import GraphedStep
-from . import front_state
-from .ledger import ConservationLedger
+from .modes.density_schedule import DensitySchedule
+from .modes.flat_params import FlatParams, ParamSlice, parse_params
+from .modes.frozen_adam import FrozenAdam
+from .modes.graph import GraphedStep
+from .modes import state as front_state
+from .modes.ledger import ConservationLedger
 from .config import AlgorithmConfig, LocalSteps, front_config, front_density
 from .deprecation import old_keywords, split_options
-from .local_steps import LocalStepper
+from .modes.local_steps import LocalStepper
 from .presets import Preset, from_preset
-from .updates import UpdateReduction
+from .modes.updates import UpdateReduction
 
 __all__ = ["SparseAllreduce", "ParamSlice", "keywords"]
 
@@ -63,7 +63,7 @@ class SparseAllreduce(torch.nn.Module):
             wire_format="q2")``, ``TopkA()``, ..., ``Dense()``: its settings, with advice on
             each) or a registered name (its defaults); default ``"oktopk"``.
         local_steps: a :class:`~oktopk_triton.config.LocalSteps` for :meth:`reduce_updates`
-            (DiLoCo / SparseLoCo; :class:`~oktopk_triton.local_steps.LocalStepper`); ``None``:
+            (DiLoCo / SparseLoCo; :class:`~oktopk_triton.modes.local_steps.LocalStepper`); ``None``:
             every call syncs. Needs parameters; only with :meth:`reduce_updates`.
         preset: a name of :data:`~oktopk_triton.presets.PRESETS` or a ``Preset`` (``recommend``
             returns one): sets ``density``, ``algorithm`` and ``local_steps`` (give none of
@@ -71,10 +71,10 @@ class SparseAllreduce(torch.nn.Module):
         device: where an int ``numel``'s gradients live (default: the communicator's device).
         check_finite: ``"skip"`` (default: a NaN/Inf on any rank makes ``out`` NaN on every
             rank and leaves every residual unchanged), ``"raise"`` or ``"off"``.
-        density_schedule: see :class:`~oktopk_triton.density_schedule.DensitySchedule`.
+        density_schedule: see :class:`~oktopk_triton.modes.density_schedule.DensitySchedule`.
         adam: ``"frozen"`` for :meth:`reduce_adam`.
         cuda_graph: steady steps replayed from a captured CUDA graph
-            (:class:`~oktopk_triton.graph.GraphedStep`; CUDA, NCCL or one rank).
+            (:class:`~oktopk_triton.modes.graph.GraphedStep`; CUDA, NCCL or one rank).
 
     The old keywords (an algorithm's settings, the local steps') still work for one version,
     with a ``DeprecationWarning`` naming the new spelling (:mod:`oktopk_triton.deprecation`).
@@ -159,8 +159,8 @@ class SparseAllreduce(torch.nn.Module):
         return out
 
     def audit(self) -> ConservationLedger:
-        """Start a run-long conservation audit (:class:`~oktopk_triton.ledger.ConservationLedger`,
-        12 bytes an element, nothing sent; again: afresh): ``sar.audit().check()`` at the end,
+        """Start a run-long conservation audit (:class:`~.modes.ledger.ConservationLedger`, 12
+        bytes an element, nothing sent; again: afresh): ``sar.audit().check()`` at the end,
         on every rank, returns ``{"checked", "calls", "relative_error", "unchecked"}``."""
         self._ledger = ConservationLedger(self)
         return self._ledger
@@ -199,7 +199,7 @@ class SparseAllreduce(torch.nn.Module):
         ``optimizer.step()`` on this rank's own ``.grad`` (its state stays local), reduces the
         change it made (the residual holds the update not yet applied) and sets every replica's
         weights to ``before + out``; returns the flat reduced update (each ``.grad`` a view of
-        it). Why, costs, a non-finite step: :class:`~oktopk_triton.updates.UpdateReduction`.
+        it). Why, costs, a non-finite step: :class:`~oktopk_triton.modes.updates.UpdateReduction`.
         ``scaler``: a ``torch.amp.GradScaler`` (the step is ``scaler.step(optimizer)``; call
         ``scaler.update()`` afterwards). Not available through the DDP hook.
 
@@ -215,7 +215,7 @@ class SparseAllreduce(torch.nn.Module):
 
     def reduce_adam(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """AdamW with a dense warm-up, then frozen variance and the preconditioned gradient
-        reduced sparsely (``adam="frozen"``; :class:`~oktopk_triton.frozen_adam.FrozenAdam`).
+        reduced sparsely (``adam="frozen"``; :class:`~oktopk_triton.modes.frozen_adam.FrozenAdam`).
         Replaces ``optimizer.step()``, reading its lr, betas, eps, weight_decay, not its state."""
         self._refuse_local_steps("reduce_adam")
         if self._adam is None:
@@ -241,7 +241,7 @@ class SparseAllreduce(torch.nn.Module):
     def step_count(self) -> int:
         return self.algorithm.step_count
 
-    # -- state across a restart or a change of membership (oktopk_triton.front_state) -------
+    # -- state across a restart or a change of membership (oktopk_triton.modes.state) -------
     get_extra_state = front_state.extra_state
     set_extra_state = front_state.load_extra_state
     fingerprint = front_state.fingerprint

@@ -152,3 +152,28 @@ def test_the_rooms_are_small():
         assert len(text.splitlines()) <= 600, path
         doc = ast.get_docstring(ast.parse(text), clean=False) or ""
         assert doc.count("\n") + 1 <= 25, path
+
+
+def test_a_moved_module_imports_by_its_old_name_with_a_warning():
+    """In a fresh interpreter, for every moved module: the old name gives the module at its new
+    place (one object), with one DeprecationWarning naming it; the new name warns nothing."""
+    import subprocess
+    import sys
+    from oktopk_triton.deprecation import MOVED_MODULES
+    code = """import importlib, warnings
+from oktopk_triton.deprecation import MOVED_MODULES
+for old, new in MOVED_MODULES.items():
+    warnings.simplefilter('error')
+    b = importlib.import_module(new)
+    warnings.simplefilter('always')
+    with warnings.catch_warnings(record=True) as w:
+        a = importlib.import_module(old)
+    assert a is b and a.__spec__.name == new, (old, a.__spec__)
+    assert len(w) == 1 and w[0].category is DeprecationWarning, (old, w)
+    assert new in str(w[0].message), w[0].message
+    importlib.reload(a)
+print(len(MOVED_MODULES))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-800:]
+    assert r.stdout.split() == [str(len(MOVED_MODULES))]

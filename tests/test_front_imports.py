@@ -108,8 +108,9 @@ def test_the_cycle_finder_finds_a_circle():
 
 def test_the_graph_reads_the_front():
     g = import_graph()
-    assert {"oktopk_triton.flat_params", "oktopk_triton.local_steps", "oktopk_triton.updates",
-            "oktopk_triton.frozen_adam", "oktopk_triton.density_schedule"} <= g[
+    assert {"oktopk_triton.modes.flat_params", "oktopk_triton.modes.local_steps",
+            "oktopk_triton.modes.updates",
+            "oktopk_triton.modes.frozen_adam", "oktopk_triton.modes.density_schedule"} <= g[
         "oktopk_triton.module"]
     assert "oktopk_triton.module" in g["oktopk_triton"]       # the package's lazy __getattr__
     assert "oktopk_triton.kernels" in g["oktopk_triton.algorithms.base"]

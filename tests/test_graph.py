@@ -1,4 +1,4 @@
-"""oktopk_triton.graph: a steady step captured once and replayed (CUDA graphs).
+"""oktopk_triton.modes.graph: a steady step captured once and replayed (CUDA graphs).
 
 On CPU: every algorithm's steady step keeps its state tensors' storage (what a replay needs),
 the replay bookkeeping against a stand-in graph that re-runs the step, and the refusals. On
@@ -13,7 +13,7 @@ import torch
 from conservation import student_t
 from oktopk_triton.algorithms import SPARSE_ALGORITHMS, get_algorithm
 from oktopk_triton.comm.local import LocalCluster, SingleCommunicator
-from oktopk_triton.graph import GraphedStep
+from oktopk_triton.modes.graph import GraphedStep
 
 N = 3000
 

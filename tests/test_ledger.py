@@ -1,13 +1,13 @@
-"""SparseAllreduce.audit() (oktopk_triton/ledger.py): a run-long conservation check that passes
-for every algorithm at an odd P in every reduce mode, catches owed gradient that was lost, and
-says why where the sum it checks is not the invariant."""
+"""SparseAllreduce.audit() (oktopk_triton/modes/ledger.py): a run-long conservation check that
+passes for every algorithm at an odd P in every reduce mode, catches owed gradient that was
+lost, and says why where the sum it checks is not the invariant."""
 import pytest
 import torch
 
 from oktopk_triton import SparseAllreduce
 from oktopk_triton.algorithms import SPARSE_ALGORITHMS
 from oktopk_triton.comm.local import LocalCluster
-from oktopk_triton.ledger import ConservationLedger
+from oktopk_triton.modes.ledger import ConservationLedger
 
 ALL = ("dense",) + tuple(SPARSE_ALGORITHMS)
 

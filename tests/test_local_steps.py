@@ -1,5 +1,5 @@
-"""Local steps of SparseAllreduce.reduce_updates (oktopk_triton/local_steps.py): conservation in
-update space with the decay's bookkeeping, replicas identical after every sync and free between
+"""Local steps of SparseAllreduce.reduce_updates (oktopk_triton/modes/local_steps.py): conservation
+in update space with the decay's bookkeeping, replicas identical after every sync and free between
 syncs, sync_every=1 equal to plain reduce_updates bit for bit, resume in the middle of an
 interval, a NaN at a sync, refused combinations and values."""
 
@@ -15,7 +15,7 @@ from distutil import run_pooled_torch
 from oktopk_triton import SparseAllreduce
 from oktopk_triton.algorithms import SPARSE_ALGORITHMS
 from oktopk_triton.comm.local import LocalCluster
-from oktopk_triton.local_steps import LocalSteps
+from oktopk_triton.modes.local_steps import LocalSteps
 
 ALL = ("dense",) + tuple(SPARSE_ALGORITHMS)
 

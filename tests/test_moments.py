@@ -1,4 +1,4 @@
-"""Optimizer moments kept in step (oktopk_triton/moments.py, ``moment_sync_every``): after a
+"""Optimizer moments kept in step (oktopk_triton/modes/moments.py, ``moment_sync_every``): after a
 moment sync every rank's Adam moments are the average over ranks, bitwise identical (LocalCluster
 and gloo ranks); between them they are each rank's own; conservation and identical replicas still
 hold; the bytes are counted (the sync's bytes_sent, amortised in bytes_per_step); a save/load
@@ -17,8 +17,8 @@ from oktopk_triton import SparseAllreduce
 from oktopk_triton.bench import loops, train
 from oktopk_triton.comm.base import ring_allreduce_bytes
 from oktopk_triton.comm.local import LocalCluster
-from oktopk_triton.local_steps import OPTIONS
-from oktopk_triton.moments import MomentSync
+from oktopk_triton.modes.local_steps import OPTIONS
+from oktopk_triton.modes.moments import MomentSync
 
 
 def _moments(opt, key):

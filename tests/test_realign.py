@@ -1,4 +1,4 @@
-"""Adam's first moment realigned to the common step (oktopk_triton/realign.py,
+"""Adam's first moment realigned to the common step (oktopk_triton/modes/realign.py,
 ``moment_realign``): after a sync every rank's next Adam direction on the moved entries is the
 common step's, clipped, whatever its own second moment; entries a sparse step did not move keep
 their moment; the weights, conservation and identical replicas are untouched; no bytes are
@@ -15,8 +15,8 @@ from conservation import toy_model as _model
 from oktopk_triton import SparseAllreduce
 from oktopk_triton.bench import loops, train
 from oktopk_triton.comm.local import LocalCluster
-from oktopk_triton.local_steps import OPTIONS
-from oktopk_triton.realign import CLIP, MomentRealign
+from oktopk_triton.modes.local_steps import OPTIONS
+from oktopk_triton.modes.realign import CLIP, MomentRealign
 
 
 def _direction(opt):

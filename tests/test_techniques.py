@@ -1,5 +1,5 @@
-"""The frozen-variance Adam and the density schedule (oktopk_triton/frozen_adam.py and
-oktopk_triton/density_schedule.py, re-exported by oktopk_triton/techniques.py)."""
+"""The frozen-variance Adam and the density schedule (oktopk_triton/modes/frozen_adam.py and
+oktopk_triton/modes/density_schedule.py, re-exported by oktopk_triton/techniques.py)."""
 import pytest
 import torch
 
@@ -21,7 +21,8 @@ def test_removed_techniques_are_unknown_options():
 def test_techniques_re_exports_the_components():
     """``from oktopk_triton.techniques import FrozenAdam, DensitySchedule`` keeps working: the
     same classes as the components' own modules."""
-    from oktopk_triton import density_schedule, frozen_adam, techniques
+    from oktopk_triton import techniques
+    from oktopk_triton.modes import density_schedule, frozen_adam
     assert techniques.FrozenAdam is frozen_adam.FrozenAdam
     assert techniques.DensitySchedule is density_schedule.DensitySchedule
     assert sorted(techniques.__all__) == ["DensitySchedule", "FrozenAdam", "ScheduleSpec"]

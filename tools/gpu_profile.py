@@ -6,7 +6,7 @@ time per call, the launches, and the wall time per call (CUDA events).
     python -m tools.gpu_profile [--log2 24 26 28] [--reps 20] [--steps oktopk spardl dense]
                                 [--graph] [--json OUT]
 
-``--graph`` adds each step captured in a CUDA graph and replayed (``oktopk_triton.graph``).
+``--graph`` adds each step captured in a CUDA graph and replayed (``oktopk_triton.modes.graph``).
 
 Prints, per size, the total device time per call and the kernels that make it, largest first.
 Needs CUDA.
@@ -23,7 +23,7 @@ from oktopk_triton import kernels as K
 from oktopk_triton.algorithms import get_algorithm
 from oktopk_triton.bench import records
 from oktopk_triton.comm.local import SingleCommunicator
-from oktopk_triton.graph import GraphedStep
+from oktopk_triton.modes.graph import GraphedStep
 
 
 def kernel_table(fn, reps: int):

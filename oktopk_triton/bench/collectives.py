@@ -16,7 +16,7 @@ per-coordinate ``scale`` (``exp(1.5 z)``) and standard normal ``common_t`` / ``o
 Variants: ``--algorithms dense oktopk oktopk:wire_format=compact oktopk:graph=1`` runs one
 configuration of an algorithm per label (its constructor's options after the colon, as
 ``SparseAllreduce`` takes them; ``graph=1`` times the steady step replayed from a CUDA graph,
-``oktopk_triton.graph.GraphedStep``, NCCL only, with ``--warmup`` past its eager steps). The
+``oktopk_triton.modes.graph.GraphedStep``, NCCL only, with ``--warmup`` past its eager steps). The
 label is the result's ``algorithm``; ``base_algorithm``, ``options`` and ``graph`` say what it
 ran. A variant that its algorithm refuses exits with one line before any rank starts.
 
@@ -307,7 +307,7 @@ def resolve_variants(raw: List[str], backend: str, warmup: int):
     with one line."""
     from ..algorithms import get_algorithm
     from ..comm.local import SingleCommunicator
-    from ..graph import EAGER_STEPS
+    from ..modes.graph import EAGER_STEPS
     plain = [a for a in raw if ":" not in a]
     names, skipped = resolve_algorithms(plain, "collectives") if plain else ([], [])
     labels: List[str] = []

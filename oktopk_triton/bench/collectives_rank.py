@@ -40,7 +40,7 @@ def parse_variant(spec: str) -> Tuple[str, Dict[str, Any], bool]:
     """``NAME[:KEY=VALUE[,KEY=VALUE...]]`` -> ``(name, constructor options, graph)``: the run
     label of one configuration of an algorithm, e.g. ``oktopk:wire_format=compact,graph=1``.
     VALUE is read as JSON where it is JSON (``0.9``, ``true``), else a string; the key ``graph``
-    (true/1) replays the steady step from a CUDA graph (``oktopk_triton.graph.GraphedStep``)
+    (true/1) replays the steady step from a CUDA graph (``oktopk_triton.modes.graph.GraphedStep``)
     instead of being passed to the constructor."""
     name, _, rest = spec.partition(":")
     opts: Dict[str, Any] = {}
@@ -60,7 +60,8 @@ def parse_variant(spec: str) -> Tuple[str, Dict[str, Any], bool]:
 
 def build_step(comm, spec: str, n: int, density: float, check_finite: str):
     """``(algorithm, step)`` of a variant: the algorithm built with the variant's options, and
-    what a step calls (the algorithm, or a :class:`~oktopk_triton.graph.GraphedStep` of it)."""
+    what a step calls (the algorithm, or a
+    :class:`~oktopk_triton.modes.graph.GraphedStep` of it)."""
     from ..algorithms import get_algorithm
     name, opts, graph = parse_variant(spec)
     alg = get_algorithm(name)(n, comm, density, check_finite=check_finite, **opts)
@@ -69,7 +70,7 @@ def build_step(comm, spec: str, n: int, density: float, check_finite: str):
 
 def graphed_step(alg):
     """The graphed step of ``alg`` (a module attribute, so a CPU test can put a fake here)."""
-    from ..graph import GraphedStep
+    from ..modes.graph import GraphedStep
     return GraphedStep(alg)
 
 

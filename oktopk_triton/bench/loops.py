@@ -160,14 +160,14 @@ def sparse_setup(cfg, algorithm: str, model):
 
 def local_step_options(options) -> Dict[str, Any]:
     """The ``--option`` entries that configure local steps (``SparseAllreduce(sync_every=...)``,
-    oktopk_triton/local_steps.py), ``{}`` when none is given."""
-    from ..local_steps import OPTIONS
+    oktopk_triton/modes/local_steps.py), ``{}`` when none is given."""
+    from ..modes.local_steps import OPTIONS
     return {k: v for k, v in (options or {}).items() if k in OPTIONS}
 
 
 def takes_local_steps(options) -> bool:
     """Whether ``options`` turn local steps on (any value other than the defaults)."""
-    from ..local_steps import LocalSteps
+    from ..modes.local_steps import LocalSteps
     return LocalSteps.build(**local_step_options(options)) is not None
 
 

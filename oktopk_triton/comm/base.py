@@ -93,7 +93,7 @@ class Communicator(abc.ABC):
         collectives_issued: cumulative number of primitives issued with P > 1 (a grouped
             ``send_recv`` batch counts as one; ``barrier`` is not counted).
         graph_capturable: every primitive only enqueues work on the current CUDA stream, so a
-            step can be captured in a CUDA graph (``oktopk_triton.graph``); False where a
+            step can be captured in a CUDA graph (``oktopk_triton.modes.graph``); False where a
             primitive synchronises in Python (threads, gloo).
     """
 
@@ -149,7 +149,7 @@ class Communicator(abc.ABC):
     def barrier(self) -> None:
         """Wait until every rank has arrived."""
 
-    # -- CUDA graphs (oktopk_triton.graph) ----------------------------------------------------
+    # -- CUDA graphs (oktopk_triton.modes.graph) ----------------------------------------------
     def capture_guard(self) -> ContextManager[None]:
         """Entered around the capture of a CUDA graph of a step: a backend whose helper thread
         makes CUDA calls (NCCL's watchdog) pauses it inside. Default: nothing to pause."""

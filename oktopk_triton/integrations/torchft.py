@@ -36,7 +36,7 @@ from ..checkpoint import CheckpointError, fingerprint_differs, param_fingerprint
 from ..config import AlgorithmConfig, as_config
 from ..comm.base import CommError
 from ..comm.torchft import ManagerCommunicator
-from ..flat_params import parse_params
+from ..modes.flat_params import parse_params
 from ..module import SparseAllreduce
 from ..outer import serve_outer_optimizer
 from .diloco_options import check_diloco_options, diloco_config

@@ -21,7 +21,7 @@ element instead of 24, which is 3.1 GB on the 4m GPT at 64 thread ranks of one p
 
 A change of membership (:meth:`SparseAllreduce.reconfigure`) rebases the ledger
 (:meth:`ConservationLedger.rebase`); ``calls`` keeps counting. Measured why:
-docs/research/design-notes.md, ``oktopk_triton/ledger.py``.
+docs/research/design-notes.md, ``oktopk_triton/modes/ledger.py``.
 """
 from __future__ import annotations
 

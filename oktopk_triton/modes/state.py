@@ -46,7 +46,7 @@ def load_extra_state(sar: Any, state: Dict[str, Any]) -> None:
 def fingerprint(sar: Any) -> Dict[str, Any]:
     """What a saved state must match: the algorithm, numel and, when built from parameters,
     their shapes and dtypes in order."""
-    from .checkpoint import param_fingerprint
+    from ..checkpoint import param_fingerprint
     fp = param_fingerprint(sar._params) if sar._params is not None else {}
     fp.update(algorithm=sar.algorithm_name, numel=sar.numel)
     return fp
@@ -55,7 +55,7 @@ def fingerprint(sar: Any) -> Dict[str, Any]:
 def save(sar: Any, directory: str, name: str = "oktopk") -> str:
     """Write this rank's state (:func:`extra_state`) to ``directory/{name}-rank{r}-of{P}.pt``
     (every rank calls it; readable with ``torch.load(weights_only=True)``). Returns the path."""
-    from .checkpoint import save_rank
+    from ..checkpoint import save_rank
     return save_rank(directory, "SparseAllreduce", sar.comm.rank, sar.comm.world_size,
                      fingerprint(sar), extra_state(sar), name)
 
@@ -66,7 +66,7 @@ def load(sar: Any, directory: str, name: str = "oktopk") -> None:
     (:meth:`Algorithm.reshard_state`: what is owed summed and rescaled, the world-size state a
     fresh reducer's, the rest from old rank 0). A missing file, another algorithm or other
     parameters raise ``CheckpointError`` (a ``ValueError``) on every rank."""
-    from .checkpoint import gather_comm, load_rank
+    from ..checkpoint import gather_comm, load_rank
     rank, world = sar.comm.rank, sar.comm.world_size
     f = load_rank(directory, "SparseAllreduce", rank, world, fingerprint(sar),
                   gather_comm(sar.comm), name, map_location=sar.device,

@@ -1,8 +1,8 @@
 """Optimizer moments kept in step across ranks (DES-LOC, arXiv 2505.22549), for local steps.
 
-With local steps (:mod:`oktopk_triton.local_steps`) every rank's Adam keeps its own ``exp_avg``
-and ``exp_avg_sq``, so each local step is normalised by one rank's small-batch noise and the
-replicas' optimizers drift apart. DES-LOC syncs the weights and Adam's moments on separate
+With local steps (:mod:`oktopk_triton.modes.local_steps`) every rank's Adam keeps its own
+``exp_avg`` and ``exp_avg_sq``, so each local step is normalised by one rank's small-batch noise
+and the replicas' optimizers drift apart. DES-LOC syncs the weights and Adam's moments on separate
 periods. :class:`MomentAverager` averages the moments over the ranks every ``every``-th sync with
 one dense allreduce through the reducer's communicator (counted in ``bytes_sent``), optionally
 only the second moment and in bf16 (a quarter of "both" in fp32).
@@ -16,8 +16,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .comm.base import ring_allreduce_bytes
-from .checks import check_local_steps
+from ..comm.base import ring_allreduce_bytes
+from ..checks import check_local_steps
 
 __all__ = ["MomentAverager", "MomentSync", "OPTIONS", "MOMENTS", "MOMENT_DTYPES"]
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 import torch
 
 if TYPE_CHECKING:
-    from .algorithms.base import Algorithm
+    from ..algorithms.base import Algorithm
 
 __all__ = ["FrozenAdam"]
 

@@ -14,9 +14,9 @@ from typing import Any, Iterable, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
-from . import kernels as K
-from .algorithms.base import FLOAT_DTYPES
-from .comm.base import resolve_device
+from .. import kernels as K
+from ..algorithms.base import FLOAT_DTYPES
+from ..comm.base import resolve_device
 
 __all__ = ["FlatParams", "ParamSlice", "optimizer_step", "finite_or_zero", "nonfinite_mask",
            "parse_params", "zero_if_flagged_"]

@@ -12,13 +12,13 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .algorithms import get_algorithm
-from .checks import check_local_steps
-from .config import LocalSteps as LocalStepsConfig
+from ..algorithms import get_algorithm
+from ..checks import check_local_steps
+from ..config import LocalSteps as LocalStepsConfig
 from .flat_params import finite_or_zero, nonfinite_mask, optimizer_step, zero_if_flagged_
 from .moments import OPTIONS as MOMENT_OPTIONS
 from .moments import MomentAverager
-from .outer import capped_momentum
+from ..outer import capped_momentum
 from .realign import OPTIONS as REALIGN_OPTIONS
 from .realign import MomentRealign
 

@@ -5,7 +5,7 @@
         ...backward...
         out = step(flat_grad)              # the same tensor every step: use it before the next
 
-Measured why: docs/research/design-notes.md, ``oktopk_triton/graph.py``.
+Measured why: docs/research/design-notes.md, ``oktopk_triton/modes/graph.py``.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .algorithms.base import Algorithm, LossScale
+from ..algorithms.base import Algorithm, LossScale
 
 EAGER_STEPS = 3
 # Why "thread_local": under the default "global" mode a CUDA call from ANY thread (an event

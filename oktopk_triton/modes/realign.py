@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .checks import check_local_steps
+from ..checks import check_local_steps
 
 __all__ = ["MomentRealign", "OPTIONS", "CLIP"]
 

@@ -7,7 +7,7 @@ the weight about as far as one dense step (measured on the byte-level GPT, 1% de
 AdamW steps: every sparse algorithm stalled at 3.32 nats/byte against dense 2.55, the unigram
 level; reducing updates instead gave Ok-Topk 2.96). Reducing the update keeps the sum linear:
 what a coordinate is owed is delivered whole. This module holds the mode
-(:class:`UpdateReduction`); the local steps (:mod:`oktopk_triton.local_steps`) are its
+(:class:`UpdateReduction`); the local steps (:mod:`oktopk_triton.modes.local_steps`) are its
 variant that syncs every H-th call.
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ class UpdateReduction:
 
     @torch.no_grad()
     def step(self, sar: Any, optimizer: torch.optim.Optimizer, scaler: Any) -> torch.Tensor:
-        """Uses ``sar.flat_params`` (:class:`~oktopk_triton.flat_params.FlatParams`),
+        """Uses ``sar.flat_params`` (:class:`~oktopk_triton.modes.flat_params.FlatParams`),
         ``sar.algorithm`` and ``sar._reduce_grads()`` (the gradient mode's reduction).
         Returns the flat reduced update; afterwards each ``.grad`` is a view of it."""
         fp = sar.flat_params
