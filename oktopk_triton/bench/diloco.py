@@ -15,10 +15,11 @@ each replica on its own windows of the stdlib corpus), with the DiLoCo user's ou
   its fraction of ``diloco``'s).
 
 Each arm runs fault-free and with churn (``+churn``: replica 3 SIGKILLed at 25% of the syncs,
-a fresh process started at 50%, healed from a peer), for every seed. A run fails when its
-finished replicas differ in weights or final loss, or a sparse sync's conservation error exceeds
-1e-6. Output under ``--out``: a table per seed and across seeds, ``diloco.png`` and
-``diloco.json`` (rewritten after every run, so an interrupted campaign keeps what finished).
+a fresh process started at 50%, healed from a peer), for every seed. A run fails (recorded, the
+campaign goes on) when its finished replicas differ in weights or final loss, or a sparse sync's
+conservation error exceeds :data:`MAX_CONSERVATION_ERROR`. Output under ``--out``: a table per
+seed and across seeds, ``diloco.png`` and ``diloco.json`` (rewritten after every run, so an
+interrupted campaign keeps what finished).
 """
 from __future__ import annotations
 
@@ -33,6 +34,11 @@ from . import _args as A
 from . import records
 
 ARMS = ("diloco", "diloco-q", "sparse", "sparse=q")
+# A sync's audit is relative to that sync's pseudo-gradient, while the residual it carries can be
+# 20x larger once the cosine schedule has brought the inner steps down: fp32 rounding of the
+# residual (6e-8 an entry) then reaches ~1e-6 (seen: 1.3e-6 on the GPT). A lost entry of the
+# selected set is orders of magnitude above this gate.
+MAX_CONSERVATION_ERROR = 1e-5
 DEFAULTS = dict(replicas=4, victim=3, kill_at=0.25, restart_at=0.5, size="1m", batch=8,
                 lr=3e-3, outer_lr=0.7, outer_momentum=0.9, eval_sequences=256, timeout=5.0)
 
@@ -111,7 +117,8 @@ def _row(arm: str, churn: bool, seed: int, out: Dict[str, Any]) -> Dict[str, Any
     if not out["same_weights"]:
         raise RuntimeError(f"{arm} seed {seed}: the replicas that finished differ in weights")
     name = arm + ("+churn" if churn else "")
-    row = faults.summarize(name, out["results"], out["wall_s"])
+    row = faults.summarize(name, out["results"], out["wall_s"],
+                           max_error=MAX_CONSERVATION_ERROR)
     row.update(arm=arm, churn=churn, seed=seed, curve=faults.curve(out["results"][0]))
     return row
 
@@ -229,6 +236,7 @@ def main(args) -> int:
           f"{fraction:.4f} of diloco's bytes", flush=True)
     os.makedirs(args.out, exist_ok=True)
     rows: List[Dict[str, Any]] = []
+    failed: List[Dict[str, Any]] = []
     configs: Dict[str, Any] = {}
     try:
         with cf.ProcessPoolExecutor(max_workers=2, mp_context=mp.get_context("spawn"),
@@ -240,24 +248,38 @@ def main(args) -> int:
                 futs[pool.submit(faults._run, cfg, churn, args.timeout)] = (arm, churn, seed)
             for fut in cf.as_completed(futs, timeout=args.timeout * len(plan)):
                 arm, churn, seed = futs[fut]
-                row = _row(arm, churn, seed, fut.result())
+                try:
+                    row = _row(arm, churn, seed, fut.result())
+                except Exception as exc:  # noqa: BLE001 - recorded; the other runs go on
+                    why = f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
+                    failed.append({"arm": arm, "churn": churn, "seed": seed, "error": why})
+                    print(f"  {arm}{'+churn' if churn else ''} seed {seed}: FAILED: {why}",
+                          flush=True)
+                    continue
                 rows.append(row)
                 print(f"  {row['run']} seed {seed}: final val loss {row['final_loss']:.4f}, "
                       f"{row['bytes_per_step']:,.0f} B/replica/step, {row['wall_s']:.0f} s",
                       flush=True)
-                _write(args, rows, configs, fraction, t0)
+                _write(args, rows, configs, fraction, t0, failed)
     except Exception as exc:  # noqa: BLE001 - one line, as a user sees it
         print(f"oktopk-bench diloco: FAILED: {type(exc).__name__}: "
               f"{' '.join(str(exc).split())[:800]}", file=sys.stderr)
         return 1
-    record = _write(args, rows, configs, fraction, t0)
+    if not rows:
+        print(f"oktopk-bench diloco: FAILED: no run finished: {failed}", file=sys.stderr)
+        return 1
+    record = _write(args, rows, configs, fraction, t0, failed)
     print()
     print(format_tables(record["runs"], record["summary"]))
     print(f"\ngoals: {record['goals']}; total {record['wall_s']:.0f} s")
-    return 0
+    if failed:
+        print(f"oktopk-bench diloco: {len(failed)} run(s) FAILED: "
+              + "; ".join(f"{f['arm']}{'+churn' if f['churn'] else ''} seed {f['seed']}: "
+                          f"{f['error']}" for f in failed), file=sys.stderr)
+    return 1 if failed else 0
 
 
-def _write(args, rows, configs, fraction, t0) -> Dict[str, Any]:
+def _write(args, rows, configs, fraction, t0, failed) -> Dict[str, Any]:
     """Write the record of the runs so far (and the plot); returns it."""
     order = {(a, c): i for i, (a, c) in enumerate((a, c) for a in ARMS for c in (False, True))}
     rows.sort(key=lambda r: (r["seed"], order[(r["arm"], r["churn"])]))
@@ -266,6 +288,7 @@ def _write(args, rows, configs, fraction, t0) -> Dict[str, Any]:
     record = {**records.header("diloco", args),
               "config": {**DEFAULTS, "steps": args.steps, "sync_every": args.sync_every,
                          "quantized_fraction": fraction, "arms": configs},
+              "max_conservation_error": MAX_CONSERVATION_ERROR, "failed": failed,
               "runs": rows, "summary": agg, "goals": goals(agg, rows),
               "wall_s": time.monotonic() - t0, "plot": png}
     records.write(os.path.join(args.out, "diloco.json"), record, compact=True)

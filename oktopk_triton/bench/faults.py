@@ -100,10 +100,11 @@ def same_bytes_interval(steps: int, n_params: int, sparse_bytes_per_step: float,
 
 
 def summarize(name: str, results: List[Dict[str, Any]], wall: float,
-              reference: Optional[float] = None) -> Dict[str, Any]:
+              reference: Optional[float] = None,
+              max_error: float = MAX_CONSERVATION_ERROR) -> Dict[str, Any]:
     """One table row from a run's replica results (``results[i]``: the last process of
     replica i; ``None`` for one that never finished). Raises ``RuntimeError`` when the finished
-    replicas differ or a sparse sync was not conserved to 1e-6."""
+    replicas differ or a sparse sync was not conserved to ``max_error``."""
     done = [r for r in results if r is not None]
     if not done:
         raise RuntimeError(f"{name}: no replica finished")
@@ -120,9 +121,9 @@ def summarize(name: str, results: List[Dict[str, Any]], wall: float,
         if any(e is None for e in errs):
             raise RuntimeError(f"{name}: a committed sync was not audited")
         worst = max(errs) if errs else 0.0
-        if worst > MAX_CONSERVATION_ERROR:
+        if worst > max_error:
             raise RuntimeError(f"{name}: a sync was not conserved: relative error {worst:.3g} "
-                               f"> {MAX_CONSERVATION_ERROR:g}")
+                               f"> {max_error:g}")
     final = float(lead["evals"][-1][1])
     bytes_per_step = sum(r["bytes"] / max(1, r["local_steps"]) for r in full) / len(full)
     # the committed syncs after the first healed one (a sparse record's step is the Manager's
