@@ -22,6 +22,7 @@ Measured why: docs/research/design-notes.md, ``oktopk_triton/module.py``.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Dict, Iterable, List, Optional, Union
 
@@ -34,7 +35,8 @@ from .modes.density_schedule import DensitySchedule
 from .modes.flat_params import FlatParams, ParamSlice, parse_params
 from .modes.frozen_adam import FrozenAdam
 from .modes.graph import GraphedStep
-from .modes import state as front_state
+from .modes.host import Parts
+from .modes.state import FrontState
 from .modes.ledger import ConservationLedger
 from .config import AlgorithmConfig, LocalSteps, front_config, front_density
 from .deprecation import old_keywords, split_options
@@ -50,7 +52,7 @@ def _default_communicator(device: torch.device) -> Communicator:
     return default_communicator(device)
 
 
-class SparseAllreduce(torch.nn.Module):
+class SparseAllreduce(FrontState, torch.nn.Module):
     """Sparse (or dense) gradient allreduce with error feedback over one flat vector.
 
     Args:
@@ -105,26 +107,24 @@ class SparseAllreduce(torch.nn.Module):
         density = front_density(density)
         cls = get_algorithm(self.config.algorithm)
         _check_modes(self.local_steps, params, density_schedule, adam, cuda_graph)
-        # density_schedule.DensitySchedule: one reducer per stage, each taking over the last's
-        self._schedule = DensitySchedule.build(density_schedule, density)
-        self._cls = cls
-        self._build = dict(device=resolve_device(device if device is not None else comm.device),
-                           check_finite=check_finite, **self.config.options())
-        first = self._schedule.density_at(0) if self._schedule else density
-        self.algorithm: Algorithm = cls(numel, comm, first, **self._build)
+        build = dict(device=resolve_device(device if device is not None else comm.device),
+                     check_finite=check_finite, **self.config.options())
+        # the components (modes.host.Parts): the algorithm's factory, a density schedule (one
+        # reducer per stage), frozen Adam, a CUDA graph of the step, the audit
+        self.parts = Parts(factory=functools.partial(_new_algorithm, cls, numel, build),
+                           reshard=cls.reshard_state, params=params,
+                           schedule=DensitySchedule.build(density_schedule, density))
+        first = self.parts.schedule.density_at(0) if self.parts.schedule else density
+        self.algorithm: Algorithm = self.parts.factory(first, comm)
         self.algorithm_name = self.algorithm.name
         self.numel = numel
         self.density = float(density)                # the target (the last stage's)
         self.k = max(1, min(numel, int(round(self.density * numel))))
         self.device = self.algorithm.device
-        # the components: the parameters' flat layout (flat_params), the update mode (updates),
-        # frozen Adam (frozen_adam), a CUDA graph of the step (graph), the audit (ledger)
-        self._params = params
         self.flat_params: Optional[FlatParams] = FlatParams(params) if params else None
         self._updates = UpdateReduction()
-        self._adam = FrozenAdam.build(adam, self.algorithm, params)
-        self._graphed: Optional[GraphedStep] = GraphedStep(self.algorithm) if cuda_graph else None
-        self._ledger: Optional[ConservationLedger] = None
+        self.parts.adam = FrozenAdam.build(adam, self.algorithm, params)
+        self.parts.graph = GraphedStep(self.algorithm) if cuda_graph else None
 
     def _configure(self, algorithm: Union[str, AlgorithmConfig, None],
                    local_steps: Optional[LocalSteps]) -> None:
@@ -147,11 +147,11 @@ class SparseAllreduce(torch.nn.Module):
 
     def _reduce(self, flat: torch.Tensor, scale: LossScale) -> torch.Tensor:
         """One step of the algorithm, replayed from its CUDA graph with ``cuda_graph=True``."""
-        ledger = self._ledger
+        ledger, graph = self.parts.ledger, self.parts.graph
         if ledger is not None:
             ledger.fed_in(flat, scale)
-        if self._graphed is not None:
-            out = self._graphed(flat, scale=scale)
+        if graph is not None:
+            out = graph(flat, scale=scale)
         else:
             out = self.algorithm(flat, scale=scale)
         if ledger is not None:
@@ -162,13 +162,13 @@ class SparseAllreduce(torch.nn.Module):
         """Start a run-long conservation audit (:class:`~.modes.ledger.ConservationLedger`, 12
         bytes an element, nothing sent; again: afresh): ``sar.audit().check()`` at the end,
         on every rank, returns ``{"checked", "calls", "relative_error", "unchecked"}``."""
-        self._ledger = ConservationLedger(self)
-        return self._ledger
+        self.parts.ledger = ConservationLedger(self)
+        return self.parts.ledger
 
     def _advance(self) -> None:
         """With a density schedule: :meth:`DensitySchedule.advance` (a stage's first step)."""
-        if self._schedule is not None:
-            self._schedule.advance(self)
+        if self.parts.schedule is not None:
+            self.parts.schedule.advance(self)
 
     @torch.no_grad()
     def reduce_gradients(self, scale: LossScale = None) -> torch.Tensor:
@@ -179,9 +179,9 @@ class SparseAllreduce(torch.nn.Module):
         sar.reduce_gradients(scale=scaler); scaler.step(opt); scaler.update()``. What each rank
         still owes then follows the scaler's backoffs and growths (read on the device)."""
         self._refuse_local_steps("reduce_gradients()")
-        return self._reduce_grads(scale)
+        return self.gradient_step(scale)
 
-    def _reduce_grads(self, scale: LossScale = None) -> torch.Tensor:
+    def gradient_step(self, scale: LossScale = None) -> torch.Tensor:
         """reduce_gradients without the refusal: what every mode on parameters reduces with."""
         fp = self.flat_params
         if fp is None:
@@ -218,10 +218,10 @@ class SparseAllreduce(torch.nn.Module):
         reduced sparsely (``adam="frozen"``; :class:`~oktopk_triton.modes.frozen_adam.FrozenAdam`).
         Replaces ``optimizer.step()``, reading its lr, betas, eps, weight_decay, not its state."""
         self._refuse_local_steps("reduce_adam")
-        if self._adam is None:
+        if self.parts.adam is None:
             raise RuntimeError("reduce_adam needs a SparseAllreduce built with adam='frozen'")
         self._advance()
-        return self._adam.step(self, optimizer)
+        return self.parts.adam.step(self, optimizer)
 
     # -- views of the algorithm ----------------------------------------------------------------
     @property
@@ -241,15 +241,13 @@ class SparseAllreduce(torch.nn.Module):
     def step_count(self) -> int:
         return self.algorithm.step_count
 
-    # -- state across a restart or a change of membership (oktopk_triton.modes.state) -------
-    get_extra_state = front_state.extra_state
-    set_extra_state = front_state.load_extra_state
-    fingerprint = front_state.fingerprint
-    save = front_state.save
-    load = front_state.load
-    reconfigure = front_state.reconfigure
-    extra_repr = front_state.extra_repr
-    param_slices = front_state.param_slices
+    # state across a restart or a change of membership: modes.state.FrontState's methods
+
+
+def _new_algorithm(cls: Any, numel: int, build: Dict[str, Any], density: float,
+                   comm: Communicator) -> Algorithm:
+    """``Parts.factory``: an algorithm of the front's class, numel and settings."""
+    return cls(numel, comm, density, **build)
 
 
 def keywords(algorithm: Union[str, AlgorithmConfig], options: Dict[str, Any]) -> Dict[str, Any]:

@@ -168,3 +168,59 @@ def test_every_module_imports_first_in_a_fresh_interpreter():
     lines = r.stdout.strip().splitlines()
     assert int(lines[0]) > 40, lines          # the walk found the package's modules
     assert lines[1:] == [], "\n".join(lines[1:])
+
+
+def _front_private_names():
+    """The private attributes and methods of SparseAllreduce (set or defined in module.py)."""
+    tree = ast.parse((SOURCES["oktopk_triton"] / "module.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "SparseAllreduce")
+    names = {f.name for f in cls.body if isinstance(f, ast.FunctionDef)
+             and f.name.startswith("_") and not f.name.startswith("__")}
+    for node in ast.walk(cls):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                and node.value.id == "self" and node.attr.startswith("_") \
+                and not node.attr.startswith("__"):
+            names.add(node.attr)
+    return names
+
+
+def test_the_modes_use_the_front_through_its_narrow_interface():
+    """Outside module.py no code of the package reads a private field of SparseAllreduce on
+    another object, and no helper takes ``sar: Any``; the front provides every member of the
+    modes' Host protocol."""
+    private = _front_private_names()
+    assert {"_reduce", "_advance", "_updates"} <= private
+    bad = []
+    for path in SOURCES["oktopk_triton"].rglob("*.py"):
+        if path.name == "module.py" and path.parent == SOURCES["oktopk_triton"]:
+            continue
+        text = path.read_text()
+        if "sar: Any" in text:
+            bad.append(f"{path.name}: sar: Any")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Attribute) and node.attr in private and \
+                    isinstance(node.value, ast.Name) and node.value.id == "sar":
+                bad.append(f"{path.name}:{node.lineno}: sar.{node.attr}")
+    assert not bad, bad
+    import torch
+    from oktopk_triton import LocalCluster, SparseAllreduce
+    from oktopk_triton.modes.host import Host
+    sar = SparseAllreduce([torch.nn.Parameter(torch.zeros(8))],
+                          comm=LocalCluster(1).communicator(0), density=0.5)
+    wanted = set(Host.__annotations__) | {n for n in vars(Host) if not n.startswith("_")}
+    assert all(hasattr(sar, n) for n in wanted), [n for n in wanted if not hasattr(sar, n)]
+    assert sar.parts.factory(0.25, sar.comm).k == 2        # a fresh algorithm, same class
+    assert type(sar.parts.factory(0.25, sar.comm)) is type(sar.algorithm)
+
+
+def test_the_architecture_tree_is_the_package():
+    """docs/architecture.md's tree names every module and subpackage at the package's top, and
+    nothing that is not there."""
+    import re
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    block = text.split("```text\noktopk_triton/\n", 1)[1].split("```", 1)[0]
+    named = {re.split(r"\s+", line.strip())[0] for line in block.splitlines() if line.strip()}
+    top = SOURCES["oktopk_triton"]
+    there = {p.name for p in top.glob("*.py") if p.name != "__init__.py"} | {
+        p.name + "/" for p in top.iterdir() if (p / "__init__.py").exists()}
+    assert named == there, (sorted(named - there), sorted(there - named))

@@ -203,9 +203,9 @@ def test_sparse_allreduce_cuda_graph_option(monkeypatch):
     graphed = SparseAllreduce(mb.parameters(), density=0.05, momentum=0.9, cuda_graph=True)
     for a, b in zip(_train(eager, ma, 6), _train(graphed, mb, 6)):
         assert torch.equal(a, b)
-    assert graphed._graphed.captured
+    assert graphed.parts.graph.captured
     graphed.set_extra_state(eager.get_extra_state())      # a resume drops the graph
-    assert not graphed._graphed.captured
+    assert not graphed.parts.graph.captured
     for a, b in zip(_train(eager, ma, 4), _train(graphed, mb, 4)):
         assert torch.equal(a, b)
 
@@ -218,7 +218,7 @@ def test_cuda_sparse_allreduce_graph_matches_eager():
     graphed = SparseAllreduce(mb.parameters(), density=0.05, momentum=0.9, cuda_graph=True)
     for a, b in zip(_train(eager, ma, 8, "cuda"), _train(graphed, mb, 8, "cuda")):
         assert torch.equal(a, b)
-    assert graphed._graphed.captured
+    assert graphed.parts.graph.captured
 
 
 # -- across ranks: the communicator's guard, the capture mode, replays tracked --------------------
@@ -363,7 +363,7 @@ def test_sparse_allreduce_graphed_steps_make_no_host_read(monkeypatch):
                 sar.reduce_gradients()
         if t >= 2:                                  # replays (the graph captured at t = 1)
             assert spy.reads == [], (t, spy.reads)
-    assert sar._graphed.captured
+    assert sar.parts.graph.captured
 
 
 def _local_steps_run(graphed: bool, calls: int):
@@ -372,7 +372,7 @@ def _local_steps_run(graphed: bool, calls: int):
     sar = SparseAllreduce(model.parameters(), density=0.05, sync_every=2, outer_momentum=0.5,
                           residual_decay=0.9)
     if graphed:      # what cuda_graph=True builds on CUDA (a stand-in graph on the CPU)
-        sar._graphed = _RerunGraphed(sar.algorithm)
+        sar.parts.graph = _RerunGraphed(sar.algorithm)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(6)
     weights = []
@@ -390,7 +390,7 @@ def test_local_steps_sync_replays_the_eager_sync():
     graph) gives the eager run's weights bit for bit, residual decay and outer momentum on."""
     eager, want = _local_steps_run(False, 12)
     graphed, got = _local_steps_run(True, 12)
-    assert graphed._graphed.captured and graphed.algorithm.step_count == 6
+    assert graphed.parts.graph.captured and graphed.algorithm.step_count == 6
     for t, (a, b) in enumerate(zip(want, got)):
         assert torch.equal(a, b), t
     assert torch.equal(eager.residual, graphed.residual)

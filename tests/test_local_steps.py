@@ -418,7 +418,7 @@ def test_local_steps_take_cuda_graph():
     kw = dict(density=0.1, sync_every=2, cuda_graph=True)
     if torch.cuda.is_available():
         sar = SparseAllreduce(_model().cuda().parameters(), **kw)
-        assert sar.local_steps is not None and sar._graphed is not None
+        assert sar.local_steps is not None and sar.parts.graph is not None
         return
     with pytest.raises(ValueError) as e:
         SparseAllreduce(_model().parameters(), **kw)

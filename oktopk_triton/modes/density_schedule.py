@@ -8,7 +8,8 @@ taking over the last one's state.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from typing import Dict, Optional, Sequence, Tuple, Union
+from .host import Host
 
 __all__ = ["DensitySchedule", "ScheduleSpec"]
 
@@ -77,7 +78,7 @@ class DensitySchedule:
                 d = x
         return d
 
-    def advance(self, sar: Any) -> None:
+    def advance(self, sar: Host) -> None:
         """At a stage's first step, a reducer at the stage's density takes over ``sar``'s
         current one: its residual, velocity and step count (its capacities are the new
         density's; Ok-Topk keeps its regions, and its first step calibrates on them)."""
@@ -86,8 +87,8 @@ class DensitySchedule:
             self.switch(sar, d)
 
     @staticmethod
-    def switch(sar: Any, density: float) -> None:
+    def switch(sar: Host, density: float) -> None:
         """Replace ``sar``'s reducer by one at ``density`` that takes the current one over."""
-        new = sar._cls(sar.numel, sar.comm, density, **sar._build)
+        new = sar.parts.factory(density, sar.comm)
         new.take_over(sar.algorithm)
         sar.algorithm = new

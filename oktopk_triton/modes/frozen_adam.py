@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
+from .host import Host
 
 if TYPE_CHECKING:
     from ..algorithms.base import Algorithm
@@ -68,7 +69,7 @@ class FrozenAdam:
         return (self.v / (1 - b2 ** t)).sqrt_().add_(eps)
 
     @torch.no_grad()
-    def step(self, sar: Any, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    def step(self, sar: Host, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """One ``reduce_adam`` call; uses ``sar.algorithm``, ``sar.param_slices()`` and
         ``sar.reduce_gradients()``."""
         h = self.hyper(optimizer)

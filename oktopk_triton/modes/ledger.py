@@ -28,12 +28,13 @@ from __future__ import annotations
 from typing import Any, Dict, Optional
 
 import torch
+from .host import Host
 
 
 class ConservationLedger:
     """One rank's running balance (fp64) and input (fp32) since :meth:`SparseAllreduce.audit`."""
 
-    def __init__(self, sar: Any) -> None:
+    def __init__(self, sar: Host) -> None:
         self._sar = sar
         n, dev = sar.numel, sar.device
         # residual at the start + fed - delivered; fp64, so that nothing cancels away
@@ -47,7 +48,7 @@ class ConservationLedger:
     def _why_not(self) -> None:
         if self.unchecked is not None:
             return
-        if getattr(self._sar, "_adam", None) is not None:
+        if self._sar.parts.adam is not None:
             self.unchecked = "adam='frozen' rescales the velocity at the end of its warm-up"
 
     def fed_in(self, flat: torch.Tensor, scale: Any) -> None:

@@ -21,6 +21,7 @@ from .moments import MomentAverager
 from ..outer import capped_momentum
 from .realign import OPTIONS as REALIGN_OPTIONS
 from .realign import MomentRealign
+from .host import Host
 
 __all__ = ["LocalStepper", "LocalSteps", "OPTIONS"]
 
@@ -128,13 +129,13 @@ class LocalStepper:
 
     # -- one call of reduce_updates --------------------------------------------------------------
     @torch.no_grad()
-    def step(self, sar: Any, optimizer: torch.optim.Optimizer, scaler: Any) -> torch.Tensor:
+    def step(self, sar: Host, optimizer: torch.optim.Optimizer, scaler: Any) -> torch.Tensor:
         """One ``reduce_updates`` call: the local step, and every H-th call the sync. Returns
         the reduced pseudo-gradient on a sync; on a local call zeros (nothing was reduced;
         ``.grad`` then keeps this rank's gradient), as one persistent read-only zero vector
         (:meth:`FlatParams.zeros`): a local call costs the optimizer step and no pass, no
         allocation. Uses ``sar.flat_params``, ``sar.algorithm``, ``sar.comm`` and
-        ``sar._reduce_grads()`` (the gradient mode's reduction)."""
+        ``sar.gradient_step()`` (the gradient mode's reduction)."""
         fp = sar.flat_params                   # flat_params.FlatParams: the weights' layout
         params = fp.params
         if self.anchor is None:
@@ -150,7 +151,7 @@ class LocalStepper:
         fp.change_into_grads(self.anchor)
         saved = self._decay(sar.algorithm.residual)
         try:
-            out = sar._reduce_grads()
+            out = sar.gradient_step()
         except BaseException:         # check_finite="raise": what is owed stays as it was
             if saved is not None:
                 sar.algorithm.residual.copy_(saved)
@@ -185,14 +186,14 @@ class LocalStepper:
         residual.mul_(self.residual_decay)
         return saved
 
-    def _account_decay(self, sar: Any, saved: torch.Tensor,
+    def _account_decay(self, sar: Host, saved: torch.Tensor,
                        nonfinite: Optional[torch.Tensor]) -> None:
         """After a decayed sync: a non-finite one gets the undecayed residual back; a running
         audit (ledger.ConservationLedger) is told what the decay dropped, so it still checks."""
         alg = sar.algorithm
         if nonfinite is not None:
             alg.residual.copy_(torch.where(nonfinite > 0, saved, alg.residual))
-        ledger = getattr(sar, "_ledger", None)
+        ledger = sar.parts.ledger
         if ledger is not None:
             after = saved * self.residual_decay          # the bits residual.mul_ wrote
             if nonfinite is not None:                    # restored: nothing dropped

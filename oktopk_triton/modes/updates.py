@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from .flat_params import finite_or_zero, optimizer_step
+from .host import Host
 
 __all__ = ["UpdateReduction"]
 
@@ -40,9 +41,9 @@ class UpdateReduction:
         self.snapshot: Optional[List[torch.Tensor]] = None
 
     @torch.no_grad()
-    def step(self, sar: Any, optimizer: torch.optim.Optimizer, scaler: Any) -> torch.Tensor:
+    def step(self, sar: Host, optimizer: torch.optim.Optimizer, scaler: Any) -> torch.Tensor:
         """Uses ``sar.flat_params`` (:class:`~oktopk_triton.modes.flat_params.FlatParams`),
-        ``sar.algorithm`` and ``sar._reduce_grads()`` (the gradient mode's reduction).
+        ``sar.algorithm`` and ``sar.gradient_step()`` (the gradient mode's reduction).
         Returns the flat reduced update; afterwards each ``.grad`` is a view of it."""
         fp = sar.flat_params
         if self.snapshot is None:
@@ -50,7 +51,7 @@ class UpdateReduction:
         torch._foreach_copy_(self.snapshot, fp.params)
         optimizer_step(optimizer, scaler)
         fp.change_into_grads(self.snapshot)
-        out = sar._reduce_grads()
+        out = sar.gradient_step()
         fp.move_to(self.snapshot, finite_or_zero(out, sar.algorithm.stats.get("nonfinite")))
         return out
 
