@@ -53,7 +53,7 @@ _PLACES = (("gpu-kernel-variants", "kernels", "kernel-variants"),
            ("gpu-profile", "gpu-profile", "gpu-profile"), ("train", "train", "train"),
            ("techniques", "techniques", "train"), ("lm-", "lm", "lm-merge"),
            ("project", "project", "project"), ("teardown", "teardown", "teardown-loop"),
-           ("faults", "faults", "faults"))
+           ("faults", "faults", "faults"), ("diloco", "diloco", "diloco"))
 
 
 def folder_of(name: str) -> str:
