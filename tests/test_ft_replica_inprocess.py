@@ -24,6 +24,7 @@ from ftfakes import FakeManager  # noqa: E402
 
 from oktopk_triton.bench import ft_replica  # noqa: E402
 from oktopk_triton.comm import LocalCluster  # noqa: E402
+from oktopk_triton.comm.base import ring_allreduce_bytes  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -161,9 +162,12 @@ class _M:
 
 def test_dense_records_count_a_ring_allreduce_and_mark_commits():
     hist = []
-    ft_replica._dense_record(hist, _M(3, 1), {"heals": 0}, 300)
-    ft_replica._dense_record(hist, _M(3, 1), {"heals": 1}, 300)    # no progress: not committed
-    ft_replica._dense_record(hist, _M(1, 2), {"heals": 1}, 300)
+
+    def sent(P):                      # a ring allreduce of 300 bytes over P replicas
+        return ring_allreduce_bytes(300, P) if P > 1 else 0
+    ft_replica._dense_record(hist, _M(3, 1), {"heals": 0}, sent)
+    ft_replica._dense_record(hist, _M(3, 1), {"heals": 1}, sent)    # no progress: not committed
+    ft_replica._dense_record(hist, _M(1, 2), {"heals": 1}, sent)
     assert [h["committed"] for h in hist] == [True, False, True]
     assert [h["healed"] for h in hist] == [False, True, False]
     assert [h["bytes"] for h in hist] == [400, 400, 0]
