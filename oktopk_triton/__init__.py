@@ -24,7 +24,7 @@ from .deprecation import install_moved_modules  # noqa: E402
 
 install_moved_modules()
 
-# the settings objects (oktopk_triton.config)
+# the settings objects (oktopk_triton.config; an algorithm added later is found there too)
 _CONFIG = ("AlgorithmConfig", "OkTopk", "TopkA", "GTopk", "SparDL", "TopkDSA", "Gaussiank", "Dense",
            "Registered", "LocalSteps")
 
@@ -57,4 +57,8 @@ def __getattr__(name):  # lazy: importing the package stays cheap and never need
     if name == "get_algorithm":
         from .algorithms import get_algorithm
         return get_algorithm
+    if name[:1].isupper():        # an algorithm's settings object (config.CONFIGS), built-in or not
+        from . import config
+        if name in config.__all__:
+            return getattr(config, name)
     raise AttributeError(f"module 'oktopk_triton' has no attribute {name!r}")

@@ -10,18 +10,21 @@ An algorithm object (:class:`OkTopk`, :class:`TopkA`, :class:`GTopk`, :class:`Sp
 :class:`TopkDSA`, :class:`Gaussiank`, :class:`Dense`) holds the settings every algorithm takes
 (:class:`AlgorithmConfig`) and its own; ``SparseAllreduce``, the DDP hook's
 ``SparseAllreduceState`` and FSDP's ``SparseReplicaReduce`` take the same objects, or a
-registered name (its defaults). Each is checked when it is built: a one-line ``ValueError``
-names the field and what it expects (the checks: :mod:`oktopk_triton.checks`, their one home).
+registered name (its defaults). Each is made from its algorithm's description (its options,
+their defaults and rules, written once in the algorithm's file:
+:mod:`oktopk_triton.algorithms.description`) and checked when it is built: a one-line
+``ValueError`` names the field and what it expects.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, ClassVar, Dict, Mapping, Optional, Tuple, Union
 
+from .algorithms import descriptions, get_algorithm
+from .algorithms.description import Description
 from .checks import check_local_steps, check_options, refuse_unknown
 
-__all__ = ["AlgorithmConfig", "OkTopk", "TopkA", "GTopk", "SparDL", "TopkDSA", "Gaussiank",
-           "Dense", "Registered", "LocalSteps", "CONFIGS", "as_config"]
+__all__ = ["AlgorithmConfig", "Registered", "LocalSteps", "CONFIGS", "as_config", "settings_class"]
 
 
 # -- the algorithm objects ------------------------------------------------------------------------
@@ -45,6 +48,7 @@ class AlgorithmConfig:
     """
 
     name: ClassVar[str] = ""
+    description: ClassVar[Optional[Description]] = None
 
     wire_format: str = "fp32"
     momentum: float = 0.0
@@ -53,8 +57,8 @@ class AlgorithmConfig:
 
     def __post_init__(self) -> None:
         values = self.options()
-        check_options(self.algorithm, values)
-        from .algorithms import get_algorithm
+        d = self.description
+        check_options(self.algorithm, values, d.rules() if d else {}, d.check if d else None)
         get_algorithm(self.algorithm).check_wire(values["wire_format"])
 
     @property
@@ -84,127 +88,6 @@ class AlgorithmConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class OkTopk(AlgorithmConfig):
-    """Ok-Topk: threshold selection, a balanced sparse reduce-scatter to region owners and a
-    sparse allgather of their sums (docs/algorithms.md). Advice, besides the common settings:
-
-    1. ``volume_budget`` (default 4.0): words a rank sends a step at most, in units of
-       ``k(P-1)/P``, everything included (``None``: no bound). Lower it to bound the bytes;
-       the entries that do not fit stay owed.
-    2. ``capacity_split`` (default 0.5): the budget's share for the reduce rows, the rest for
-       the gathered sums. Leave it.
-    3. ``stage_factor`` (default 4.0, >= 1): staging rows hold this many times a row's
-       capacity of candidates. Leave it.
-    4. ``exact_thresholds`` (default False): every row at this rank's exact k-th largest
-       (a reference mode, slower).
-    5. ``calibrate_steps`` (default 0): the first steps place the rows at exact thresholds.
-    6. ``threshold_sample`` (default 65536): the rank threshold from this many fixed random
-       positions of the step's accumulator (0: from the last histogram).
-    7. ``row_threshold`` (default ``"rank"``: one threshold per rank, the paper's local
-       threshold; ``"region"``: each row its own).
-    8. ``wire_dtype`` (default ``"fp32"``; ``"bf16"`` halves the reduce rows' values, the
-       rounding kept; not with a packed ``wire_format``, which packs the values itself).
-    9. ``region_span`` (default ``"auto"``: 4 on a packed wire, else no bound): the widest
-       region, as a multiple of n/P.
-    10. ``backend`` (default ``"auto"``): where the kernels run, ``"triton"`` or ``"torch"``.
-    11. ``complete_sums`` (default False): a values-only second exchange delivers every
-        rank's part of the chosen entries, not only the parts sent in the rows.
-    12. ``consistency`` (default 0, in [0, 1)): a rank ranks its entries by
-        ``|acc|·|EMA_b(sign(grad))|`` (0: by ``|acc|``), favouring entries whose gradient
-        keeps its sign.
-    """
-
-    name: ClassVar[str] = "oktopk"
-
-    volume_budget: Optional[float] = 4.0
-    capacity_split: float = 0.5
-    stage_factor: float = 4.0
-    exact_thresholds: bool = False
-    calibrate_steps: int = 0
-    threshold_sample: int = 65536
-    row_threshold: str = "rank"
-    wire_dtype: str = "fp32"
-    region_span: Union[str, float, None] = "auto"
-    backend: str = "auto"
-    complete_sums: bool = False
-    consistency: float = 0.0
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TopkA(AlgorithmConfig):
-    """TopkA: every rank's top-k allgathered, summed on every rank. Advice: 1. ``backend``
-    (default ``"auto"``): where the kernels run, ``"triton"`` or ``"torch"``."""
-
-    name: ClassVar[str] = "topka"
-    backend: str = "auto"
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class GTopk(AlgorithmConfig):
-    """gTop-k: a butterfly of pairwise top-k merges (log2 P rounds). Advice: 1. ``backend``
-    (default ``"auto"``): where the kernels run, ``"triton"`` or ``"torch"``."""
-
-    name: ClassVar[str] = "gtopk"
-    backend: str = "auto"
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SparDL(AlgorithmConfig):
-    """SparDL: a sparse reduce-scatter and Bruck allgather over blocks. Advice: 1. ``teams``
-    (default 1): teams of ranks reducing inside the team first; a divisor of the world size
-    (checked when the reducer is built for a group)."""
-
-    name: ClassVar[str] = "spardl"
-    teams: int = 1
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TopkDSA(AlgorithmConfig):
-    """TopkDSA (SparCML-style): a sparse reduce to region owners, then a sparse or dense
-    allgather of the regions. Advice:
-
-    1. ``tau`` (default 32): steps between two choices of the allgather's mode.
-    2. ``slack`` (default 1.25, >= 1): a region's capacity in units of ``k/P``.
-    3. ``gather_slack`` (default 1.25, >= 1): the sparse gather's capacity over the largest
-       count seen.
-    4. ``fill`` (default 1/3, in (0, 1]): the region fill above which the gather turns dense.
-    """
-
-    name: ClassVar[str] = "topkdsa"
-    tau: int = 32
-    slack: float = 1.25
-    gather_slack: float = 1.25
-    fill: float = 1.0 / 3.0
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Gaussiank(AlgorithmConfig):
-    """Gaussian-k: a threshold from a Gaussian fit of the accumulator, refined by a few
-    counts, then an allgather. Advice:
-
-    1. ``slack`` (default 1.5, >= 1): the message capacity in units of k.
-    2. ``iters`` (default 8): refinement counts of the threshold.
-    3. ``lo``, ``hi`` (defaults 0.75 and 1.25; ``0 < lo <= 1 <= hi``): the band of selected
-       counts, in units of k, the refinement aims at.
-    4. ``backend`` (default ``"auto"``): where the kernels run, ``"triton"`` or ``"torch"``.
-    """
-
-    name: ClassVar[str] = "gaussiank"
-    slack: float = 1.5
-    iters: int = 8
-    lo: float = 0.75
-    hi: float = 1.25
-    backend: str = "auto"
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Dense(AlgorithmConfig):
-    """The dense allreduce (DDP's average), with the common settings (``wire_format`` stays
-    ``"fp32"``; ``momentum_masking`` defaults to off)."""
-
-    name: ClassVar[str] = "dense"
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
 class Registered(AlgorithmConfig):
     """An algorithm added with ``register_algorithm``: its name, its own ``options`` (checked
     by its class when it is built) and the common settings."""
@@ -221,7 +104,6 @@ class Registered(AlgorithmConfig):
         return {**common, **self.extra}
 
     def own_options(self) -> Tuple[str, ...]:
-        from .algorithms import get_algorithm
         return tuple(getattr(get_algorithm(self.registered), "OPTIONS", {}))
 
     def replace(self, **changes: Any) -> "AlgorithmConfig":
@@ -232,8 +114,32 @@ class Registered(AlgorithmConfig):
                                    **{k: v for k, v in changes.items() if k in common})
 
 
-CONFIGS: Dict[str, type] = {c.name: c for c in (OkTopk, TopkA, GTopk, SparDL, TopkDSA, Gaussiank,
-                                                 Dense)}
+def settings_class(description: Description) -> type:
+    """The settings object of an algorithm, made from its description: a frozen, keyword-only
+    dataclass named ``description.config`` whose fields are the common settings and the
+    algorithm's own options with their defaults, its docstring the description's advice. Made
+    once per description."""
+    cls = _MADE.get(description.name)
+    if cls is not None and cls.description is description:
+        return cls
+    fields = [(k, o.annotation, dataclasses.field(default=o.default))
+              for k, o in description.options.items()]
+    cls = dataclasses.make_dataclass(
+        description.config, fields, bases=(AlgorithmConfig,), frozen=True, kw_only=True,
+        namespace={"name": description.name, "description": description,
+                   "__doc__": description.advice, "__module__": __name__})
+    cls.__qualname__ = description.config
+    _MADE[description.name] = cls
+    return cls
+
+
+_MADE: Dict[str, type] = {}
+
+# the built-in algorithms' settings objects (OkTopk, TopkA, GTopk, SparDL, TopkDSA, Gaussiank,
+# Dense), made from their descriptions: each algorithm's file is where its options are written
+CONFIGS: Dict[str, type] = {n: settings_class(d) for n, d in descriptions(builtin=True).items()}
+globals().update({c.__name__: c for c in CONFIGS.values()})
+__all__ += [c.__name__ for c in CONFIGS.values()]
 
 
 DEFAULT_DENSITY = 0.01          # what the fronts take when given no density (and no preset)
@@ -256,11 +162,8 @@ def as_config(algorithm: Union[str, AlgorithmConfig]) -> AlgorithmConfig:
     unknown name raises the one-line ``ValueError`` of ``get_algorithm``."""
     if isinstance(algorithm, AlgorithmConfig):
         return algorithm
-    from .algorithms import get_algorithm
-    get_algorithm(algorithm)
-    name = algorithm.lower()
-    cfg = CONFIGS.get(name)
-    return cfg() if cfg is not None else Registered(registered=name)
+    d = get_algorithm(algorithm).description
+    return settings_class(d)() if d is not None else Registered(registered=algorithm.lower())
 
 
 # -- local steps ---------------------------------------------------------------------------------

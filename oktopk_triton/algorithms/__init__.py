@@ -2,12 +2,18 @@
 
 ``get_algorithm(name)`` returns the class; files are imported on first use.
 ``register_algorithm(name, cls)`` adds an algorithm defined outside the package.
+``description_of(name)`` is what the class says of itself (:mod:`.description`): its options,
+their rules, its volume formula and cost entry, which the settings objects, the checks, the
+planner and the reports read. A new algorithm is its file plus one line in ``REGISTRY``.
 """
 from __future__ import annotations
 
 import importlib
 
+from typing import Dict, Optional
+
 from .base import Algorithm
+from .description import Description, Option
 
 # name -> "module:Class" (relative to this package), or the class itself (register_algorithm)
 REGISTRY = {
@@ -19,11 +25,16 @@ REGISTRY = {
     "topkdsa": "topkdsa:TopkDSA",
     "gaussiank": "gaussiank:Gaussiank",
 }
-SPARSE_ALGORITHMS = ("oktopk", "topka", "gtopk", "spardl", "topkdsa", "gaussiank")
 
-__all__ = ["Algorithm", "REGISTRY", "SPARSE_ALGORITHMS", "get_algorithm", "available_algorithms",
-           "register_algorithm"]
-_BUILTIN = frozenset(REGISTRY)
+__all__ = ["Algorithm", "Description", "Option", "REGISTRY", "SPARSE_ALGORITHMS", "get_algorithm",
+           "available_algorithms", "register_algorithm", "description_of", "descriptions"]
+_BUILTIN = tuple(REGISTRY)
+
+
+def __getattr__(name: str):
+    if name == "SPARSE_ALGORITHMS":       # the built-in sparse ones, in REGISTRY's order
+        return tuple(a for a in _BUILTIN if description_of(a).sparse)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def get_algorithm(name: str) -> type:
@@ -50,6 +61,20 @@ def register_algorithm(name: str, cls: type) -> None:
     if name in _BUILTIN:
         raise ValueError(f"{name!r} is a built-in algorithm and cannot be replaced")
     REGISTRY[name] = cls
+
+
+def description_of(name: str) -> Optional[Description]:
+    """The description of registered algorithm ``name`` (None for a class without one); an
+    unknown name raises the one-line ``ValueError`` of :func:`get_algorithm`."""
+    return get_algorithm(name).description
+
+
+def descriptions(builtin: bool = False) -> Dict[str, Description]:
+    """``{name: description}`` of the registered algorithms that have one (``builtin``: only
+    the package's own), in ``REGISTRY``'s order."""
+    names = _BUILTIN if builtin else tuple(REGISTRY)
+    found = {n: description_of(n) for n in names}
+    return {n: d for n, d in found.items() if d is not None}
 
 
 def available_algorithms() -> list:

@@ -23,7 +23,6 @@ output size is a function of the input sizes only (static).
 """
 from __future__ import annotations
 
-import math
 from typing import Optional, Tuple
 
 import torch
@@ -149,36 +148,20 @@ def _log2ceil(P: int) -> int:
 
 
 def volume_formula_range(name: str, n: int, k: int, P: int, **opts) -> Tuple[float, float]:
-    """(low, high) words sent per rank per step by the §6 formulas (headers not included).
+    """(low, high) words sent per rank per step by the §6 formulas (headers not included): the
+    ``volume`` of algorithm ``name``'s description, 0 for P <= 1.
 
     ``gaussiank`` takes ``slack`` (default 1.5, its capacity factor); its formula is the
     allgather of fixed-capacity slots, ``2·ceil(slack·k)·(P-1)``.
     """
+    from . import REGISTRY, description_of
     name = name.lower()
     if P <= 1:
         return (0.0, 0.0)
-    f = (P - 1) / P
-    if name == "dense":
-        v = 2.0 * n * f
-        return (v, v)
-    if name == "topka":
-        v = 2.0 * k * (P - 1)
-        return (v, v)
-    if name == "gtopk":
-        v = 2.0 * k * _log2ceil(P)
-        return (v, v)
-    if name == "topkdsa":
-        return (4.0 * k * f, (2.0 * k + n) * f)
-    if name == "spardl":
-        v = 4.0 * k * f
-        return (v, v)
-    if name == "oktopk":
-        return (2.0 * k * f, 6.0 * k * f)
-    if name == "gaussiank":
-        cap = int(math.ceil(float(opts.get("slack", 1.5)) * k))
-        v = 2.0 * cap * (P - 1)
-        return (v, v)
-    raise ValueError(f"volume_formula_words: unknown algorithm {name!r}")
+    d = description_of(name) if name in REGISTRY else None
+    if d is None:
+        raise ValueError(f"volume_formula_words: unknown algorithm {name!r}")
+    return d.volume(n, k, P, **opts)
 
 
 def volume_formula_words(name: str, n: int, k: int, P: int, **opts) -> float:

@@ -22,6 +22,7 @@ from .. import kernels as K
 from ..comm.base import Communicator, resolve_device
 from ..checks import check_backend, check_density, check_options, refuse_unknown
 from ._wire import check_wire_format
+from .description import Description
 
 __all__ = ["Algorithm", "FLOAT_DTYPES", "LossScale"]
 
@@ -39,11 +40,15 @@ LossScale = Union["GradScaler", torch.Tensor, float, None]
 class Algorithm(abc.ABC):
     """Base class: one sparse (or dense) allreduce with error feedback over a flat vector.
 
-    Subclasses set ``name``, list their options with defaults in ``OPTIONS`` and implement
-    :meth:`step`. Extra state that must survive ``state_dict`` (thresholds, regions, capacities)
-    is named in ``STATE`` (attribute names; tensors are cloned, other values copied).
+    Subclasses set ``description`` (:class:`~.description.Description`: its name, options with
+    their defaults and rules, volume formula and cost entry; ``name``, ``OPTIONS`` and
+    ``sparse`` are read from it) and implement :meth:`step`. A subclass without a description
+    sets ``name`` and ``OPTIONS`` itself (its options then go unchecked). Extra state that
+    must survive ``state_dict`` (thresholds, regions, capacities) is named in ``STATE``
+    (attribute names; tensors are cloned, other values copied).
     """
 
+    description: ClassVar[Optional[Description]] = None
     name: ClassVar[str] = "base"
     OPTIONS: ClassVar[Dict[str, Any]] = {}
     STATE: ClassVar[tuple] = ()
@@ -65,6 +70,12 @@ class Algorithm(abc.ABC):
     # quantization error in a residual, from :func:`._wire.encode`'s ``return_wire``)
     quantized_refusal: ClassVar[Optional[str]] = "this algorithm does not implement it"
 
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        d = cls.__dict__.get("description")
+        if d is not None:
+            cls.name, cls.OPTIONS, cls.sparse = d.name, d.defaults(), d.sparse
+
     def __init__(self, numel: int, comm: Communicator, density: float = 0.01, *,
                  device: Optional[torch.device] = None, check_finite: str = "skip",
                  warmup_steps: int = 0, momentum: float = 0.0,
@@ -80,9 +91,11 @@ class Algorithm(abc.ABC):
         if check_finite not in _CHECK_FINITE:
             raise ValueError(f"check_finite must be one of {_CHECK_FINITE}, got {check_finite!r}")
         refuse_unknown(self.name, options, self.OPTIONS)
-        # every setting's check: oktopk_triton.config (the algorithm objects' own)
+        # every setting's check: the common ones and the description's (as the settings objects)
+        d = self.description
         check_options(self.name, {**self.OPTIONS, **options, "warmup_steps": warmup_steps,
-                                  "momentum": momentum, "wire_format": wire_format})
+                                  "momentum": momentum, "wire_format": wire_format},
+                      d.rules() if d else {}, d.check if d else None)
         # compact: sparse entries as one word (bf16 value, 16-bit chunk-relative index)
         self.wire_format = wire_format
         # (q2 / q4 too: packed like compact, the values quantized; see _wire)

@@ -12,11 +12,19 @@ import torch
 
 from . import schedule as S
 from .base import Algorithm
+from .description import Description
+
+
+DESCRIPTION = Description(
+    name="dense", config="Dense", display="dense", sparse=False,
+    advice="""The dense allreduce (DDP's average), with the common settings (``wire_format`` stays
+    ``"fp32"``; ``momentum_masking`` defaults to off).""",
+    volume=lambda n, k, P, **o: (2.0 * n * ((P - 1) / P),) * 2,        # a ring allreduce of n
+    passes=(4 + 4 + 24, 0, 0))       # the checks (8); clone (8), div_ (8), copy into out (8)
 
 
 class DenseAllreduce(Algorithm):
-    name = "dense"
-    sparse = False
+    description = DESCRIPTION
     compact_refusal = "a dense allreduce sends values only, no indices to compact"
 
     @classmethod

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from statistics import NormalDist
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -36,14 +36,51 @@ from . import _wire as W
 from ._sparse import pack_entries, unpack_entries
 from . import schedule as S
 from .base import Algorithm
+from ..checks import BACKEND, at_least_one, number
+from .description import Description, Option
 
 __all__ = ["Gaussiank"]
 
 
+def _volume(n: int, k: int, P: int, slack: float = 1.5, **o) -> Tuple[float, float]:
+    """The allgather of fixed-capacity slots: ``2·ceil(slack·k)·(P-1)``."""
+    v = 2.0 * int(math.ceil(float(slack) * k)) * (P - 1)
+    return (v, v)
+
+
+DESCRIPTION = Description(
+    name="gaussiank", config="Gaussiank", display="Gaussiank",
+    advice="""Gaussian-k: a threshold from a Gaussian fit of the accumulator, refined by a few
+    counts, then an allgather. Advice:
+
+    1. ``slack`` (default 1.5, >= 1): the message capacity in units of k.
+    2. ``iters`` (default 8): refinement counts of the threshold.
+    3. ``lo``, ``hi`` (defaults 0.75 and 1.25; ``0 < lo <= 1 <= hi``): the band of selected
+       counts, in units of k, the refinement aims at.
+    4. ``backend`` (default ``"auto"``): where the kernels run, ``"triton"`` or ``"torch"``.
+    """,
+    options={
+        "slack": Option(1.5, at_least_one, ">= 1", annotation=float),
+        "iters": Option(8, lambda x: isinstance(x, int) and x >= 0, "an int >= 0",
+                        annotation=int),
+        "lo": Option(0.75, lambda x: number(x) and 0.0 < x <= 1.0,
+                     "in (0, 1] (0 < lo <= 1 <= hi)", annotation=float),
+        "hi": Option(1.25, lambda x: number(x) and x >= 1.0, ">= 1 (0 < lo <= 1 <= hi)",
+                     annotation=float),
+        "backend": Option("auto", *BACKEND, annotation=str),
+    },
+    volume=_volume,
+    # the checks (8); acc (12), std_mean (4), 8 counting passes (kernels.gaussian_threshold:
+    # read 4 each; the torch ops before it: |acc| once, then >=, !=, &, sum, 14 each), the
+    # selection (kernels.select_above: acc read twice, the kept mask written, 9; the mask and
+    # compaction before it: 136), the sent entries zeroed in acc (9) and commit (20), out /= P (8)
+    passes=(4 + 4 + 12 + 4 + 8 * 4 + 9 + 9 + 20 + 8, 0, 0),
+    # the P gathered sets (1.5k capacity each) scatter-added into out
+    entry_work=lambda k, P: (0.0, 20.0 * 1.5 * P * k))
+
+
 class Gaussiank(Algorithm):
-    name = "gaussiank"
-    OPTIONS = {"slack": 1.5, "iters": 8, "lo": 0.75, "hi": 1.25,
-               "backend": "auto"}         # kernels backend: auto | triton | torch
+    description = DESCRIPTION
     HEADER = 2
     compact_refusal = None     # global indices: chunk counts over all of n
 

@@ -26,10 +26,12 @@ from typing import List, Optional
 import torch
 
 from . import _wire as W
-from ._sparse import (is_member, merge_topk, pack_bits, pack_entries, topk_entries,
+from ._sparse import (_log2ceil, is_member, merge_topk, pack_bits, pack_entries, topk_entries,
                       unpack_bits, unpack_entries)
 from . import schedule as S
 from .base import Algorithm
+from ..checks import BACKEND
+from .description import Description, Option
 
 __all__ = ["GTopk"]
 
@@ -39,10 +41,23 @@ def _layout(P: int):
     return P2, P - P2
 
 
+DESCRIPTION = Description(
+    name="gtopk", config="GTopk", display="gTop-k",
+    advice="""gTop-k: a butterfly of pairwise top-k merges (log2 P rounds). Advice: 1. ``backend``
+    (default ``"auto"``): where the kernels run, ``"triton"`` or ``"torch"``.""",
+    options={"backend": Option("auto", *BACKEND, annotation=str)},
+    volume=lambda n, k, P, **o: (2.0 * k * _log2ceil(P),) * 2,        # 2k words per round
+    # as TopkA (its top-k of n int64 keys) without the division (out.index_copy_)
+    passes=(4 + 4 + 12 + 12 + 20, 0, 2),
+    # a merge per round: argsort and top-k of 2k (4k per round), ~300 B per entry of keys and
+    # concatenations
+    entry_work=lambda k, P: (1.0 * k + 4.0 * k * max(0, P.bit_length() - 1),
+                             300.0 * k * max(0, P.bit_length() - 1)))
+
+
 class GTopk(Algorithm):
-    name = "gtopk"
+    description = DESCRIPTION
     compact_refusal = None     # global indices; a group's rounding kept by its lowest member
-    OPTIONS = {"backend": "auto"}   # kernels backend: auto | triton | torch
 
     @staticmethod
     def _set_words(n: int, k: int, compact) -> int:

@@ -26,7 +26,7 @@ Full step and measured why: docs/research/design-notes.md, ``oktopk_triton/algor
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Mapping, Optional, Union
 
 import torch
 
@@ -34,6 +34,8 @@ from .. import kernels as K
 from . import _wire as W
 from . import schedule as S
 from .base import Algorithm
+from ..checks import BACKEND, int_at_least, number, one_of
+from .description import Description, Option
 from .oktopk_thresholds import OkTopkThresholds
 
 __all__ = ["OkTopk", "source_order"]
@@ -46,28 +48,93 @@ def source_order(owner: int, P: int) -> list:
     return [(owner - i) % P for i in range(P)]
 
 
+def _check_wire_dtype(values: Mapping[str, Any]) -> None:
+    if values.get("wire_dtype") == "bf16" and values.get("wire_format", "fp32") != "fp32":
+        raise ValueError(f"oktopk: wire_dtype='bf16' does not combine with "
+                         f"wire_format={values['wire_format']!r} (it packs the values itself)")
+
+
+DESCRIPTION = Description(
+    name="oktopk", config="OkTopk", display="Ok-Topk",
+    advice="""Ok-Topk: threshold selection, a balanced sparse reduce-scatter to region owners and a
+    sparse allgather of their sums (docs/algorithms.md). Advice, besides the common settings:
+
+    1. ``volume_budget`` (default 4.0): words a rank sends a step at most, in units of
+       ``k(P-1)/P``, everything included (``None``: no bound). Lower it to bound the bytes;
+       the entries that do not fit stay owed.
+    2. ``capacity_split`` (default 0.5): the budget's share for the reduce rows, the rest for
+       the gathered sums. Leave it.
+    3. ``stage_factor`` (default 4.0, >= 1): staging rows hold this many times a row's
+       capacity of candidates. Leave it.
+    4. ``exact_thresholds`` (default False): every row at this rank's exact k-th largest
+       (a reference mode, slower).
+    5. ``calibrate_steps`` (default 0): the first steps place the rows at exact thresholds.
+    6. ``threshold_sample`` (default 65536): the rank threshold from this many fixed random
+       positions of the step's accumulator (0: from the last histogram).
+    7. ``row_threshold`` (default ``"rank"``: one threshold per rank, the paper's local
+       threshold; ``"region"``: each row its own).
+    8. ``wire_dtype`` (default ``"fp32"``; ``"bf16"`` halves the reduce rows' values, the
+       rounding kept; not with a packed ``wire_format``, which packs the values itself).
+    9. ``region_span`` (default ``"auto"``: 4 on a packed wire, else no bound): the widest
+       region, as a multiple of n/P.
+    10. ``backend`` (default ``"auto"``): where the kernels run, ``"triton"`` or ``"torch"``.
+    11. ``complete_sums`` (default False): a values-only second exchange delivers every
+        rank's part of the chosen entries, not only the parts sent in the rows.
+    12. ``consistency`` (default 0, in [0, 1)): a rank ranks its entries by
+        ``|acc|·|EMA_b(sign(grad))|`` (0: by ``|acc|``), favouring entries whose gradient
+        keeps its sign.
+    """,
+    options={
+        # words per rank per step <= budget·k(P−1)/P, all included
+        "volume_budget": Option(4.0, lambda x: x is None or (isinstance(x, (int, float)) and x > 0),
+                                "a positive number or None", annotation=Optional[float]),
+        # fraction of the budget's entries given to the reduce rows
+        "capacity_split": Option(0.5, lambda x: isinstance(x, (int, float)) and 0 < x < 1,
+                                 "in (0, 1)", annotation=float),
+        # staging rows hold stage_factor·cap_r candidates
+        "stage_factor": Option(4.0, lambda x: isinstance(x, (int, float)) and x >= 1, ">= 1",
+                               annotation=float),
+        # reference mode: every row at this rank's exact k-th largest
+        "exact_thresholds": Option(False, annotation=bool),
+        # the first steps place the rows at exact thresholds (passes)
+        "calibrate_steps": Option(0, annotation=int),
+        # rank mode: the rank threshold from this step's acc at this many fixed random positions
+        # (0: from the last histogram)
+        "threshold_sample": Option(65536, int_at_least(0), "an int >= 0", annotation=int),
+        # rank: one threshold per rank at its (predicted) k-th largest (the paper's local
+        # threshold); region: each row its own, aimed at filling the row's staging
+        "row_threshold": Option("rank", *one_of("rank", "region"), annotation=str),
+        # reduce rows' values on the wire: fp32 | bf16 (rounding kept)
+        "wire_dtype": Option("fp32", *one_of("fp32", "bf16"), annotation=str),
+        # widest region, as a multiple of n/P (None: up to n); auto: 4 on a packed wire (its
+        # rows' chunk words), else None
+        "region_span": Option("auto", lambda x: x in ("auto", None) or (number(x) and x >= 1),
+                              "'auto', None or a number >= 1 (the widest region as a multiple "
+                              "of n/P)", annotation=Union[str, float, None]),
+        "backend": Option("auto", *BACKEND, annotation=str),
+        # a values-only second exchange delivers every rank's part of the chosen entries, not
+        # only the parts sent in the rows
+        "complete_sums": Option(False, lambda x: isinstance(x, bool), "True or False",
+                                annotation=bool),
+        # b in [0, 1): a rank ranks its own entries by |acc|·|EMA_b(sign(grad))| (0: by |acc|)
+        "consistency": Option(0.0, lambda x: number(x) and 0 <= x < 1,
+                              "a number in [0, 1) (the sign EMA's decay; 0: rank by |acc|)",
+                              annotation=float),
+    },
+    check=_check_wire_dtype,
+    # the reduce rows (k to 2k) and the gathered sums (k to 4k), in units of 2·(P-1)/P
+    volume=lambda n, k, P, **o: (2.0 * k * ((P - 1) / P), 6.0 * k * ((P - 1) / P)),
+    # the checks (8); fused_select reads grad and residual and writes the residual in its own
+    # pass; the rest of the step works on rows of ~k entries (entry_work)
+    passes=(4 + 4, 1, 0),
+    # the top-k of the staging rows (stage_factor·k), the sort and top-k of the received rows
+    # (≈ k each) and the top-k of the gathered slots (≈ k): 7k, and ~200 B per entry of cumsums,
+    # gathers and scatters over those rows
+    entry_work=lambda k, P: (7.0 * k, 200.0 * k))
+
+
 class OkTopk(OkTopkThresholds, Algorithm):
-    name = "oktopk"
-    OPTIONS = {
-        "volume_budget": 4.0,      # words per rank per step <= budget·k(P−1)/P, all included
-        "capacity_split": 0.5,     # fraction of the budget's entries given to the reduce rows
-        "stage_factor": 4.0,       # staging rows hold stage_factor·cap_r candidates
-        "exact_thresholds": False,  # reference mode: every row at this rank's exact k-th largest
-        "calibrate_steps": 0,      # the first steps place the rows at exact thresholds (passes)
-        "threshold_sample": 65536,  # rank mode: the rank threshold from this step's acc at this
-                                    # many fixed random positions (0: from the last histogram)
-        "row_threshold": "rank",   # rank: one threshold per rank at its (predicted) k-th largest
-                                   # (the paper's local threshold); region: each row its own,
-                                   # aimed at filling the row's staging
-        "wire_dtype": "fp32",      # reduce rows' values on the wire: fp32 | bf16 (rounding kept)
-        "region_span": "auto",     # widest region, as a multiple of n/P (None: up to n); auto:
-                                   # 4 on a packed wire (its rows' chunk words), else None
-        "backend": "auto",         # kernels backend: auto | triton | torch
-        "complete_sums": False,    # a values-only second exchange delivers every rank's part
-                                   # of the chosen entries, not only the parts sent in the rows
-        "consistency": 0.0,        # b in [0, 1): a rank ranks its own entries by
-                                   # |acc|·|EMA_b(sign(grad))| (0: by |acc|)
-    }
+    description = DESCRIPTION
     STATE = ("th_rows", "row_target", "th_global", "region_offsets", "_calibrated")
     SCALED = ("th_rows", "th_global", "_cap_rows")   # in the gradient's units
     fuses_velocity = True      # fused_select updates the velocity (and masks it) in its pass

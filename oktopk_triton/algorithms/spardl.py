@@ -33,6 +33,8 @@ import torch
 from . import _wire as W_
 from . import schedule as S
 from .base import Algorithm
+from ..checks import int_at_least
+from .description import Description, Option
 
 __all__ = ["SparDL"]
 
@@ -45,9 +47,23 @@ def _rounds_rs(G: int) -> List[int]:
     return [2 ** i for i in range(R - 1, -1, -1)]
 
 
+DESCRIPTION = Description(
+    name="spardl", config="SparDL", display="SparDL",
+    advice="""SparDL: a sparse reduce-scatter and Bruck allgather over blocks. Advice: 1. ``teams``
+    (default 1): teams of ranks reducing inside the team first; a divisor of the world size
+    (checked when the reducer is built for a group).""",
+    options={"teams": Option(1, int_at_least(1), "a positive int", annotation=int)},
+    volume=lambda n, k, P, **o: (4.0 * k * ((P - 1) / P),) * 2,
+    # the checks (8); acc (12); Spar-Reduce-Scatter touches (P-1)/P of n on each side:
+    # index_select + |.| + index_copy on the sending side (24), index_select + index_copy on the
+    # receiving side (16), the block top-ks cover n once (fp32); padded out (4), copy + div (16),
+    # commit (20)
+    passes=(4 + 4 + 12 + 40 + 4 + 16 + 20, 0, 1),
+    entry_work=lambda k, P: (0.0, 20.0 * k))
+
+
 class SparDL(Algorithm):
-    name = "spardl"
-    OPTIONS = {"teams": 1}
+    description = DESCRIPTION
     STATE = ()
     compact_refusal = None     # block-relative indices; the rounding stays in the sender's W
 

@@ -31,15 +31,30 @@ from . import _wire as W
 from ._sparse import pack_entries, topk_entries, unpack_entries
 from . import schedule as S
 from .base import Algorithm
+from ..checks import BACKEND
+from .description import Description, Option
 
 __all__ = ["TopkA"]
 
 
+DESCRIPTION = Description(
+    name="topka", config="TopkA", display="TopkA",
+    advice="""TopkA: every rank's top-k allgathered, summed on every rank. Advice: 1. ``backend``
+    (default ``"auto"``): where the kernels run, ``"triton"`` or ``"torch"``.""",
+    options={"backend": Option("auto", *BACKEND, annotation=str)},
+    volume=lambda n, k, P, **o: (2.0 * k * (P - 1),) * 2,           # an allgather of k entries
+    # the checks (8); acc (12); topk_entries: the int64 keys in one kernel
+    # (kernels.magnitude_keys: read 4, write 8; the torch ops before it moved 92), a top-k of n
+    # int64 keys (2 fp32 units); out /= P (8); commit (20)
+    passes=(4 + 4 + 12 + 12 + 8 + 20, 0, 2),
+    # the P gathered sets scatter-added into out (≈ 20 B per entry: int64 index, value, RMW)
+    entry_work=lambda k, P: (1.0 * k, 20.0 * P * k))
+
+
 class TopkA(Algorithm):
-    name = "topka"
+    description = DESCRIPTION
     compact_refusal = None     # global indices: chunk counts over all of n
     quantized_refusal = None   # every sent entry is delivered: the sender keeps acc - q(acc)
-    OPTIONS = {"backend": "auto"}   # kernels backend: auto | triton | torch
 
     @classmethod
     def volume_bound_bytes(cls, n: int, k: int, P: int, **opts) -> int:

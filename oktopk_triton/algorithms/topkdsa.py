@@ -32,15 +32,44 @@ import torch
 from . import _wire as W
 from . import schedule as S
 from .base import Algorithm
+from ..checks import at_least_one, number
+from .description import Description, Option
 
 __all__ = ["TopkDSA"]
 
 SPARSE, DENSE = "sparse", "dense"
 
 
+DESCRIPTION = Description(
+    name="topkdsa", config="TopkDSA", display="TopkDSA",
+    advice="""TopkDSA (SparCML-style): a sparse reduce to region owners, then a sparse or dense
+    allgather of the regions. Advice:
+
+    1. ``tau`` (default 32): steps between two choices of the allgather's mode.
+    2. ``slack`` (default 1.25, >= 1): a region's capacity in units of ``k/P``.
+    3. ``gather_slack`` (default 1.25, >= 1): the sparse gather's capacity over the largest
+       count seen.
+    4. ``fill`` (default 1/3, in (0, 1]): the region fill above which the gather turns dense.
+    """,
+    options={
+        "tau": Option(32, lambda x: isinstance(x, int) and x >= 1, "a positive int",
+                      annotation=int),
+        "slack": Option(1.25, at_least_one, ">= 1", annotation=float),
+        "gather_slack": Option(1.25, at_least_one, ">= 1", annotation=float),
+        "fill": Option(1.0 / 3.0, lambda x: number(x) and 0.0 < x <= 1.0, "in (0, 1]",
+                       annotation=float),
+    },
+    # the reduce to owners (2k·(P-1)/P each way); the gather sparse (2k) or dense (n)
+    volume=lambda n, k, P, **o: (4.0 * k * ((P - 1) / P), (2.0 * k + n) * ((P - 1) / P)),
+    # the checks (8); acc (12), |acc| (8) and a top-k over n; selection buffer (4), counts (5),
+    # |sel| (8) and a row-wise top-k over n; residual scatter clone (8); padded out (4); copy +
+    # div (16), commit (20)
+    passes=(4 + 4 + 12 + 8 + 4 + 5 + 8 + 8 + 4 + 16 + 20, 0, 2),
+    entry_work=lambda k, P: (0.0, 20.0 * 1.25 * k))        # the owner adds P·cap ≈ 1.25k
+
+
 class TopkDSA(Algorithm):
-    name = "topkdsa"
-    OPTIONS = {"tau": 32, "slack": 1.25, "gather_slack": 1.25, "fill": 1.0 / 3.0}
+    description = DESCRIPTION
     STATE = ("mode", "cap2", "decisions")
     compact_refusal = None     # region-relative indices; the owner keeps the gather's rounding
 

@@ -49,15 +49,20 @@ _HOOK_NAMES = {"none": "none (compute floor, no communication)",
                "allreduce": "DDP default allreduce",
                "fp16": "`fp16_compress_hook`",
                "powersgd": "PowerSGD"}
-_ALG_NAMES = {"oktopk": "Ok-Topk", "topka": "TopkA", "gtopk": "gTop-k", "spardl": "SparDL",
-              "topkdsa": "TopkDSA", "gaussiank": "Gaussiank", "dense": "dense"}
+
+
+def display_name(algorithm: str) -> str:
+    """How a report names ``algorithm``: its description's ``display``, else the name itself."""
+    from ..algorithms import REGISTRY, description_of
+    d = description_of(algorithm) if algorithm in REGISTRY else None
+    return d.display if d is not None else algorithm
 
 
 def _hook_label(r: Dict[str, Any]) -> str:
     if r["hook"] == "sparse":
         pct = f"{100 * r['density']:g}%"
         mode = f", {r['mode']}" if r.get("mode") and r["mode"] != "bucket" else ""
-        name = _ALG_NAMES.get(r["algorithm"], r["algorithm"])
+        name = display_name(r["algorithm"])
         return f"`sparse_allreduce_hook`, {name} {pct}{mode}"
     if r["hook"] == "powersgd":
         return f"PowerSGD rank {r.get('matrix_approximation_rank', '?')} (error feedback)"

@@ -8,7 +8,7 @@ import dataclasses
 import glob
 import json
 import os
-from typing import Optional, Tuple
+from typing import Iterator, Mapping, Optional, Tuple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,37 +35,30 @@ DEFAULT_KERNELS = KernelCosts(copy_bandwidth=8 * _N28 / 0.731e-3, fused_select_s
                               device="defaults: an H100's copy 2.94 TB/s, fused select 2.90 ms and "
                                      "torch.topk 5.83 ms at 2^28 (gpu-kernel-variants-call1.json)")
 
-# Per algorithm, one steady step: (bytes per element of its memory-bound passes over n, fused
-# select passes, torch.topk passes over n in fp32 units: a top-k of int64 keys counts 2, twice the
-# radix digits). Counted op by op from each algorithm's code, with check_finite="skip": every
-# algorithm pays the non-finite check (read grad: 4) and the zeroed output (4); commit_residual
-# under the check is a where (12) and a copy (8).
-PASSES = {
-    # clone (8), div_ (8), copy into out (8)
-    "dense": (4 + 4 + 24, 0, 0),
-    # fused_select reads grad and residual and writes the residual in its own pass; the rest of
-    # the step works on rows of ~k entries (entry_work)
-    "oktopk": (4 + 4, 1, 0),
-    # acc (12); topk_entries: the int64 keys in one kernel (kernels.magnitude_keys: read 4,
-    # write 8; the torch ops before it moved 92), a top-k of n int64 keys; out /= P (8);
-    # commit (20)
-    "topka": (4 + 4 + 12 + 12 + 8 + 20, 0, 2),
-    # as TopkA (its top-k of n int64 keys) without the division (out.index_copy_)
-    "gtopk": (4 + 4 + 12 + 12 + 20, 0, 2),
-    # acc (12); Spar-Reduce-Scatter touches (P-1)/P of n on each side: index_select + |.| +
-    # index_copy on the sending side (24), index_select + index_copy on the receiving side (16),
-    # the block top-ks cover n once (fp32); padded out (4), copy + div (16), commit (20)
-    "spardl": (4 + 4 + 12 + 40 + 4 + 16 + 20, 0, 1),
-    # acc (12), |acc| (8) and a top-k over n; selection buffer (4), counts (5), |sel| (8) and a
-    # row-wise top-k over n; residual scatter clone (8); padded out (4); copy + div (16),
-    # commit (20)
-    "topkdsa": (4 + 4 + 12 + 8 + 4 + 5 + 8 + 8 + 4 + 16 + 20, 0, 2),
-    # acc (12), std_mean (4), 8 counting passes (kernels.gaussian_threshold: read 4 each; the
-    # torch ops before it: |acc| once, then >=, !=, &, sum, 14 each), the selection
-    # (kernels.select_above: acc read twice, the kept mask written, 9; the mask and compaction
-    # before it: 136), the sent entries zeroed in acc (9) and commit (20), out /= P (8)
-    "gaussiank": (4 + 4 + 12 + 4 + 8 * 4 + 9 + 9 + 20 + 8, 0, 0),
-}
+class _Passes(Mapping):
+    """Per algorithm, one steady step: (bytes per element of its memory-bound passes over n,
+    fused select passes, torch.topk passes over n in fp32 units: a top-k of int64 keys counts 2,
+    twice the radix digits), read from its description's ``passes`` (counted op by op from each
+    algorithm's code, with check_finite="skip": every algorithm pays the non-finite check (read
+    grad: 4) and the zeroed output (4); commit_residual under the check is a where (12) and a
+    copy (8)). Every registered algorithm with a description is priced."""
+
+    def __getitem__(self, name: str) -> Tuple[float, float, float]:
+        from ..algorithms import REGISTRY, description_of
+        d = description_of(name) if name in REGISTRY else None
+        if d is None:
+            raise KeyError(name)
+        return d.passes
+
+    def __iter__(self) -> Iterator[str]:
+        from ..algorithms import descriptions
+        return iter(descriptions())
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+PASSES: Mapping[str, Tuple[float, float, float]] = _Passes()
 
 
 def find_kernels_json(folder: str = os.path.join("bench", "results")) -> Optional[str]:
@@ -148,25 +141,10 @@ def resolve_kernels(spec: Optional[str], folder: str = os.path.join("bench", "re
 
 def entry_work(name: str, k: int, P: int) -> Tuple[float, float]:
     """Per-step work proportional to k (or P·k) of ``name``: (elements through a sort/top-k,
-    priced at ``topk_s`` each; bytes of memory-bound scatters, at the copy bandwidth).
-
-    Ok-Topk: the top-k of the staging rows (``stage_factor``·k), the sort and top-k of the
-    received rows (≈ k each) and the top-k of the gathered slots (≈ k): 7k, and ~200 B per
-    entry of cumsums, gathers and scatters over those rows. TopkA and Gaussiank
-    scatter-add all P gathered sets into ``out`` (≈ 20 B per entry: int64 index, value,
-    read-modify-write). gTop-k: a merge per round (argsort and top-k of 2k: 4k·log2 P, and ~300 B
-    per entry of keys and concatenations). TopkDSA:
-    the owner adds P·cap ≈ 1.25k entries. SparDL's block top-ks are in its pass over n."""
-    lg = max(0, (P.bit_length() - 1))
-    return {
-        "dense": (0.0, 0.0),
-        "oktopk": (7.0 * k, 200.0 * k),
-        "topka": (1.0 * k, 20.0 * P * k),
-        "gtopk": (1.0 * k + 4.0 * k * lg, 300.0 * k * lg),
-        "spardl": (0.0, 20.0 * k),
-        "topkdsa": (0.0, 20.0 * 1.25 * k),
-        "gaussiank": (0.0, 20.0 * 1.5 * P * k),
-    }[name]
+    priced at ``topk_s`` each; bytes of memory-bound scatters, at the copy bandwidth), from its
+    description's ``entry_work`` (each algorithm's file says what it counts)."""
+    from ..algorithms import description_of
+    return description_of(name).entry_work(k, P)
 
 
 def selection_time(name: str, n: int, kernels: KernelCosts, ranks_per_gpu: int = 1,

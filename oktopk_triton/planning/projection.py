@@ -7,12 +7,13 @@ import dataclasses
 import math
 from typing import Any, Dict, List, Optional, Sequence
 
-from ..algorithms import REGISTRY
+from ..algorithms import REGISTRY, descriptions
 from .communication import comm_time, spec_time
 from .kernel_costs import KernelCosts, selection_time
 from .network import Network
 
-ALGORITHMS = tuple(REGISTRY)  # every registered algorithm is priced, dense first
+ALGORITHMS = tuple(REGISTRY)  # the built-in algorithms, dense first (project() prices every
+#                               algorithm registered when it is called)
 
 MODEL_PRESETS = {"resnet50": 25_600_000, "bert-large": 340_000_000, "gpt2-xl": 1_500_000_000}
 
@@ -96,9 +97,13 @@ def step_time(name: str, n: int, density: float, P: int, net: Network, kernels: 
 
 
 def project(n: int, density: float, world_sizes: Sequence[int], net: Network,
-            kernels: KernelCosts, algorithms: Sequence[str] = ALGORITHMS,
+            kernels: KernelCosts, algorithms: Optional[Sequence[str]] = None,
             sync_every: int = 1, overlap: bool = False,
             **schedule_kw) -> List[Dict[str, Any]]:
+    """Every algorithm (default: each registered one with a description) priced at each world
+    size (:func:`step_time` rows)."""
+    if algorithms is None:
+        algorithms = tuple(descriptions())
     return [step_time(a, n, density, P, net, kernels, sync_every=sync_every, overlap=overlap,
                       **schedule_kw)
             for P in world_sizes for a in algorithms]
