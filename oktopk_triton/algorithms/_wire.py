@@ -1,4 +1,7 @@
-"""The compact wire format of sparse messages (``wire_format="compact"``, docs/algorithms.md §9).
+"""The packed wire formats of sparse messages (``wire_format=``, docs/algorithms.md §9), as the
+algorithms call them: each function asks the format's object
+(:mod:`oktopk_triton.kernels.wire_format`: ``fp32``, ``compact``, ``q2``, ``q4``, one file each)
+and compares against no format's name. The compact format, the one the others build on:
 
 An fp32 entry is two int32 words: the index and the fp32 bits of the value. A compact entry is
 ONE int32 word::
@@ -20,22 +23,33 @@ Measured why: docs/research/design-notes.md, ``oktopk_triton/algorithms/_wire.py
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 
-from .. import kernels as K
+from ..kernels import wire_format as WF
+from ..kernels.wire_format import CHUNK_BITS, WireFormat, chunks
 
 __all__ = ["WIRE_FORMATS", "QUANTIZED", "CHUNK", "chunks", "row_words", "entry_bytes",
-           "bf16_round", "bf16_rounding", "encode", "decode", "check_wire_format"]
+           "bf16_round", "bf16_rounding", "encode", "decode", "check_wire_format", "format_of",
+           "packed"]
 
-WIRE_FORMATS = ("fp32", "compact", "q2", "q4")
-QUANTIZED = {"q2": 2, "q4": 4}     # bits a value: a sign bit and the magnitude code
+WIRE_FORMATS = WF.names()      # ('fp32', 'compact', 'q2', 'q4')
+QUANTIZED = {f.name: f.bits for f in WF.formats() if f.quantized}   # bits a value
 _NOT_IMPLEMENTED = "this algorithm does not implement it"
-CHUNK_BITS = 16
 CHUNK = 1 << CHUNK_BITS
-_LOW = CHUNK - 1
-_HIGH = -CHUNK            # 0xFFFF0000 as an int32
+Format = Union[str, WireFormat, None]
+
+
+def format_of(fmt: Format, owner: str = "wire_format") -> WireFormat:
+    """The format object of ``fmt`` (a name, an object, or None for fp32); a one-line
+    ``ValueError`` naming ``owner`` for an unknown name."""
+    return WF.get(fmt, owner)
+
+
+def packed(fmt: Format) -> bool:
+    """True for a packed format (chunk counts and 16-bit indices): not fp32."""
+    return format_of(fmt).packed
 
 
 def check_wire_format(name: str, value, refusal: Optional[str],
@@ -44,34 +58,25 @@ def check_wire_format(name: str, value, refusal: Optional[str],
     indices); a one-line ValueError for an unknown value, for a packed format on an algorithm
     whose messages cannot carry it (``refusal`` says why), or for a quantized one on an
     algorithm that does not keep the quantization error (``quantized_refusal``)."""
-    if value not in WIRE_FORMATS:
-        raise ValueError(f"{name}: wire_format must be one of {WIRE_FORMATS}, got {value!r}")
-    why = refusal or (quantized_refusal if value in QUANTIZED else None)
-    if value != "fp32" and why:
+    fmt = WF.find(value) if isinstance(value, str) else None
+    if fmt is None:
+        raise ValueError(f"{name}: wire_format must be one of {WF.names()}, got {value!r}")
+    why = refusal or (quantized_refusal if fmt.quantized else None)
+    if fmt.packed and why:
         raise ValueError(f"{name}: wire_format={value!r} is not supported: {why}")
-    return value != "fp32"
+    return fmt.packed
 
 
-def chunks(span: int) -> int:
-    """Count words of a row whose indices lie in ``[0, span)``: one per 65,536 elements."""
-    return max(1, -(-int(span) // CHUNK))
-
-
-def row_words(cap: int, span: int, header: int = 0, fmt: str = "compact") -> int:
+def row_words(cap: int, span: int, header: int = 0, fmt: Format = "compact") -> int:
     """int32 words of one packed row: ``header + chunks(span) + cap`` (compact);
     ``header + 3·chunks(span) + ceil(cap/2) + ceil(cap·b/32)`` (``q2``/``q4``, b = 2/4)."""
-    if fmt == "compact":
-        return header + chunks(span) + cap
-    b = QUANTIZED[fmt]
-    return header + 3 * chunks(span) + (cap + 1) // 2 + -(-cap * b // 32)
+    return format_of(fmt, "row_words: wire_format").row_words(cap, span, header)
 
 
-def entry_bytes(fmt: str) -> float:
+def entry_bytes(fmt: Format) -> float:
     """Wire bytes of one sparse entry, headers and chunk words aside: fp32 8, compact 4, q2 2.25,
     q4 2.5."""
-    if fmt not in WIRE_FORMATS:
-        raise ValueError(f"entry_bytes: wire_format must be one of {WIRE_FORMATS}, got {fmt!r}")
-    return {"fp32": 8.0, "compact": 4.0}.get(fmt) or 2.0 + QUANTIZED.get(fmt, 0) / 8.0
+    return format_of(fmt, "entry_bytes: wire_format").entry_bytes
 
 
 def bf16_round(x: torch.Tensor) -> torch.Tensor:
@@ -89,7 +94,7 @@ ORDERS = ("sort", "ascending", "chunks")
 
 def encode(indices: torch.Tensor, values: torch.Tensor, counts: Optional[torch.Tensor],
            span: int, *, header: int = 0, out: Optional[torch.Tensor] = None,
-           fmt: str = "compact", return_wire: bool = False, order: str = "sort",
+           fmt: Format = "compact", return_wire: bool = False, order: str = "sort",
            backend: str = "auto"):
     """Rows of entries -> packed rows ``int32 [S, row_words(cap, span, header, fmt)]``.
 
@@ -100,75 +105,39 @@ def encode(indices: torch.Tensor, values: torch.Tensor, counts: Optional[torch.T
     ``"ascending"`` (the valid entries are ascending already: nothing is sorted) or
     ``"chunks"`` (any order in; the entries go out grouped by chunk, in any order within one,
     which is all :func:`decode` needs: no sort on the GPU). Every format runs as Triton passes
-    (``kernels/wire.py``, ``kernels/wire_quantized.py``; ``backend``). ``return_wire``: also
-    return what the wire carries for each input slot (fp32, the shape of ``values``, 0 where
-    nothing was sent), so a sender keeps ``values - wire`` (the bits :func:`decode` gives
-    every receiver)."""
+    (its object's ``encode``: ``kernels/wire.py``, ``kernels/wire_quantized.py``; ``backend``).
+    ``return_wire``: also return what the wire carries for each input slot (fp32, the shape of
+    ``values``, 0 where nothing was sent), so a sender keeps ``values - wire`` (the bits
+    :func:`decode` gives every receiver)."""
     if order not in ORDERS:
         raise ValueError(f"encode: order must be one of {ORDERS}, got {order!r}")
+    f = format_of(fmt, "encode: fmt")
     shape = values.shape
     if indices.dim() == 1:
         indices, values = indices.unsqueeze(0), values.unsqueeze(0)
         counts = None if counts is None else counts.reshape(1)
     S, cap = indices.shape
-    C = chunks(span)
-    dev = indices.device
     if out is None:
-        out = torch.zeros(S, row_words(cap, span, header, fmt), dtype=torch.int32, device=dev)
-    values = values.to(torch.float32)
-    if fmt == "compact" and order != "sort" and not return_wire:   # the kernels alone
-        K.wire_encode(indices, values, counts, out[:, :header + C + cap], span, header,
-                      ordered=order == "ascending", backend=backend)
-        return out
-    if fmt == "compact" or order == "sort":     # the valid slots (glue ops: only here)
-        slot = torch.arange(cap, device=dev)
-        valid_in = slot < (cap if counts is None else
-                           counts.to(torch.int64).reshape(S, 1).clamp(0, cap))
-    if fmt == "compact":
-        if order == "sort":
-            indices, values, counts, _ = _sorted_rows(indices, values, counts, valid_in, span)
-        K.wire_encode(indices, values, counts, out[:, :header + C + cap], span, header,
-                      ordered=order != "chunks", backend=backend)
-        if not return_wire:
-            return out
-        wire = torch.where(valid_in, bf16_round(values), torch.zeros_like(values))
-        return out, wire.view(shape)
-    # the quantized formats: the Triton passes of oktopk_triton/kernels/wire_quantized.py
-    perm = None
-    if order == "sort":
-        indices, values, _, perm = _sorted_rows(indices, values, counts, valid_in, span)
-    wire = torch.empty(S, cap, dtype=torch.float32, device=dev) if return_wire else None
-    K.quantized_encode(indices, values, counts, out, span, header, bits=QUANTIZED[fmt],
-                       ordered=order != "chunks", wire=wire, backend=backend)
+        out = torch.zeros(S, f.row_words(cap, span, header), dtype=torch.int32,
+                          device=indices.device)
+    got = f.encode(indices, values.to(torch.float32), counts, span, header=header, out=out,
+                   return_wire=return_wire, order=order, backend=backend)
     if not return_wire:
-        return out
-    if perm is not None:        # back to the input slots
-        wire = torch.empty_like(wire).scatter_(1, perm, wire)
-    return out, wire.view(shape)
-
-
-def _sorted_rows(indices, values, counts, valid, span):
-    """The rows sorted by index, the padding last (``order="sort"``)."""
-    key = torch.where(valid, indices.to(torch.int64), torch.full_like(valid, span,
-                                                                      dtype=torch.int64))
-    key, perm = torch.sort(key, dim=1)
-    return key.to(torch.int32), values.gather(1, perm), counts, perm
+        return got
+    return got[0], got[1].view(shape)
 
 
 def decode(msg: torch.Tensor, cap: int, span: int, header: int = 0,
-           fmt: str = "compact", *, backend: str = "auto",
+           fmt: Format = "compact", *, backend: str = "auto",
            out: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Packed rows ``[S, row_words(cap, span, header, fmt)]`` -> ``(indices int32 [S, cap]
     (in the row's order: ascending unless encoded with ``order="chunks"``; -1 past the count),
     values fp32 [S, cap] (what the wire carries: bf16 values or the quantized levels; 0 past
     the count), counts int32 [S])``. The same bits give the same result on every rank. Each
-    format decodes in one Triton pass (``kernels/wire.py``, ``kernels/wire_quantized.py``);
-    no op reads the host. ``out``:
-    the three tensors to write (views into the caller's own layout are fine)."""
+    format decodes in one Triton pass (its object's ``decode``); no op reads the host.
+    ``out``: the three tensors to write (views into the caller's own layout are fine)."""
     if msg.dim() == 1:
         msg = msg.unsqueeze(0)
-    if fmt == "compact":
-        return K.wire_decode(msg, cap, span, header, out=out, backend=backend)
-    return K.quantized_decode(msg, cap, span, header, bits=QUANTIZED[fmt], out=out,
-                              backend=backend)
+    return format_of(fmt, "decode: fmt").decode(msg, cap, span, header, backend=backend,
+                                                 out=out)

@@ -86,7 +86,8 @@ class Gaussiank(Algorithm):
 
     @classmethod
     def _msg_words(cls, n: int, cap: int, wire_format) -> int:
-        return W.row_words(cap, n) if wire_format == "compact" else cls.HEADER + 2 * cap
+        return W.row_words(cap, n, fmt=wire_format) if W.packed(wire_format) \
+            else cls.HEADER + 2 * cap
 
     @classmethod
     def capacity(cls, k: int, n: int, slack: float = 1.5) -> int:

@@ -71,7 +71,7 @@ class GTopk(Algorithm):
             return 0
         P2, e = _layout(P)
         rounds = P2.bit_length() - 1
-        entries = cls._set_words(n, k, opts.get("wire_format") == "compact")
+        entries = cls._set_words(n, k, W.packed(opts.get("wire_format")))
         words = entries * rounds
         if e:
             words += entries + (k + 31) // 32

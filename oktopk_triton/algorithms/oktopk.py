@@ -200,7 +200,7 @@ class OkTopk(OkTopkThresholds, Algorithm):
             self._crecv = torch.zeros(max(P - 1, 1), wr, dtype=torch.int32, device=dev)
             self._cslot = torch.zeros(ws, dtype=torch.int32, device=dev)
             self._cgathered = torch.zeros(P, ws, dtype=torch.int32, device=dev)
-        self._quantized = self.wire_format in W.QUANTIZED
+        self._quantized = W.format_of(self.wire_format).quantized
         self._inv_P = 1.0 / P
         self.complete = o["complete_sums"] and P > 1
         if self.complete:   # values-only rows: one to each owner, then the owners' slots

@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..comm.base import ring_allreduce_bytes
+from . import _wire as W
 
 __all__ = ["CollectiveSpec", "KINDS", "resolve_options", "allreduce", "allgather", "alltoall",
            "broadcast", "send_recv", "flag_specs", "dense_step_specs", "total_bytes",
@@ -184,7 +185,7 @@ def bytes_per_step(name: str, n: int, P: int, density: float, wire_format: str =
     ``sync_every`` (local steps: one sync every H steps). Compare wire formats at equal bytes
     with :func:`density_for_bytes`."""
     k = max(1, min(n, int(round(float(density) * n))))
-    if wire_format != "fp32":
+    if W.packed(wire_format):
         options["wire_format"] = wire_format
     return total_bytes(schedule_of(name, n, k, P, **options)) / int(sync_every)
 

@@ -63,8 +63,7 @@ class TopkA(Algorithm):
 
     @staticmethod
     def _msg_bytes(n: int, k: int, wire_format) -> int:
-        packed = wire_format not in (None, "fp32")
-        return 4 * (W.row_words(k, n, fmt=wire_format) if packed else 2 * k)
+        return 4 * (W.row_words(k, n, fmt=wire_format) if W.packed(wire_format) else 2 * k)
 
     @classmethod
     def schedule(cls, n: int, k: int, P: int, **options) -> List[S.CollectiveSpec]:

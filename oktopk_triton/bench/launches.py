@@ -26,6 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _args as A
+from ..algorithms._wire import packed
 from ..kernels import _dispatch
 
 MODES = ("gradients", "updates", "local", "sync", "optimizer")
@@ -178,7 +179,7 @@ def _rank_body(comm, algorithm: str, wire: str, mode: str, n: int, density: floa
         return g * (1.0 + 0.1 * t)
     local = mode in ("local", "sync")
     opts = dict(options)
-    if wire != "fp32":
+    if packed(wire):
         opts["wire_format"] = wire
     if mode == "gradients":
         sar = SparseAllreduce(n, comm, density, **keywords(algorithm, opts))
@@ -269,7 +270,7 @@ def _torch_kernels():
 def _combos(algorithms, wires, modes):
     for a in algorithms:
         for w in wires:
-            if w != "fp32" and not supports(a, w):
+            if packed(w) and not supports(a, w):
                 continue
             for m in modes:
                 if m == "optimizer" and (a, w) != (algorithms[0], wires[0]):

@@ -16,7 +16,7 @@ import os
 import sys
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from ..algorithms._wire import WIRE_FORMATS
+from ..algorithms._wire import WIRE_FORMATS, packed
 from ..planning import (MODEL_PRESETS, NET_PRESETS, _k, describe_ranges,
                         fastest_ranges, parse_net, project, ratios_from_train, resolve_kernels,
                         step_time, time_to_loss, validate)
@@ -252,7 +252,7 @@ def main(args) -> int:
             local = (f", sparse syncing every {args.sync_every} steps"
                      + (" (overlapped)" if args.overlap else "")
                      if args.sync_every > 1 else "")
-            wire = f", {args.wire_format} wire" if args.wire_format != "fp32" else ""
+            wire = f", {args.wire_format} wire" if packed(args.wire_format) else ""
             title = (f"\n{model} (n = {n:,}), density {args.density:g} "
                      f"(k = {_k(n, args.density):,}){wire}{local}, "
                      f"{net.describe()}; step ms (* = fastest)")

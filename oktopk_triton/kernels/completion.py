@@ -24,14 +24,18 @@ Measured why: docs/research/design-notes.md, ``oktopk_triton/kernels/completion.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
 
 from . import _dispatch
 from ._dispatch import HAS_TRITON
+from .wire_format import WireFormat
+from .wire_format import get as get_format
 from .wire_quantized import levels, pack_fields, quantized_scales, unpack_fields
+
+Format = Union[str, WireFormat, None]      # a wire format's name or object (None: fp32)
 
 if HAS_TRITON:
     import triton
@@ -296,24 +300,18 @@ def _add_torch(msg, offs, idx, cnt, out, velocity, q2):
 
 
 # ---- public -------------------------------------------------------------------------------
-def values_words(cap: int, fmt: str) -> int:
+def values_words(cap: int, fmt: Format) -> int:
     """int32 words of one values-only row of ``cap`` values: ``cap`` (fp32), else
     ``2 + ceil(cap/16)`` (2-bit values, on every packed wire)."""
-    return cap if fmt in (None, "fp32") else _SCALES + -(-cap // _PER)
+    return _SCALES + -(-cap // _PER) if _q2(fmt, "values_words") else cap
 
 
-_FORMATS = (None, "fp32", "compact", "q2", "q4")
-
-
-def _q2(fmt: str, name: str) -> bool:
+def _q2(fmt: Format, name: str) -> bool:
     """fp32 values on the fp32 wire; 2-bit values on every packed wire (compact, q2, q4)."""
-    if fmt not in _FORMATS:
-        raise ValueError(f"{name}: fmt must be one of 'fp32', 'compact', 'q2', 'q4', got "
-                         f"{fmt!r}")
-    return fmt not in (None, "fp32")
+    return get_format(fmt, f"{name}: fmt").packed
 
 
-def _check_rows(name: str, offs: Tensor, idx: Tensor, cnt: Tensor, msg: Tensor, fmt: str):
+def _check_rows(name: str, offs: Tensor, idx: Tensor, cnt: Tensor, msg: Tensor, fmt: Format):
     if idx.dim() != 2 or idx.dtype not in (torch.int32, torch.int64) or idx.stride(1) != 1:
         raise ValueError(f"{name}: idx must be int32/int64 [R, cap] with inner stride 1, got "
                          f"{idx.dtype} {list(idx.shape)}")
@@ -329,7 +327,7 @@ def _check_rows(name: str, offs: Tensor, idx: Tensor, cnt: Tensor, msg: Tensor, 
 
 
 def owed_encode(residual: Tensor, offs: Tensor, idx: Tensor, cnt: Tensor, msg: Tensor, *,
-                fmt: str, backend: str = "auto") -> None:
+                fmt: Format, backend: str = "auto") -> None:
     """Row s of ``msg`` (int32 [R, values_words(cap, fmt)]): the values ``residual[offs[s] +
     idx[s, i]]`` for ``i < cnt[s]``, and ``residual`` keeps ``x - q(x)`` there (positions
     distinct). q2: 5 launches (the table's memset, stats, sum, split, finish), fp32: 1."""
@@ -344,7 +342,7 @@ def owed_encode(residual: Tensor, offs: Tensor, idx: Tensor, cnt: Tensor, msg: T
 
 
 def slot_encode(f: Tensor, residual: Tensor, offs: Tensor, idx: Tensor, cnt: Tensor,
-                msg: Tensor, keep: float, *, fmt: str, backend: str = "auto") -> None:
+                msg: Tensor, keep: float, *, fmt: Format, backend: str = "auto") -> None:
     """The owner's row: ``msg`` (int32 [1, values_words(cap, fmt)]) from ``f`` (fp32 [1, cap],
     its first ``cnt[0]`` valid), and ``residual[offs[0] + idx[0, i]] += keep·(f - q(f))``
     (``keep`` = P: ``out`` is the sum over P). Launches as :func:`owed_encode`."""
@@ -361,7 +359,7 @@ def slot_encode(f: Tensor, residual: Tensor, offs: Tensor, idx: Tensor, cnt: Ten
                   _encode_torch, residual, f, offs, idx, cnt, msg, keep, q2)
 
 
-def owner_sum(recv: Tensor, cnt: Tensor, f: Tensor, inv_p: float, *, fmt: str,
+def owner_sum(recv: Tensor, cnt: Tensor, f: Tensor, inv_p: float, *, fmt: Format,
               backend: str = "auto") -> None:
     """``f`` (fp32 [cap]) = the sum of the R values-only rows ``recv`` (int32 [R, vw]), added in
     row order, times ``inv_p``; 0 from ``cnt[0]`` on. One launch."""
@@ -380,7 +378,7 @@ def owner_sum(recv: Tensor, cnt: Tensor, f: Tensor, inv_p: float, *, fmt: str,
 
 
 def values_add(msg: Tensor, offs: Tensor, idx: Tensor, cnt: Tensor, out: Tensor,
-               velocity: Optional[Tensor] = None, *, fmt: str, backend: str = "auto") -> None:
+               velocity: Optional[Tensor] = None, *, fmt: Format, backend: str = "auto") -> None:
     """``out[offs[s] + idx[s, i]] += value i of row s`` of ``msg`` for ``i < cnt[s]``
     (positions distinct); ``velocity`` (optional): 0 there. One launch."""
     q2 = _q2(fmt, "values_add")

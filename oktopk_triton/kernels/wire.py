@@ -17,6 +17,8 @@ as Triton passes, with a torch reference beside each.
   caller's layout (Ok-Topk's gathered slots).
 * :func:`slot_chunks` is that search for the quantized formats' torch decode: static-size
   ``scatter_add`` and ``cumsum``, no ``searchsorted``.
+* :data:`COMPACT` is the format object (``wire_format="compact"``, :mod:`.wire_format`): its
+  bytes per entry, row words, encode and decode.
 
 Measured why: docs/research/design-notes.md, ``oktopk_triton/kernels/wire.py``.
 """
@@ -29,12 +31,12 @@ from torch import Tensor
 
 from . import _dispatch
 from ._dispatch import HAS_TRITON
+from .wire_format import CHUNK_BITS, WireFormat, chunks, decode_rows, masked_rows, register
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-CHUNK_BITS = 16
 _LOW = (1 << CHUNK_BITS) - 1
 _HIGH = -(1 << CHUNK_BITS)      # 0xFFFF0000 as an int32
 
@@ -284,7 +286,7 @@ def wire_encode(indices: Tensor, values: Tensor, counts: Optional[Tensor], out: 
     place), 0 past the count. The header words are not touched. The indices must lie in
     ``[0, span)`` (the kernels clamp the chunk so that no write leaves the row)."""
     S, cap = indices.shape
-    C = max(1, -(-int(span) // (1 << CHUNK_BITS)))
+    C = chunks(span)
     if out.shape != (S, header + C + cap) or out.dtype != torch.int32:
         raise ValueError(f"wire_encode: out must be int32 [{S}, {header + C + cap}], got "
                          f"{out.dtype} {list(out.shape)}")
@@ -315,27 +317,11 @@ def slot_chunks(counts: Tensor, cap: int) -> Tuple[Tensor, Tensor]:
 
 
 def _decode_torch(msg, cap, C, header):
-    S = msg.shape[0]
     hi, count = slot_chunks(msg[:, header:header + C], cap)
     words = msg[:, header + C:header + C + cap]
     idx = (hi << CHUNK_BITS) | (words & _LOW).to(torch.int64)
     vals = (words & _HIGH).contiguous().view(torch.float32)
-    valid = torch.arange(cap, device=msg.device).expand(S, cap) < count
-    return (torch.where(valid, idx, torch.full_like(idx, -1)).to(torch.int32),
-            torch.where(valid, vals, torch.zeros_like(vals)))
-
-
-def _decode_torch_into(msg, idx, val, count, cap, C, header):
-    i, v = _decode_torch(msg, cap, C, header)
-    idx.copy_(i)
-    val.copy_(v)
-    count.copy_(msg[:, header:header + C].sum(1, dtype=torch.int32))
-
-
-def _decode_launch(msg, idx, val, count, cap, C, header):
-    """The Triton decode reads rows of inner stride 1 (a copy otherwise)."""
-    _decode_triton(msg if msg.stride(1) == 1 else msg.contiguous(), idx, val, count, cap, C,
-                   header)
+    return (*masked_rows(idx, vals, count), msg[:, header:header + C].sum(1, dtype=torch.int32))
 
 
 def wire_decode(msg: Tensor, cap: int, span: int, header: int = 0, *,
@@ -345,23 +331,51 @@ def wire_decode(msg: Tensor, cap: int, span: int, header: int = 0, *,
     values fp32 [S, cap] (the bf16 values, 0 past the count), counts int32 [S])``; the entries
     in the row's order (grouped by chunk). ``out``: those three tensors to write (rows may be
     views into a wider buffer: inner stride 1), e.g. the caller's own layout. One launch."""
-    S = msg.shape[0]
-    C = max(1, -(-int(span) // (1 << CHUNK_BITS)))
-    if msg.dtype != torch.int32 or msg.shape[1] < header + C + cap:
-        raise ValueError(f"wire_decode: msg must be int32 [S, >= {header + C + cap}], got "
-                         f"{msg.dtype} {list(msg.shape)}")
-    if out is None:
-        out = (torch.empty(S, cap, dtype=torch.int32, device=msg.device),
-               torch.empty(S, cap, dtype=torch.float32, device=msg.device),
-               torch.empty(S, dtype=torch.int32, device=msg.device))
-    idx, val, count = out
-    if (idx.shape != (S, cap) or val.shape != (S, cap) or count.shape != (S,)
-            or idx.dtype != torch.int32 or val.dtype != torch.float32
-            or count.dtype != torch.int32 or (cap > 1 and (idx.stride(1) != 1
-                                                           or val.stride(1) != 1))):
-        raise ValueError(f"wire_decode: out must be (int32 [{S}, {cap}], fp32 [{S}, {cap}], "
-                         f"int32 [{S}]) with inner stride 1")
-    _dispatch.record(launches=1, bytes=12 * S * cap)
-    _dispatch.run(backend, msg.device, _decode_launch, _decode_torch_into, msg, idx, val, count,
-                  cap, C, header)
-    return idx, val, count
+    C = chunks(span)
+    return decode_rows("wire_decode", msg, cap, header + C + cap, out, backend,
+                       lambda m, i, v, c: _decode_triton(m, i, v, c, cap, C, header),
+                       lambda m: _decode_torch(m, cap, C, header))
+
+
+def sorted_rows(indices: Tensor, values: Tensor, valid: Tensor, span: int
+                ) -> Tuple[Tensor, Tensor, Tensor]:
+    """The rows sorted by index, the slots past the count last: ``(indices int32, values,
+    perm)`` (``order="sort"``; one torch.sort)."""
+    key = torch.where(valid, indices.to(torch.int64), torch.full_like(valid, span,
+                                                                      dtype=torch.int64))
+    key, perm = torch.sort(key, dim=1)
+    return key.to(torch.int32), values.gather(1, perm), perm
+
+
+class Compact(WireFormat):
+    """One int32 word an entry: the value's bf16 bits (round to nearest even) over its index's
+    low 16 bits, after one count per 65,536-element chunk. The sender keeps ``v - bf16(v)``."""
+
+    name, rank, packed, entry_bytes = "compact", 1, True, 4.0
+
+    def row_words(self, cap: int, span: int, header: int = 0) -> int:
+        return header + chunks(span) + cap
+
+    def encode(self, indices, values, counts, span, *, header, out, return_wire, order,
+               backend):
+        S, cap = indices.shape
+        body = out[:, :header + chunks(span) + cap]
+        if order != "sort" and not return_wire:   # the kernels alone
+            wire_encode(indices, values, counts, body, span, header,
+                        ordered=order == "ascending", backend=backend)
+            return out
+        valid = _valid_slots(counts, S, cap, indices.device)    # glue ops: only here
+        if order == "sort":
+            indices, values, _ = sorted_rows(indices, values, valid, span)
+        wire_encode(indices, values, counts, body, span, header, ordered=order != "chunks",
+                    backend=backend)
+        if not return_wire:
+            return out
+        rounded = values.to(torch.bfloat16).to(torch.float32)
+        return out, torch.where(valid, rounded, torch.zeros_like(values))
+
+    def decode(self, msg, cap, span, header, *, backend, out):
+        return wire_decode(msg, cap, span, header, out=out, backend=backend)
+
+
+COMPACT = register(Compact())

@@ -13,6 +13,8 @@ beside each.
   step). q2: 5 launches, q4: 3. Nothing is sorted, no host read, static sizes.
 * :func:`quantized_decode`: ONE launch, each slot's chunk from the running counts as the
   compact decode finds it.
+* :data:`Q2` and :data:`Q4` are the format objects (``wire_format="q2"`` / ``"q4"``,
+  :mod:`.wire_format`): their bytes per entry, row words, encode and decode.
 
 Measured why: docs/research/design-notes.md, ``oktopk_triton/kernels/wire_quantized.py``.
 """
@@ -25,7 +27,8 @@ from torch import Tensor
 
 from . import _dispatch
 from ._dispatch import HAS_TRITON
-from .wire import _valid_slots, group_positions, slot_chunks
+from .wire import _valid_slots, group_positions, slot_chunks, sorted_rows
+from .wire_format import CHUNK_BITS, WireFormat, chunks, decode_rows, masked_rows, register
 
 if HAS_TRITON:
     import triton
@@ -33,7 +36,6 @@ if HAS_TRITON:
 
     from .wire import _decode_slots, _store_decoded, _sum_below   # shared with the compact wire
 
-CHUNK_BITS = 16
 _LOW = (1 << CHUNK_BITS) - 1
 _INF_BITS = 0x7F800000
 _TABLE = 6          # count, emax | inverted min bits, sum | max bits, n_hi, s_hi, cursor
@@ -381,7 +383,6 @@ def _encode_torch(indices, values, counts, out, wire, C, header, b, ordered):
 
 
 def _decode_torch(msg, cap, C, header, b):
-    S = msg.shape[0]
     hi, count = slot_chunks(msg[:, header:header + C], cap)
     row = msg[:, header:]
     iw = (cap + 1) // 2
@@ -392,9 +393,7 @@ def _decode_torch(msg, cap, C, header, b):
     step = row[:, 2 * C:3 * C].contiguous().view(torch.float32).gather(1, hc)
     vals = levels(base, step, code, b)
     idx = (hi << CHUNK_BITS) | low
-    valid = torch.arange(cap, device=msg.device).expand(S, cap) < count
-    return (torch.where(valid, idx, torch.full_like(idx, -1)).to(torch.int32),
-            torch.where(valid, vals, torch.zeros_like(vals)), count.reshape(S).to(torch.int32))
+    return (*masked_rows(idx, vals, count), count.reshape(msg.shape[0]).to(torch.int32))
 
 
 # ---- public -------------------------------------------------------------------------------
@@ -421,7 +420,7 @@ def quantized_encode(indices: Tensor, values: Tensor, counts: Optional[Tensor], 
     wire carries for each input slot, 0 past the count. Indices must lie in ``[0, span)``."""
     _check_bits("quantized_encode", bits)
     S, cap = indices.shape
-    C = max(1, -(-int(span) // (1 << CHUNK_BITS)))
+    C = chunks(span)
     words = header + quantized_words(cap, C, bits)
     if out.shape != (S, words) or out.dtype != torch.int32 or out.stride(1) != 1:
         raise ValueError(f"quantized_encode: out must be int32 [{S}, {words}] with inner "
@@ -449,33 +448,51 @@ def quantized_decode(msg: Tensor, cap: int, span: int, header: int = 0, *, bits:
     int32 [S])`` in the row's order. ``out``: those three tensors to write (inner stride 1).
     One launch."""
     _check_bits("quantized_decode", bits)
-    S = msg.shape[0]
-    C = max(1, -(-int(span) // (1 << CHUNK_BITS)))
-    words = header + quantized_words(cap, C, bits)
-    if msg.dtype != torch.int32 or msg.dim() != 2 or msg.shape[1] < words:
-        raise ValueError(f"quantized_decode: msg must be int32 [S, >= {words}], got "
-                         f"{msg.dtype} {list(msg.shape)}")
-    if out is None:
-        out = (torch.empty(S, cap, dtype=torch.int32, device=msg.device),
-               torch.empty(S, cap, dtype=torch.float32, device=msg.device),
-               torch.empty(S, dtype=torch.int32, device=msg.device))
-    idx, val, count = out
-    if (idx.shape != (S, cap) or val.shape != (S, cap) or count.shape != (S,)
-            or idx.dtype != torch.int32 or val.dtype != torch.float32
-            or count.dtype != torch.int32 or (cap > 1 and (idx.stride(1) != 1
-                                                           or val.stride(1) != 1))):
-        raise ValueError(f"quantized_decode: out must be (int32 [{S}, {cap}], fp32 [{S}, "
-                         f"{cap}], int32 [{S}]) with inner stride 1")
-    _dispatch.record(launches=1, bytes=12 * S * cap)
-    if _dispatch.choose(backend, msg.device) == "triton":
-        if msg.stride(1) != 1:
-            msg = msg.contiguous()
-        _decode_triton(msg, idx, val, count, cap, C, header, bits)
-        return idx, val, count
-    with _dispatch.inside_kernel():
-        for dst, src in zip(out, _decode_torch(msg, cap, C, header, bits)):
-            dst.copy_(src)
-    return idx, val, count
+    C = chunks(span)
+    return decode_rows("quantized_decode", msg, cap, header + quantized_words(cap, C, bits), out,
+                       backend, lambda m, i, v, c: _decode_triton(m, i, v, c, cap, C, header,
+                                                                  bits),
+                       lambda m: _decode_torch(m, cap, C, header, bits))
+
+
+class Quantized(WireFormat):
+    """``bits``-bit values (a sign bit and the magnitude's code) at ``base + j·step`` of their
+    chunk, 16-bit indices two a word, after the chunk's count, base and step. The sender keeps
+    each entry's quantization error."""
+
+    packed = True
+
+    def __init__(self, name: str, bits: int, rank: int) -> None:
+        self.name, self.bits, self.rank = name, bits, rank
+        self.entry_bytes = 2.0 + bits / 8.0
+
+    def row_words(self, cap: int, span: int, header: int = 0) -> int:
+        return header + quantized_words(cap, chunks(span), self.bits)
+
+    def encode(self, indices, values, counts, span, *, header, out, return_wire, order,
+               backend):
+        S, cap = indices.shape
+        perm = None
+        if order == "sort":
+            valid = _valid_slots(counts, S, cap, indices.device)
+            indices, values, perm = sorted_rows(indices, values, valid, span)
+        wire = torch.empty(S, cap, dtype=torch.float32, device=indices.device) \
+            if return_wire else None
+        quantized_encode(indices, values, counts, out, span, header, bits=self.bits,
+                         ordered=order != "chunks", wire=wire, backend=backend)
+        if not return_wire:
+            return out
+        if perm is not None:        # back to the input slots
+            wire = torch.empty_like(wire).scatter_(1, perm, wire)
+        return out, wire
+
+    def decode(self, msg, cap, span, header, *, backend, out):
+        return quantized_decode(msg, cap, span, header, bits=self.bits, out=out,
+                                backend=backend)
+
+
+Q2 = register(Quantized("q2", 2, rank=2))
+Q4 = register(Quantized("q4", 4, rank=3))
 
 
 def compile_variants():

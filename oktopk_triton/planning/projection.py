@@ -8,6 +8,7 @@ import math
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..algorithms import REGISTRY, descriptions
+from ..algorithms._wire import packed
 from .communication import comm_time, spec_time
 from .kernel_costs import KernelCosts, selection_time
 from .network import Network
@@ -52,7 +53,7 @@ def algorithm_schedule(name: str, n: int, k: int, P: int, check_finite: str = "s
     opts: Dict[str, Any] = {"check_finite": check_finite}
     if name == "dense":
         opts["dtype"] = dtype
-    elif wire_format != "fp32":
+    elif packed(wire_format):
         opts["wire_format"] = wire_format
     if name == "topkdsa" and P > 1 and k < n:
         if topkdsa_bytes is not None:

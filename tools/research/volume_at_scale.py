@@ -34,6 +34,7 @@ import torch
 
 from oktopk_triton import SparseAllreduce
 from oktopk_triton.module import keywords
+from oktopk_triton.algorithms._wire import packed
 from oktopk_triton.algorithms.schedule import schedule_of
 from oktopk_triton.bench import records
 from oktopk_triton.comm.base import ring_allreduce_bytes, tensor_bytes
@@ -80,7 +81,7 @@ def formula_received(algorithm: str, n: int, k: int, P: int, rank: int,
                      wire_format: str = "fp32") -> int:
     """Bytes ``rank`` receives in a steady step, from the algorithm's schedule (a collective
     receives what it counts as sent; a send/recv batch its ``received``)."""
-    opts = {"wire_format": wire_format} if wire_format != "fp32" else {}
+    opts = {"wire_format": wire_format} if packed(wire_format) else {}
     return sum(s.received for s in schedule_of(algorithm, n, k, P, rank=rank, **opts))
 
 
@@ -98,7 +99,7 @@ def _rank_body(comm, algorithm: str, n: int, density: float, H: int, syncs: int,
     w = torch.nn.Parameter(torch.zeros(n))
     opt = torch.optim.AdamW([w], lr=1e-3, weight_decay=0.0)
     opts: Dict[str, Any] = {"backend": "torch"} if algorithm == "oktopk" else {}
-    if wire_format != "fp32":
+    if packed(wire_format):
         opts["wire_format"] = wire_format
     sar = SparseAllreduce([w], comm=comm, density=density,
                           **keywords(algorithm, {**opts, "sync_every": H}))
