@@ -13,6 +13,15 @@ def test_intervals_are_read_from_the_step_times_after_the_warm_up():
     assert probe.intervals(times, skip=0) == [4.0, 4.0, 4.0, 4.0]
     assert probe.intervals(times) == [4.0, 4.0]
     assert probe.intervals([0.0, 1.0, 2.0]) == []
+    assert probe.intervals(times, interval=8, skip=0) == [8.0, 8.0]
+
+
+def test_the_overlapped_run_delays_as_far_as_torchft_allows():
+    assert probe.runs(8)["overlapped"]["fragment_sync_delay"] == 3
+    assert probe.runs(16)["overlapped"]["fragment_sync_delay"] == 7
+    assert probe.runs(16)["blocking"]["fragment_sync_delay"] == 0
+    with pytest.raises(SystemExit):
+        probe.main(["--sync-every", "5"])
 
 
 def test_the_local_mode_trains_the_inner_steps_alone():
