@@ -18,13 +18,21 @@ their defaults and rules, written once in the algorithm's file:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Dict, Mapping, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, Mapping, Optional, Tuple, Union
 
-from .algorithms import descriptions, get_algorithm
-from .algorithms.description import Description
 from .checks import check_local_steps, check_options, refuse_unknown
 
-__all__ = ["AlgorithmConfig", "Registered", "LocalSteps", "CONFIGS", "as_config", "settings_class"]
+if TYPE_CHECKING:
+    from .algorithms.description import Description
+
+# importing this module stays cheap (no torch, no kernels): the algorithms' settings objects are
+# made on first use, when the algorithms are imported (module __getattr__ below)
+_STATIC = ["AlgorithmConfig", "Registered", "LocalSteps", "CONFIGS", "as_config", "settings_class"]
+
+
+def _get_algorithm(name: str) -> type:
+    from .algorithms import get_algorithm
+    return get_algorithm(name)
 
 
 # -- the algorithm objects ------------------------------------------------------------------------
@@ -48,7 +56,7 @@ class AlgorithmConfig:
     """
 
     name: ClassVar[str] = ""
-    description: ClassVar[Optional[Description]] = None
+    description: ClassVar[Optional["Description"]] = None
 
     wire_format: str = "fp32"
     momentum: float = 0.0
@@ -59,7 +67,7 @@ class AlgorithmConfig:
         values = self.options()
         d = self.description
         check_options(self.algorithm, values, d.rules() if d else {}, d.check if d else None)
-        get_algorithm(self.algorithm).check_wire(values["wire_format"])
+        _get_algorithm(self.algorithm).check_wire(values["wire_format"])
 
     @property
     def algorithm(self) -> str:
@@ -104,7 +112,7 @@ class Registered(AlgorithmConfig):
         return {**common, **self.extra}
 
     def own_options(self) -> Tuple[str, ...]:
-        return tuple(getattr(get_algorithm(self.registered), "OPTIONS", {}))
+        return tuple(getattr(_get_algorithm(self.registered), "OPTIONS", {}))
 
     def replace(self, **changes: Any) -> "AlgorithmConfig":
         common = {f.name for f in dataclasses.fields(AlgorithmConfig)}
@@ -114,7 +122,7 @@ class Registered(AlgorithmConfig):
                                    **{k: v for k, v in changes.items() if k in common})
 
 
-def settings_class(description: Description) -> type:
+def settings_class(description: "Description") -> type:
     """The settings object of an algorithm, made from its description: a frozen, keyword-only
     dataclass named ``description.config`` whose fields are the common settings and the
     algorithm's own options with their defaults, its docstring the description's advice. Made
@@ -135,11 +143,31 @@ def settings_class(description: Description) -> type:
 
 _MADE: Dict[str, type] = {}
 
-# the built-in algorithms' settings objects (OkTopk, TopkA, GTopk, SparDL, TopkDSA, Gaussiank,
-# Dense), made from their descriptions: each algorithm's file is where its options are written
-CONFIGS: Dict[str, type] = {n: settings_class(d) for n, d in descriptions(builtin=True).items()}
-globals().update({c.__name__: c for c in CONFIGS.values()})
-__all__ += [c.__name__ for c in CONFIGS.values()]
+_BUILTIN: Dict[str, type] = {}
+
+
+def _builtin() -> Dict[str, type]:
+    """The built-in algorithms' settings objects (OkTopk, TopkA, GTopk, SparDL, TopkDSA,
+    Gaussiank, Dense) by algorithm name, made from their descriptions on first use: each
+    algorithm's file is where its options are written."""
+    if not _BUILTIN:
+        from .algorithms import descriptions
+        _BUILTIN.update({n: settings_class(d) for n, d in descriptions(builtin=True).items()})
+    return _BUILTIN
+
+
+def __getattr__(name: str) -> Any:
+    """``CONFIGS`` (``{name: settings object}`` of the built-in algorithms), each settings
+    object by its class name (``config.OkTopk``), and ``__all__``."""
+    if name == "CONFIGS":
+        return _builtin()
+    if name == "__all__":
+        return _STATIC + [c.__name__ for c in _builtin().values()]
+    if name[:1].isupper():          # a settings object's class name (not __path__ and the like)
+        for cls in _builtin().values():
+            if cls.__name__ == name:
+                return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 DEFAULT_DENSITY = 0.01          # what the fronts take when given no density (and no preset)
@@ -162,7 +190,7 @@ def as_config(algorithm: Union[str, AlgorithmConfig]) -> AlgorithmConfig:
     unknown name raises the one-line ``ValueError`` of ``get_algorithm``."""
     if isinstance(algorithm, AlgorithmConfig):
         return algorithm
-    d = get_algorithm(algorithm).description
+    d = _get_algorithm(algorithm).description
     return settings_class(d)() if d is not None else Registered(registered=algorithm.lower())
 
 

@@ -170,3 +170,17 @@ def test_the_worked_example_in_the_docs_runs():
     assert_conservation(res)
     assert_bitwise_agreement(res)
     assert ns["SharedRandk"].OPTIONS == {"seed": 0}
+
+
+def test_the_settings_module_stays_light():
+    """config.py makes the settings objects on first use: importing it (or the rank launcher,
+    which a forked rank unpickles before its environment is in place) loads no algorithm and
+    no kernel, so a rank reads TRITON_INTERPRET from its own environment."""
+    import subprocess
+    code = ("import sys, oktopk_triton.config, oktopk_triton.bench.ranks, "
+            "oktopk_triton.deprecation; print(sorted(m for m in sys.modules if m.startswith(("
+            "'oktopk_triton.kernels', 'oktopk_triton.algorithms', 'torch'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=os.path.dirname(__file__))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -9,7 +9,6 @@ from typing import Any, Optional, Tuple, Union
 
 import torch
 
-from ..algorithms._wire import packed
 from ..config import AlgorithmConfig, as_config
 from ..presets import diloco_preset
 
@@ -77,6 +76,7 @@ def diloco_config(numel: int, density: Optional[float],
 def _quantized(config: AlgorithmConfig) -> AlgorithmConfig:
     """torchft's ``should_quantize`` as the sparse wire's counterpart: ``wire_format="q2"``
     (2-bit values); a packed wire already chosen is kept; an algorithm without q2 is refused."""
+    from ..algorithms._wire import packed
     if packed(config.wire_format):
         return config
     try:
