@@ -27,7 +27,7 @@ from torch import Tensor
 
 from . import _dispatch
 from ._dispatch import HAS_TRITON
-from .wire import _valid_slots, group_positions, slot_chunks, sorted_rows
+from .wire import _valid_slots, group_positions, sent_slots, slot_chunks, sorted_rows
 from .wire_format import CHUNK_BITS, WireFormat, chunks, decode_rows, masked_rows, register
 
 if HAS_TRITON:
@@ -474,7 +474,7 @@ class Quantized(WireFormat):
         S, cap = indices.shape
         perm = None
         if order == "sort":
-            valid = _valid_slots(counts, S, cap, indices.device)
+            valid = sent_slots(counts, S, cap, indices.device)
             indices, values, perm = sorted_rows(indices, values, valid, span)
         wire = torch.empty(S, cap, dtype=torch.float32, device=indices.device) \
             if return_wire else None
