@@ -119,15 +119,3 @@ def check_local_steps(**values: Any) -> None:
     """Check local-step settings by field name (``config.LocalSteps``'s checks)."""
     _check("LocalSteps", LOCAL_STEPS_RULES, values)
 
-
-def __getattr__(name: str) -> Any:
-    """``ALGORITHM_RULES`` (the old table of the built-in algorithms' own rules, removed in the
-    next version): made from their descriptions, with a ``DeprecationWarning``."""
-    if name == "ALGORITHM_RULES":
-        import warnings
-        warnings.warn("oktopk_triton.checks.ALGORITHM_RULES is deprecated: each algorithm's rules "
-                      "are its description's (get_algorithm(name).description.rules()); it is "
-                      "removed in the next version", DeprecationWarning, stacklevel=2)
-        from .algorithms import descriptions
-        return {n: d.rules() for n, d in descriptions(builtin=True).items() if d.rules()}
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

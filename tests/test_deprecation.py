@@ -136,17 +136,6 @@ def test_the_objects_defaults_are_the_algorithms():
         assert {k: cfg.options()[k] for k in cfg.own_options()} == get_algorithm(name).OPTIONS
 
 
-def test_the_old_rules_table_reads_the_descriptions_with_a_warning():
-    import oktopk_triton.checks as checks
-    from oktopk_triton.algorithms import description_of
-    with pytest.warns(DeprecationWarning, match="ALGORITHM_RULES is deprecated"):
-        rules = checks.ALGORITHM_RULES
-    assert sorted(rules) == ["gaussiank", "gtopk", "oktopk", "spardl", "topka", "topkdsa"]
-    assert rules["topkdsa"] == description_of("topkdsa").rules()
-    with pytest.raises(AttributeError):
-        checks.NO_SUCH_NAME
-
-
 def test_the_rooms_are_small():
     """The front's class is at most 200 lines and no module of the package over 600; module
     docstrings say what a thing does in at most 25 lines (the why lives in docs/research)."""
