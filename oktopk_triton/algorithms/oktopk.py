@@ -49,7 +49,8 @@ def source_order(owner: int, P: int) -> list:
 
 
 def _check_wire_dtype(values: Mapping[str, Any]) -> None:
-    if values.get("wire_dtype") == "bf16" and values.get("wire_format", "fp32") != "fp32":
+    if values.get("wire_dtype") == "bf16" and \
+            W.format_of(values.get("wire_format"), "oktopk: wire_format").packed:
         raise ValueError(f"oktopk: wire_dtype='bf16' does not combine with "
                          f"wire_format={values['wire_format']!r} (it packs the values itself)")
 
