@@ -10,7 +10,7 @@ Each rule is ``(accepts, expected)``; a value it refuses raises a one-line ``Val
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Tuple
 
 __all__ = ["COMMON", "COMMON_RULES", "LOCAL_STEPS_RULES", "Rule", "BACKEND", "number", "real",
            "int_at_least", "at_least_one", "one_of", "check_density", "check_options",
@@ -100,14 +100,14 @@ def refuse_unknown(name: str, given: Any, own: Any) -> None:
                         f"{sorted(own) or 'none'}; every algorithm's: {list(COMMON)}")
 
 
-def check_options(name: str, values: Mapping[str, Any], rules: Mapping[str, Rule] = {},
-                  across: Optional[Callable[[Mapping[str, Any]], None]] = None) -> None:
-    """Check algorithm ``name``'s settings by field name: the common ones, its own ``rules``
-    and its rule ``across`` options (both from its description): what an algorithm object
+def check_options(name: str, values: Mapping[str, Any], description: Any = None) -> None:
+    """Check algorithm ``name``'s settings by field name: the common ones, and its own rules
+    and its rule across options when it has a ``description``
+    (:class:`~oktopk_triton.algorithms.description.Description`): what an algorithm object
     checks when it is built, and an algorithm built from keywords."""
-    _check(name, {**COMMON_RULES, **rules}, values)
-    if across is not None:
-        across(values)
+    _check(name, {**COMMON_RULES, **(description.rules() if description else {})}, values)
+    if description is not None and description.check is not None:
+        description.check(values)
 
 
 def check_backend(name: str, backend: Any) -> None:

@@ -65,8 +65,7 @@ class AlgorithmConfig:
 
     def __post_init__(self) -> None:
         values = self.options()
-        d = self.description
-        check_options(self.algorithm, values, d.rules() if d else {}, d.check if d else None)
+        check_options(self.algorithm, values, self.description)
         _get_algorithm(self.algorithm).check_wire(values["wire_format"])
 
     @property

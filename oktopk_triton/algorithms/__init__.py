@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 from .base import Algorithm
 from .description import Description, Option
@@ -27,7 +27,8 @@ REGISTRY = {
 }
 
 __all__ = ["Algorithm", "Description", "Option", "REGISTRY", "SPARSE_ALGORITHMS", "get_algorithm",
-           "available_algorithms", "register_algorithm", "description_of", "descriptions"]
+           "available_algorithms", "register_algorithm", "description_of", "find_description",
+           "descriptions"]
 _BUILTIN = tuple(REGISTRY)
 
 
@@ -67,6 +68,11 @@ def description_of(name: str) -> Optional[Description]:
     """The description of registered algorithm ``name`` (None for a class without one); an
     unknown name raises the one-line ``ValueError`` of :func:`get_algorithm`."""
     return get_algorithm(name).description
+
+
+def find_description(name: Any) -> Optional[Description]:
+    """:func:`description_of` for a registered ``name``; None for any other name (no error)."""
+    return description_of(name) if isinstance(name, str) and name in REGISTRY else None
 
 
 def descriptions(builtin: bool = False) -> Dict[str, Description]:

@@ -154,11 +154,11 @@ def volume_formula_range(name: str, n: int, k: int, P: int, **opts) -> Tuple[flo
     ``gaussiank`` takes ``slack`` (default 1.5, its capacity factor); its formula is the
     allgather of fixed-capacity slots, ``2·ceil(slack·k)·(P-1)``.
     """
-    from . import REGISTRY, description_of
+    from . import find_description
     name = name.lower()
     if P <= 1:
         return (0.0, 0.0)
-    d = description_of(name) if name in REGISTRY else None
+    d = find_description(name)
     if d is None:
         raise ValueError(f"volume_formula_words: unknown algorithm {name!r}")
     return d.volume(n, k, P, **opts)

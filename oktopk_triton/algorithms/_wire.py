@@ -23,12 +23,12 @@ Measured why: docs/research/design-notes.md, ``oktopk_triton/algorithms/_wire.py
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import Optional, Tuple
 
 import torch
 
 from ..kernels import wire_format as WF
-from ..kernels.wire_format import CHUNK_BITS, WireFormat, chunks
+from ..kernels.wire_format import CHUNK_BITS, Format, WireFormat, chunks
 
 __all__ = ["WIRE_FORMATS", "QUANTIZED", "CHUNK", "chunks", "row_words", "entry_bytes",
            "bf16_round", "bf16_rounding", "encode", "decode", "check_wire_format", "format_of",
@@ -38,7 +38,6 @@ WIRE_FORMATS = WF.names()      # ('fp32', 'compact', 'q2', 'q4')
 QUANTIZED = {f.name: f.bits for f in WF.formats() if f.quantized}   # bits a value
 _NOT_IMPLEMENTED = "this algorithm does not implement it"
 CHUNK = 1 << CHUNK_BITS
-Format = Union[str, WireFormat, None]
 
 
 def format_of(fmt: Format, owner: str = "wire_format") -> WireFormat:

@@ -92,10 +92,9 @@ class Algorithm(abc.ABC):
             raise ValueError(f"check_finite must be one of {_CHECK_FINITE}, got {check_finite!r}")
         refuse_unknown(self.name, options, self.OPTIONS)
         # every setting's check: the common ones and the description's (as the settings objects)
-        d = self.description
         check_options(self.name, {**self.OPTIONS, **options, "warmup_steps": warmup_steps,
                                   "momentum": momentum, "wire_format": wire_format},
-                      d.rules() if d else {}, d.check if d else None)
+                      self.description)
         # compact: sparse entries as one word (bf16 value, 16-bit chunk-relative index)
         self.wire_format = wire_format
         # (q2 / q4 too: packed like compact, the values quantized; see _wire)

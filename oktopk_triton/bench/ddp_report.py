@@ -53,8 +53,8 @@ _HOOK_NAMES = {"none": "none (compute floor, no communication)",
 
 def display_name(algorithm: str) -> str:
     """How a report names ``algorithm``: its description's ``display``, else the name itself."""
-    from ..algorithms import REGISTRY, description_of
-    d = description_of(algorithm) if algorithm in REGISTRY else None
+    from ..algorithms import find_description
+    d = find_description(algorithm)
     return d.display if d is not None else algorithm
 
 

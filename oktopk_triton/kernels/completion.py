@@ -24,18 +24,16 @@ Measured why: docs/research/design-notes.md, ``oktopk_triton/kernels/completion.
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from . import _dispatch
 from ._dispatch import HAS_TRITON
-from .wire_format import WireFormat
+from .wire_format import Format
 from .wire_format import get as get_format
 from .wire_quantized import levels, pack_fields, quantized_scales, unpack_fields
-
-Format = Union[str, WireFormat, None]      # a wire format's name or object (None: fp32)
 
 if HAS_TRITON:
     import triton

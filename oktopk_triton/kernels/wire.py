@@ -235,10 +235,9 @@ if HAS_TRITON:
 
 
 def _valid_slots(counts: Optional[Tensor], S: int, cap: int, dev) -> Tensor:
-    slot = torch.arange(cap, device=dev)
-    if counts is None:
-        return slot.expand(S, cap) >= 0
-    return slot < counts.to(torch.int64).reshape(S, 1).clamp(0, cap)
+    """:func:`sent_slots` as [S, cap] always (the torch references index with it)."""
+    valid = sent_slots(counts, S, cap, dev)
+    return valid if counts is not None else valid.expand(S, cap)
 
 
 def group_positions(indices: Tensor, counts: Optional[Tensor], C: int,

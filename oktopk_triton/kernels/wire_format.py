@@ -29,12 +29,13 @@ from torch import Tensor
 
 from . import _dispatch
 
-__all__ = ["WireFormat", "FP32", "CHUNK_BITS", "chunks", "register", "find", "get", "names",
-           "formats", "decode_rows", "masked_rows"]
+__all__ = ["WireFormat", "Format", "FP32", "CHUNK_BITS", "chunks", "register", "find", "get",
+           "names", "formats", "decode_rows", "masked_rows"]
 
 CHUNK_BITS = 16
 
 Rows = Tuple[Tensor, Tensor, Tensor]        # (indices int32 [S, cap], values fp32, counts [S])
+Format = Union[str, "WireFormat", None]     # a format's name or object (None: fp32)
 
 
 def chunks(span: int) -> int:
@@ -129,7 +130,7 @@ def names() -> Tuple[str, ...]:
     return tuple(f.name for f in formats())
 
 
-def find(fmt: Union[str, WireFormat, None]) -> Optional[WireFormat]:
+def find(fmt: Format) -> Optional[WireFormat]:
     """The format named ``fmt`` (``None``: fp32; a format object: itself), or None."""
     if isinstance(fmt, WireFormat):
         return fmt
@@ -139,7 +140,7 @@ def find(fmt: Union[str, WireFormat, None]) -> Optional[WireFormat]:
     return _FORMATS.get(fmt) if isinstance(fmt, str) else None
 
 
-def get(fmt: Union[str, WireFormat, None], owner: str = "wire_format") -> WireFormat:
+def get(fmt: Format, owner: str = "wire_format") -> WireFormat:
     """:func:`find`, or a one-line ``ValueError`` naming ``owner`` and the formats."""
     found = find(fmt)
     if found is None:

@@ -44,8 +44,8 @@ class _Passes(Mapping):
     copy (8)). Every registered algorithm with a description is priced."""
 
     def __getitem__(self, name: str) -> Tuple[float, float, float]:
-        from ..algorithms import REGISTRY, description_of
-        d = description_of(name) if name in REGISTRY else None
+        from ..algorithms import find_description
+        d = find_description(name)
         if d is None:
             raise KeyError(name)
         return d.passes
